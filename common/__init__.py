@@ -1,0 +1,1 @@
+"""Shared code of the EAGLE-3 pipeline stages."""

@@ -1,0 +1,156 @@
+"""Artifacts on disk: atomic writes, manifests, and the checks one stage makes of the stage before it.
+
+Every stage writes `manifest.json` beside its output. The next stage reads it before doing anything
+heavy and refuses a mismatch (another tokenizer, vocabulary, hidden size or layer set, or an unfinished
+upstream run) with an error naming both sides and the fix.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import tempfile
+import time
+from contextlib import contextmanager
+from importlib import metadata
+from pathlib import Path
+from typing import Any, Iterator
+
+from common.flags import UsageError
+
+MANIFEST = "manifest.json"
+MANIFEST_VERSION = 1
+STATUS_RUNNING = "running"
+STATUS_COMPLETE = "complete"
+_PACKAGES = ("torch", "transformers", "safetensors", "tokenizers", "datasets", "numpy", "sglang")
+
+
+# --- atomic writes ---------------------------------------------------------------------------------
+
+@contextmanager
+def atomic_path(path: str | os.PathLike) -> Iterator[Path]:
+    """Yield a temporary path beside `path`; rename it into place only if the block succeeds."""
+    final = Path(path)
+    final.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp_name = tempfile.mkstemp(prefix=f".{final.name}.", suffix=".tmp", dir=final.parent)
+    os.close(fd)
+    tmp = Path(tmp_name)
+    try:
+        yield tmp
+        os.replace(tmp, final)
+    finally:
+        if tmp.exists():
+            tmp.unlink()
+
+
+def write_text_atomic(path: str | os.PathLike, text: str) -> None:
+    with atomic_path(path) as tmp:
+        tmp.write_text(text)
+
+
+def write_json_atomic(path: str | os.PathLike, obj: Any) -> None:
+    write_text_atomic(path, json.dumps(obj, indent=2, sort_keys=False, default=str) + "\n")
+
+
+def read_json(path: str | os.PathLike) -> Any:
+    with open(path) as handle:
+        return json.load(handle)
+
+
+# --- hashes ----------------------------------------------------------------------------------------
+
+def sha256_file(path: str | os.PathLike, chunk: int = 1 << 20) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as handle:
+        while block := handle.read(chunk):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def sha256_text(text: str) -> str:
+    return hashlib.sha256(text.encode()).hexdigest()
+
+
+def package_versions() -> dict[str, str]:
+    versions = {}
+    for name in _PACKAGES:
+        try:
+            versions[name] = metadata.version(name)
+        except metadata.PackageNotFoundError:
+            pass
+    return versions
+
+
+# --- manifests -------------------------------------------------------------------------------------
+
+class Manifest:
+    """The manifest of one stage's output folder, written at start (running) and at end (complete)."""
+
+    def __init__(self, output_dir: str | os.PathLike, stage: str, flags: dict[str, Any]):
+        self.path = Path(output_dir) / MANIFEST
+        self.started = time.time()
+        self.data: dict[str, Any] = {
+            "manifest_version": MANIFEST_VERSION,
+            "stage": stage,
+            "status": STATUS_RUNNING,
+            "started_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(self.started)),
+            "flags": flags,
+            "inputs": {},
+            "verifier": {},
+            "counts": {},
+            "versions": package_versions(),
+        }
+
+    def add_input(self, name: str, path: str | os.PathLike, upstream_manifest: Path | None = None) -> None:
+        entry: dict[str, Any] = {"path": str(Path(path).resolve())}
+        if upstream_manifest is not None and upstream_manifest.exists():
+            entry["manifest_sha256"] = sha256_file(upstream_manifest)
+        self.data["inputs"][name] = entry
+
+    def write(self) -> None:
+        self.data["wall_time_s"] = round(time.time() - self.started, 3)
+        write_json_atomic(self.path, self.data)
+
+    def complete(self) -> None:
+        self.data["status"] = STATUS_COMPLETE
+        self.data["finished_at"] = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+        self.write()
+
+
+def load_manifest(folder: str | os.PathLike, expected_stage: str, flag: str,
+                  require_complete: bool = True) -> dict[str, Any]:
+    """Read the upstream stage's manifest, or stop with an error that says which stage to run."""
+    folder = Path(folder)
+    path = folder / MANIFEST
+    if not path.exists():
+        raise UsageError(f"{flag} {folder}: no {MANIFEST} there; run {expected_stage}.py first "
+                         f"(or point {flag} at the folder it wrote)")
+    try:
+        data = read_json(path)
+    except json.JSONDecodeError as err:
+        raise UsageError(f"{path} is not valid JSON ({err}); rerun {expected_stage}.py")
+    if data.get("stage") != expected_stage:
+        raise UsageError(f"{path} was written by {data.get('stage')!r}, but {flag} expects the output of "
+                         f"{expected_stage}")
+    if require_complete and data.get("status") != STATUS_COMPLETE:
+        raise UsageError(f"{path}: {expected_stage} did not finish (status {data.get('status')!r}); "
+                         f"rerun {expected_stage}.py, which resumes where it stopped")
+    return data
+
+
+def check_same(what: str, upstream_value: Any, upstream_name: str, current_value: Any,
+               current_name: str, fix: str) -> None:
+    """Refuse a mismatch between what the upstream artifact was made with and what is used now."""
+    if upstream_value is not None and current_value is not None and upstream_value != current_value:
+        raise UsageError(f"{what} mismatch: {upstream_name} has {upstream_value!r} but {current_name} has "
+                         f"{current_value!r}. {fix}")
+
+
+def check_verifier_matches(upstream: dict[str, Any], upstream_name: str, current: dict[str, Any],
+                           current_name: str) -> None:
+    """The upstream artifact must come from the same tokenizer, vocabulary and hidden size."""
+    theirs = upstream.get("verifier", {})
+    fix = ("Use the same --model-path as the upstream stage, or rerun the upstream stage for this "
+           "verifier.")
+    for key in ("tokenizer_sha256", "vocab_size", "hidden_size"):
+        check_same(key, theirs.get(key), upstream_name, current.get(key), current_name, fix)

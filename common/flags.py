@@ -1,0 +1,365 @@
+"""Every command-line flag of every stage, defined once.
+
+Each stage composes its parser from the names it uses, so `--batch-size` means the same thing in
+stage 02 as in stage 04, and the names users reach for (`--verifier-path`, `--data-path`, ...) are
+accepted as aliases of the canonical ones. An unknown or misspelled flag stops the stage at once with
+exit code 2 and the closest valid names; prefix abbreviations are off, because `--data` silently
+matching `--data-dir` is exactly the kind of mistake that costs a 22-minute model load.
+"""
+from __future__ import annotations
+
+import argparse
+import difflib
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Sequence
+
+USAGE_ERROR = 2  # exit code for a bad flag or bad input; 1 means a failure during work
+
+
+def _csv_ints(text: str) -> list[int]:
+    try:
+        return [int(part) for part in text.split(",") if part.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers such as 2,30,58, got {text!r}")
+
+
+def _csv_strs(text: str) -> list[str]:
+    return [part.strip() for part in text.split(",") if part.strip()]
+
+
+def _fraction(text: str) -> float:
+    value = float(text)
+    if not 0.0 <= value <= 1.0:
+        raise argparse.ArgumentTypeError(f"expected a number between 0 and 1, got {text}")
+    return value
+
+
+def _positive_int(text: str) -> int:
+    value = int(text)
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text}")
+    return value
+
+
+def _non_negative_int(text: str) -> int:
+    value = int(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {text}")
+    return value
+
+
+@dataclass(frozen=True)
+class Flag:
+    name: str
+    help: str
+    aliases: tuple[str, ...] = ()
+    type: Callable[[str], Any] | None = str
+    default: Any = None
+    action: str | None = None  # "store_true" or "append"
+    choices: tuple | None = None
+    metavar: str | None = None
+    is_path: bool = False
+
+    @property
+    def dest(self) -> str:
+        return self.name.lstrip("-").replace("-", "_")
+
+
+# Canonical flags. Keep them grouped by what they are about; each stage picks from this table.
+_ALL_FLAGS: list[Flag] = [
+    # --- where things are -------------------------------------------------------------------------
+    Flag("--run-dir", "Run directory: every stage finds its inputs and writes its outputs inside it "
+         "(data/, hidden_states/, vocab/, checkpoints/, bench/, logs/). Explicit path flags override.",
+         aliases=("--run", "--workdir", "--work-dir"), metavar="DIR", is_path=True),
+    Flag("--model-path", "Verifier (target) model: a Hugging Face folder, hub name, or a .gguf file.",
+         aliases=("--verifier-path", "--target-model-path", "--target-model", "--verifier", "--model",
+                  "--base-model-path", "--model-name-or-path"), metavar="PATH"),
+    Flag("--prepared-data", "Tokenized JSONL written by stage 01 (the file, or the folder holding "
+         "tokenized_data.jsonl). Default: RUN_DIR/data/tokenized_data.jsonl.",
+         aliases=("--data-path", "--tokenized-data", "--input-data", "--train-data", "--prepared-data-path"),
+         metavar="PATH", is_path=True),
+    Flag("--output-dir", "Where this stage writes its output (default: the stage's folder in --run-dir).",
+         aliases=("--out-dir", "--output", "--output-path", "--save-dir", "--out"), metavar="DIR",
+         is_path=True),
+    Flag("--data-dir", "Hidden states written by stage 02 (default: RUN_DIR/hidden_states).",
+         aliases=("--hidden-states-dir", "--hidden-states-path", "--hidden-states"), metavar="DIR",
+         is_path=True),
+    Flag("--vocab-mapping-dir", "Vocabulary map written by stage 03 (default: RUN_DIR/vocab).",
+         aliases=("--vocab-dir", "--vocab-mapping-path", "--vocab-mapping"), metavar="DIR", is_path=True),
+    Flag("--draft-model-path", "Drafter checkpoint folder (default: RUN_DIR/checkpoints/best).",
+         aliases=("--drafter-path", "--draft-model", "--speculative-draft-model-path", "--drafter"),
+         metavar="DIR", is_path=True),
+    Flag("--finetune-from", "Start training from an existing EAGLE-3 drafter folder in SGLang format.",
+         aliases=("--init-from", "--pretrained-draft", "--init-draft-model"), metavar="DIR", is_path=True),
+    Flag("--trust-remote-code", "Allow the verifier's own modelling/tokenizer code (needed for Kimi-K2.5).",
+         type=None, action="store_true"),
+    # --- data preparation ------------------------------------------------------------------------
+    Flag("--dataset", "Chat data: a local ShareGPT/OpenAI-messages/text JSON(L) or parquet file, or a "
+         "Hugging Face dataset name. Repeat the flag for several sources.",
+         aliases=("--datasets", "--dataset-path", "--train-dataset"), action="append", metavar="PATH_OR_NAME"),
+    Flag("--chat-template", "Jinja chat template file that replaces the tokenizer's own.", metavar="FILE",
+         is_path=True),
+    Flag("--num-samples", "Keep at most this many conversations (after shuffling).",
+         aliases=("--max-samples", "--n-samples"), type=_positive_int),
+    Flag("--eval-ratio", "Share of conversations held out for evaluation (never trained on).",
+         aliases=("--holdout-ratio", "--test-ratio"), type=_fraction, default=0.0),
+    Flag("--eval-output", "Where the held-out split goes (default: next to the training data).",
+         metavar="PATH", is_path=True),
+    Flag("--max-bad-fraction", "Fail when more than this share of records is unusable.",
+         type=_fraction, default=0.2),
+    Flag("--regenerate", "Replace assistant turns with the verifier's own responses (recommended).",
+         type=None, action="store_true"),
+    Flag("--max-new-tokens", "Longest generated response.", aliases=("--max-tokens",), type=_positive_int,
+         default=256),
+    # --- shared compute settings -----------------------------------------------------------------
+    Flag("--batch-size", "Sequences per batch.", aliases=("--bs", "--per-device-batch-size",
+         "--train-batch-size", "--micro-batch-size"), type=_positive_int),
+    Flag("--max-tokens-per-batch", "Upper bound on tokens (padded) in one batch.",
+         aliases=("--tokens-per-batch", "--max-batch-tokens"), type=_positive_int),
+    Flag("--max-seq-len", "Longest sequence in tokens; longer ones are truncated.",
+         aliases=("--max-length", "--max-seq-length", "--seq-len", "--max-len"), type=_positive_int,
+         default=2048),
+    Flag("--tp-size", "Tensor-parallel GPUs for the verifier (SGLang backend).",
+         aliases=("--tp", "--tensor-parallel-size"), type=_positive_int, default=1),
+    Flag("--gpu-memory-utilization", "Share of GPU memory the verifier engine may take.",
+         aliases=("--mem-fraction-static", "--gpu-mem-util", "--mem-fraction"), type=_fraction, default=0.85),
+    Flag("--device", "cuda, cpu, or auto (cuda when available).", default="auto"),
+    Flag("--dtype", "Precision of the verifier's computation and stored hidden states.",
+         choices=("bfloat16", "float16", "float32"), default="bfloat16"),
+    Flag("--num-workers", "Background workers (data loading, file writing).",
+         aliases=("--dataloader-num-workers", "--workers"), type=_non_negative_int, default=2),
+    Flag("--seed", "Random seed for shuffling, splits and initialisation.", type=int, default=0),
+    Flag("--overwrite", "Replace existing results instead of resuming.", type=None, action="store_true"),
+    # --- hidden-state extraction -----------------------------------------------------------------
+    Flag("--aux-layers", "Decoder layers whose INPUT residual stream is stored as aux_0/1/2 "
+         "(= HF output_hidden_states index). Default 2,L//2,L-3.",
+         aliases=("--layers", "--aux-hidden-state-layer-ids", "--eagle-layers"), type=_csv_ints,
+         metavar="A,B,C"),
+    Flag("--allow-low-disk", "Proceed even when the free disk looks too small.", type=None,
+         action="store_true"),
+    Flag("--backend", "Engine that runs the verifier.", choices=("hf", "sglang"), default="hf"),
+    # --- vocabulary map ------------------------------------------------------------------------------
+    Flag("--draft-vocab-size", "Tokens in the drafter's vocabulary (the most frequent targets).",
+         aliases=("--draft-vocab",), type=_positive_int, default=32000),
+    # --- training --------------------------------------------------------------------------------
+    Flag("--epochs", "Passes over the training data.", aliases=("--num-epochs", "--num-train-epochs"),
+         type=_positive_int, default=4),
+    Flag("--lr", "Peak learning rate.", aliases=("--learning-rate",), type=float, default=1e-4),
+    Flag("--ttt-steps", "Training-time-test unroll depth.", aliases=("--ttt-length", "--ttt", "--ttt-len"),
+         type=_positive_int, default=7),
+    Flag("--ttt-decay", "Weight of TTT step j is decay**j.", type=float, default=0.8),
+    Flag("--noise-std", "Gaussian noise added to aux hidden states during training.", type=float,
+         default=0.0),
+    Flag("--val-ratio", "Share of hidden-state samples held out for validation.",
+         aliases=("--validation-ratio", "--val-split"), type=_fraction, default=0.05),
+    Flag("--scheduler", "Learning-rate schedule after warmup.", aliases=("--lr-scheduler",
+         "--lr-scheduler-type"), choices=("cosine", "linear", "constant"), default="cosine"),
+    Flag("--warmup-ratio", "Share of steps spent warming the learning rate up.", aliases=("--warmup",),
+         type=_fraction, default=0.02),
+    Flag("--grad-accum", "Gradient accumulation steps.", aliases=("--gradient-accumulation-steps",
+         "--accumulation-steps"), type=_positive_int, default=1),
+    Flag("--max-grad-norm", "Gradient clipping norm.", aliases=("--clip-grad", "--grad-clip"), type=float,
+         default=0.5),
+    Flag("--eval-interval", "Validate every N optimizer steps (and at each epoch end).",
+         aliases=("--eval-steps",), type=_positive_int, default=500),
+    Flag("--save-interval", "Checkpoint every N optimizer steps (and at each epoch end).",
+         aliases=("--save-steps",), type=_positive_int, default=2000),
+    Flag("--keep-last", "Keep the N most recent step checkpoints.", type=_positive_int, default=3),
+    Flag("--resume", "Continue the run in --output-dir from its latest checkpoint.", type=None,
+         action="store_true"),
+    # --- speculative decoding / benchmark ----------------------------------------------------------
+    Flag("--mode", "Benchmark mode.", choices=("offline", "server", "eval"), default="offline"),
+    Flag("--prompts", "Prompt file: MT-bench JSONL ({turns}), JSONL with prompt, or ShareGPT.",
+         aliases=("--prompt-file", "--bench-data"), metavar="FILE", is_path=True),
+    Flag("--num-prompts", "Use at most this many prompts.", type=_positive_int),
+    Flag("--num-steps", "Draft tokens per verification in chain mode (depth in tree mode).",
+         aliases=("--speculative-num-steps", "--k"), type=_positive_int, default=3),
+    Flag("--topk", "Branches per draft step (1 = chain).", aliases=("--speculative-eagle-topk",),
+         type=_positive_int, default=1),
+    Flag("--num-draft-tokens", "Tree size verified per step (tree mode).",
+         aliases=("--speculative-num-draft-tokens",), type=_positive_int),
+    Flag("--temperature", "Sampling temperature; 0 is greedy.", type=float, default=0.0),
+    Flag("--top-p", "Nucleus sampling threshold.", type=float, default=1.0),
+    Flag("--url", "Server base URL for --mode server.", aliases=("--server-url", "--base-url"), metavar="URL"),
+    Flag("--baseline-url", "Server without speculation, for the speedup in --mode server.", metavar="URL"),
+    Flag("--concurrency", "Requests in flight at once.", type=_positive_int, default=1),
+    Flag("--allow-overlap", "Benchmark even if prompts overlap the drafter's training data.", type=None,
+         action="store_true"),
+]
+
+FLAGS: dict[str, Flag] = {flag.name: flag for flag in _ALL_FLAGS}
+
+# Which flags each stage takes. Paths in a run directory are derived by `resolve_run_paths`.
+STAGE_FLAGS: dict[str, list[str]] = {
+    "01_prepare_data": ["--run-dir", "--model-path", "--trust-remote-code", "--dataset", "--output-dir",
+                        "--chat-template", "--max-seq-len", "--num-samples", "--seed", "--eval-ratio",
+                        "--eval-output", "--max-bad-fraction", "--regenerate", "--max-new-tokens",
+                        "--batch-size", "--device", "--dtype", "--temperature", "--overwrite"],
+    "02_extract_hidden_states": ["--run-dir", "--model-path", "--trust-remote-code", "--prepared-data",
+                                 "--output-dir", "--aux-layers", "--batch-size", "--max-tokens-per-batch",
+                                 "--max-seq-len", "--device", "--dtype", "--num-workers",
+                                 "--allow-low-disk", "--overwrite", "--backend", "--tp-size",
+                                 "--gpu-memory-utilization"],
+    "03_build_vocab_mapping": ["--run-dir", "--model-path", "--trust-remote-code", "--prepared-data",
+                               "--output-dir", "--draft-vocab-size", "--overwrite"],
+    "04_train": ["--run-dir", "--model-path", "--trust-remote-code", "--data-dir", "--vocab-mapping-dir",
+                 "--output-dir", "--finetune-from", "--epochs", "--lr", "--batch-size",
+                 "--max-tokens-per-batch", "--max-seq-len", "--ttt-steps", "--ttt-decay", "--noise-std",
+                 "--val-ratio", "--scheduler", "--warmup-ratio", "--grad-accum", "--max-grad-norm",
+                 "--eval-interval", "--save-interval", "--keep-last", "--resume", "--num-workers",
+                 "--seed", "--device", "--dtype"],
+    "05_benchmark": ["--run-dir", "--model-path", "--trust-remote-code", "--draft-model-path",
+                     "--data-dir", "--output-dir", "--mode", "--prompts", "--num-prompts", "--max-new-tokens",
+                     "--num-steps", "--topk", "--num-draft-tokens", "--temperature", "--top-p", "--url",
+                     "--baseline-url", "--concurrency", "--allow-overlap", "--device", "--dtype", "--seed",
+                     "--chat-template"],
+}
+
+# Where each stage's artifacts live inside a run directory.
+RUN_LAYOUT = {
+    "01_prepare_data": "data",
+    "02_extract_hidden_states": "hidden_states",
+    "03_build_vocab_mapping": "vocab",
+    "04_train": "checkpoints",
+    "05_benchmark": "bench",
+}
+PREPARED_DATA_FILE = "tokenized_data.jsonl"
+EVAL_DATA_FILE = "eval_data.jsonl"
+
+# Inputs a stage reads, as (flag dest, producing stage, file inside that stage's folder or "").
+_RUN_INPUTS = {
+    "prepared_data": ("01_prepare_data", PREPARED_DATA_FILE),
+    "data_dir": ("02_extract_hidden_states", ""),
+    "vocab_mapping_dir": ("03_build_vocab_mapping", ""),
+    "draft_model_path": ("04_train", "best"),
+}
+
+
+class UsageError(Exception):
+    """A bad flag or bad input: the stage exits with code 2 before doing any heavy work."""
+
+
+def _all_option_strings() -> dict[str, str]:
+    """Every accepted spelling -> canonical name, over all stages."""
+    spellings = {}
+    for flag in _ALL_FLAGS:
+        for spelling in (flag.name, *flag.aliases):
+            spellings[spelling] = flag.name
+    return spellings
+
+
+def _check_schema() -> None:
+    seen: dict[str, str] = {}
+    for flag in _ALL_FLAGS:
+        for spelling in (flag.name, *flag.aliases):
+            if spelling in seen:
+                raise AssertionError(f"flag spelling {spelling} used by {seen[spelling]} and {flag.name}")
+            seen[spelling] = flag.name
+    for stage, names in STAGE_FLAGS.items():
+        unknown = [n for n in names if n not in FLAGS]
+        if unknown:
+            raise AssertionError(f"{stage} lists undefined flags {unknown}")
+
+
+_check_schema()
+
+
+class StageArgumentParser(argparse.ArgumentParser):
+    """An ArgumentParser whose errors name the bad flag, suggest close ones, and exit 2 without help."""
+
+    def __init__(self, stage: str, **kwargs):
+        super().__init__(allow_abbrev=False, **kwargs)
+        self.stage = stage
+
+    def error(self, message: str):  # noqa: D401 - argparse's hook
+        self.print_usage(sys.stderr)
+        sys.stderr.write(f"{self.prog}: error: {message}\n")
+        sys.exit(USAGE_ERROR)
+
+    def parse_args(self, args: Sequence[str] | None = None, namespace=None):
+        known, extras = self.parse_known_args(args, namespace)
+        if extras:
+            self.error(self.explain_unknown(extras))
+        return known
+
+    def explain_unknown(self, extras: list[str]) -> str:
+        here = {s for action in self._actions for s in action.option_strings}
+        everywhere = _all_option_strings()
+        lines = []
+        for token in extras:
+            if not token.startswith("-"):
+                lines.append(f"unexpected argument {token!r} (every input is given by a --flag)")
+                continue
+            bare = token.split("=", 1)[0]
+            canonical = everywhere.get(bare)
+            if canonical is not None:
+                stages = [s for s, names in STAGE_FLAGS.items() if canonical in names]
+                lines.append(f"{bare} is not a flag of {self.stage} (it belongs to {', '.join(stages)})")
+                continue
+            close = difflib.get_close_matches(bare, sorted(here), n=3, cutoff=0.6)
+            hint = f"; did you mean {' or '.join(close)}?" if close else "; see --help for the flags"
+            lines.append(f"unknown flag {bare}{hint}")
+        return "\n  ".join(lines)
+
+
+def build_parser(stage: str, description: str, extra: Sequence[Flag] = ()) -> StageArgumentParser:
+    """The parser for one stage: its flags from the shared table (plus stage-only `extra` flags)."""
+    parser = StageArgumentParser(
+        stage, prog=f"{stage}.py", description=description,
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        epilog="Exit codes: 0 success, 2 bad flag or input (nothing heavy was started), 1 failure during work.",
+    )
+    for flag in [FLAGS[name] for name in STAGE_FLAGS[stage]] + list(extra):
+        kwargs: dict[str, Any] = {"dest": flag.dest, "help": flag.help, "default": flag.default}
+        if flag.action:
+            kwargs["action"] = flag.action
+        if flag.action != "store_true":
+            kwargs["type"] = flag.type
+            if flag.metavar:
+                kwargs["metavar"] = flag.metavar
+        if flag.choices:
+            kwargs["choices"] = flag.choices
+        parser.add_argument(flag.name, *flag.aliases, **kwargs)
+    return parser
+
+
+def resolve_run_paths(stage: str, args: argparse.Namespace) -> argparse.Namespace:
+    """Fill unset path flags from --run-dir, so a whole pipeline needs no other path flag."""
+    run_dir = Path(args.run_dir) if getattr(args, "run_dir", None) else None
+    if getattr(args, "output_dir", None) is None and run_dir is not None:
+        args.output_dir = str(run_dir / RUN_LAYOUT[stage])
+    for dest, (producer, inner) in _RUN_INPUTS.items():
+        if hasattr(args, dest) and getattr(args, dest) is None and run_dir is not None:
+            path = run_dir / RUN_LAYOUT[producer]
+            setattr(args, dest, str(path / inner) if inner else str(path))
+    if getattr(args, "prepared_data", None) and Path(args.prepared_data).is_dir():
+        args.prepared_data = str(Path(args.prepared_data) / PREPARED_DATA_FILE)
+    if getattr(args, "output_dir", None) is None:
+        raise UsageError(f"{stage}: give --run-dir DIR (or --output-dir DIR) to say where the output goes")
+    return args
+
+
+def log_dir_for(args: argparse.Namespace) -> Path:
+    if getattr(args, "run_dir", None):
+        return Path(args.run_dir) / "logs"
+    return Path(args.output_dir) / "logs"
+
+
+def parse_stage_args(stage: str, description: str, argv: Sequence[str] | None = None,
+                     extra: Sequence[Flag] = ()) -> argparse.Namespace:
+    parser = build_parser(stage, description, extra)
+    args = parser.parse_args(argv)
+    try:
+        return resolve_run_paths(stage, args)
+    except UsageError as err:
+        parser.error(str(err))
+
+
+def require(args: argparse.Namespace, *dests: str) -> None:
+    """Stop with a usage error naming each required flag that is still unset."""
+    missing = [d for d in dests if getattr(args, d, None) in (None, [], "")]
+    if missing:
+        names = ", ".join("--" + d.replace("_", "-") for d in missing)
+        raise UsageError(f"missing required flag(s): {names} (or give --run-dir for the path flags)")

@@ -1,0 +1,130 @@
+"""What every stage does around its own work: logging, the resolved configuration, progress, exit codes.
+
+Stages run over SSH under nohup, so output goes both to stdout and to RUN_DIR/logs/NN_name.log;
+progress is a tqdm bar on a terminal and a plain line every `interval` seconds when stdout is a file.
+Exit codes: 0 success, 2 bad flag or input (raised as UsageError before any heavy work), 1 failure.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+import time
+import traceback
+from pathlib import Path
+from typing import Callable
+
+from tqdm import tqdm
+
+from common.artifacts import write_json_atomic
+from common.flags import USAGE_ERROR, UsageError, log_dir_for
+
+LOGGER_NAME = "eagle3"
+FAILURE = 1
+CONFIG_FILE_SUFFIX = ".config.json"
+
+
+def get_logger() -> logging.Logger:
+    return logging.getLogger(LOGGER_NAME)
+
+
+def setup_logging(stage: str, log_dir: Path) -> logging.Logger:
+    logger = get_logger()
+    logger.setLevel(logging.INFO)
+    logger.propagate = False
+    for handler in list(logger.handlers):
+        logger.removeHandler(handler)
+        handler.close()
+    fmt = logging.Formatter("%(asctime)s %(levelname)s %(message)s", "%Y-%m-%d %H:%M:%S")
+    console = logging.StreamHandler(sys.stdout)
+    console.setFormatter(fmt)
+    logger.addHandler(console)
+    log_dir.mkdir(parents=True, exist_ok=True)
+    to_file = logging.FileHandler(log_dir / f"{stage}.log")
+    to_file.setFormatter(fmt)
+    logger.addHandler(to_file)
+    return logger
+
+
+def resolved_config(args: argparse.Namespace) -> dict:
+    return {key: value for key, value in sorted(vars(args).items())}
+
+
+def run_stage(stage: str, parse: Callable[[list[str] | None], argparse.Namespace],
+              work: Callable[[argparse.Namespace, logging.Logger], None],
+              argv: list[str] | None = None) -> int:
+    """Parse flags, set up logs, print and save the configuration, run `work`, map errors to exit codes."""
+    args = parse(argv)  # exits 2 on a bad flag
+    logger = setup_logging(stage, log_dir_for(args))
+    config = resolved_config(args)
+    logger.info("%s starting; resolved configuration:\n%s", stage, json.dumps(config, indent=2, default=str))
+    started = time.time()
+    try:
+        output_dir = Path(args.output_dir)
+        output_dir.mkdir(parents=True, exist_ok=True)
+        write_json_atomic(output_dir / f"{stage}{CONFIG_FILE_SUFFIX}", config)
+        work(args, logger)
+    except UsageError as err:
+        logger.error("%s: %s", stage, err)
+        return USAGE_ERROR
+    except KeyboardInterrupt:
+        logger.error("%s interrupted; rerun the same command to resume", stage)
+        return 130
+    except Exception:  # noqa: BLE001 - every other failure is reported with its traceback
+        logger.error("%s failed:\n%s", stage, traceback.format_exc())
+        return FAILURE
+    logger.info("%s finished in %.1f s", stage, time.time() - started)
+    return 0
+
+
+class Progress:
+    """tqdm on a terminal; on a file (nohup), a log line with rate and ETA every `interval` seconds."""
+
+    def __init__(self, total: int | None, desc: str, unit: str = "it", interval: float = 30.0,
+                 initial: int = 0):
+        self.interactive = sys.stdout.isatty()
+        self.bar = tqdm(total=total, desc=desc, unit=unit, initial=initial, dynamic_ncols=True,
+                        disable=not self.interactive, unit_scale=True)
+        self.total, self.desc, self.unit, self.interval = total, desc, unit, interval
+        self.count = initial
+        self.initial = initial
+        self.start = time.time()
+        self.last_report = self.start
+        self.postfix = ""
+
+    def update(self, n: int = 1, postfix: str = "") -> None:
+        self.count += n
+        self.bar.update(n)
+        if postfix:
+            self.postfix = postfix
+            self.bar.set_postfix_str(postfix, refresh=False)
+        now = time.time()
+        if not self.interactive and now - self.last_report >= self.interval:
+            self.last_report = now
+            self._report()
+
+    def _report(self) -> None:
+        elapsed = time.time() - self.start
+        done = self.count - self.initial
+        rate = done / elapsed if elapsed > 0 else 0.0
+        line = f"{self.desc}: {self.count}"
+        if self.total:
+            line += f"/{self.total} ({100.0 * self.count / self.total:.1f}%)"
+            if rate > 0:
+                line += f", ETA {tqdm.format_interval((self.total - self.count) / rate)}"
+        line += f", {rate:.1f} {self.unit}/s, elapsed {tqdm.format_interval(elapsed)}"
+        if self.postfix:
+            line += f", {self.postfix}"
+        get_logger().info(line)
+
+    def close(self) -> None:
+        self.bar.close()
+        if not self.interactive:
+            self._report()
+
+    def __enter__(self) -> "Progress":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()

