@@ -140,6 +140,9 @@ _ALL_FLAGS: list[Flag] = [
     Flag("--allow-low-disk", "Proceed even when the free disk looks too small.", type=None,
          action="store_true"),
     Flag("--backend", "Engine that runs the verifier.", choices=("hf", "sglang"), default="hf"),
+    Flag("--device-map", "Placement of the verifier on GPUs (hf backend): single = one GPU; multi = sharded "
+         "over all visible GPUs (accelerate device_map=auto); auto = single when the weights fit one GPU.",
+         choices=("auto", "single", "multi"), default="auto"),
     # --- vocabulary map ------------------------------------------------------------------------------
     Flag("--draft-vocab-size", "Tokens in the drafter's vocabulary (the most frequent targets).",
          aliases=("--draft-vocab",), type=_positive_int, default=32000),
@@ -152,6 +155,9 @@ _ALL_FLAGS: list[Flag] = [
     Flag("--ttt-decay", "Weight of TTT step j is decay**j.", type=float, default=0.8),
     Flag("--noise-std", "Gaussian noise added to aux hidden states during training.", type=float,
          default=0.0),
+    Flag("--drafter-config", "Overrides of the drafter shape derived from the verifier: a JSON file or "
+         "inline JSON object with DrafterConfig fields, e.g. '{\"intermediate_size\": 16384, "
+         "\"num_key_value_heads\": 8}'.", aliases=("--draft-config",), metavar="JSON_OR_FILE"),
     Flag("--val-ratio", "Share of hidden-state samples held out for validation.",
          aliases=("--validation-ratio", "--val-split"), type=_fraction, default=0.05),
     Flag("--scheduler", "Learning-rate schedule after warmup.", aliases=("--lr-scheduler",
@@ -167,6 +173,8 @@ _ALL_FLAGS: list[Flag] = [
     Flag("--save-interval", "Checkpoint every N optimizer steps (and at each epoch end).",
          aliases=("--save-steps",), type=_positive_int, default=2000),
     Flag("--keep-last", "Keep the N most recent step checkpoints.", type=_positive_int, default=3),
+    Flag("--log-interval", "Write a training-metrics line every N optimizer steps.",
+         aliases=("--logging-steps", "--log-steps"), type=_positive_int, default=10),
     Flag("--resume", "Continue the run in --output-dir from its latest checkpoint.", type=None,
          action="store_true"),
     # --- speculative decoding / benchmark ----------------------------------------------------------
@@ -184,6 +192,9 @@ _ALL_FLAGS: list[Flag] = [
     Flag("--top-p", "Nucleus sampling threshold.", type=float, default=1.0),
     Flag("--url", "Server base URL for --mode server.", aliases=("--server-url", "--base-url"), metavar="URL"),
     Flag("--baseline-url", "Server without speculation, for the speedup in --mode server.", metavar="URL"),
+    Flag("--server-api", "Server route for --mode server: chat (/v1/chat/completions, any OpenAI-compatible "
+         "server) or generate (SGLang's /generate with token ids rendered here; needs --model-path).",
+         choices=("chat", "generate"), default="chat"),
     Flag("--concurrency", "Requests in flight at once.", type=_positive_int, default=1),
     Flag("--allow-overlap", "Benchmark even if prompts overlap the drafter's training data.", type=None,
          action="store_true"),
@@ -201,7 +212,7 @@ STAGE_FLAGS: dict[str, list[str]] = {
                                  "--output-dir", "--aux-layers", "--batch-size", "--max-tokens-per-batch",
                                  "--max-seq-len", "--device", "--dtype", "--num-workers",
                                  "--allow-low-disk", "--overwrite", "--backend", "--tp-size",
-                                 "--gpu-memory-utilization"],
+                                 "--gpu-memory-utilization", "--device-map"],
     "03_build_vocab_mapping": ["--run-dir", "--model-path", "--trust-remote-code", "--prepared-data",
                                "--output-dir", "--draft-vocab-size", "--overwrite"],
     "04_train": ["--run-dir", "--model-path", "--trust-remote-code", "--data-dir", "--vocab-mapping-dir",
@@ -209,12 +220,13 @@ STAGE_FLAGS: dict[str, list[str]] = {
                  "--max-tokens-per-batch", "--max-seq-len", "--ttt-steps", "--ttt-decay", "--noise-std",
                  "--val-ratio", "--scheduler", "--warmup-ratio", "--grad-accum", "--max-grad-norm",
                  "--eval-interval", "--save-interval", "--keep-last", "--resume", "--num-workers",
-                 "--seed", "--device", "--dtype"],
+                 "--seed", "--device", "--dtype", "--log-interval", "--overwrite", "--allow-low-disk",
+                 "--drafter-config"],
     "05_benchmark": ["--run-dir", "--model-path", "--trust-remote-code", "--draft-model-path",
                      "--data-dir", "--output-dir", "--mode", "--prompts", "--num-prompts", "--max-new-tokens",
                      "--num-steps", "--topk", "--num-draft-tokens", "--temperature", "--top-p", "--url",
                      "--baseline-url", "--concurrency", "--allow-overlap", "--device", "--dtype", "--seed",
-                     "--chat-template"],
+                     "--chat-template", "--server-api"],
 }
 
 # Where each stage's artifacts live inside a run directory.

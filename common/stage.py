@@ -56,14 +56,22 @@ def run_stage(stage: str, parse: Callable[[list[str] | None], argparse.Namespace
               argv: list[str] | None = None) -> int:
     """Parse flags, set up logs, print and save the configuration, run `work`, map errors to exit codes."""
     args = parse(argv)  # exits 2 on a bad flag
-    logger = setup_logging(stage, log_dir_for(args))
+    try:
+        logger = setup_logging(stage, log_dir_for(args))
+    except OSError as err:
+        sys.stderr.write(f"{stage}: cannot write the log folder {log_dir_for(args)} ({err}); "
+                         f"choose a writable --run-dir / --output-dir\n")
+        return USAGE_ERROR
     config = resolved_config(args)
     logger.info("%s starting; resolved configuration:\n%s", stage, json.dumps(config, indent=2, default=str))
     started = time.time()
     try:
         output_dir = Path(args.output_dir)
-        output_dir.mkdir(parents=True, exist_ok=True)
-        write_json_atomic(output_dir / f"{stage}{CONFIG_FILE_SUFFIX}", config)
+        try:
+            output_dir.mkdir(parents=True, exist_ok=True)
+            write_json_atomic(output_dir / f"{stage}{CONFIG_FILE_SUFFIX}", config)
+        except OSError as err:
+            raise UsageError(f"--output-dir {output_dir} is not writable ({err}); choose another folder")
         work(args, logger)
     except UsageError as err:
         logger.error("%s: %s", stage, err)

@@ -303,21 +303,96 @@ def pick_device(name: str = "auto") -> str:
     return name
 
 
+def weights_bytes(model_path: str) -> int | None:
+    """Size of the verifier's weight files, without reading them (None for a hub name not downloaded)."""
+    folder, gguf_file = resolve_model_path(model_path)
+    if gguf_file is not None:
+        return Path(folder, gguf_file).stat().st_size
+    root = Path(folder)
+    if not root.is_dir():
+        return None
+    files = [p for p in root.iterdir() if p.suffix in (".safetensors", ".bin", ".pt") and p.is_file()]
+    return sum(p.stat().st_size for p in files) if files else None
+
+
+def choose_device_map(model_path: str, device: str, policy: str = "auto") -> str | None:
+    """None to put the whole verifier on `device`, or "auto" to shard it over all visible GPUs (accelerate).
+
+    policy: "single", "multi", or "auto" (single when the weights plus headroom fit the GPU's free memory).
+    """
+    import torch
+
+    if not device.startswith("cuda") or policy == "single":
+        return None
+    if policy == "multi":
+        return "auto"
+    size = weights_bytes(model_path)
+    if size is None:
+        return None
+    index = torch.device(device).index or 0
+    free, _ = torch.cuda.mem_get_info(index)
+    headroom = 4 * 1024 ** 3 + size // 10  # activations of a large batch, CUDA context, fragmentation
+    if size + headroom <= free:
+        return None
+    if torch.cuda.device_count() < 2:
+        import logging
+
+        logging.getLogger("eagle3").warning(
+            "the verifier's weights (%.1f GB) may not fit the %.1f GB free on %s and no other GPU is visible; "
+            "trying anyway", size / 1024 ** 3, free / 1024 ** 3, device)
+        return None
+    return "auto"
+
+
+def _from_pretrained(folder: str, kwargs: dict[str, Any]):
+    """AutoModelForCausalLM, or the image-text class for multimodal wrappers that have no causal-LM mapping."""
+    import transformers
+
+    errors = []
+    for class_name in ("AutoModelForCausalLM", "AutoModelForImageTextToText"):
+        auto_class = getattr(transformers, class_name, None)
+        if auto_class is None:
+            continue
+        try:
+            return auto_class.from_pretrained(folder, **kwargs)
+        except ValueError as err:
+            # "Unrecognized configuration class ..." = this auto class has no mapping for the config.
+            if "Unrecognized configuration class" not in str(err):
+                raise
+            errors.append(f"{class_name}: {err}")
+    raise UsageError(f"--model-path {folder}: transformers cannot load it as a causal LM ({'; '.join(errors)})")
+
+
 def load_verifier_model(model_path: str, device: str = "auto", dtype: str = "bfloat16",
                         trust_remote_code: bool = False, device_map: str | dict | None = None):
-    """The verifier as a transformers causal LM with SDPA attention, in eval mode, on `device`."""
+    """The verifier as a transformers model with SDPA attention, in eval mode.
+
+    device_map None puts the whole model on `device` (weights go straight to the GPU); "auto", "balanced" or
+    a dict is passed to transformers, which shards the layers over the visible GPUs (see choose_device_map).
+    Multimodal wrappers (a `language_model` inside) load whole; common.extraction.find_text_model finds the
+    text model in them.
+    """
     import torch
-    from transformers import AutoModelForCausalLM
 
     folder, gguf_file = resolve_model_path(model_path)
     device = pick_device(device)
-    kwargs = dict(dtype=getattr(torch, dtype), trust_remote_code=trust_remote_code, attn_implementation="sdpa")
+    kwargs: dict[str, Any] = dict(dtype=getattr(torch, dtype), trust_remote_code=trust_remote_code,
+                                  attn_implementation="sdpa")
     if gguf_file is not None:
         kwargs["gguf_file"] = gguf_file
     if device_map is not None:
         kwargs["device_map"] = device_map
-    model = AutoModelForCausalLM.from_pretrained(folder, **kwargs)
-    if device_map is None:
+    elif device != "cpu":
+        kwargs["device_map"] = {"": device}
+    try:
+        model = _from_pretrained(folder, kwargs)
+    except ValueError as err:
+        # Remote code that does not declare SDPA support: its own attention is the only option.
+        if "sdpa" not in str(err).lower() and "scaled_dot_product" not in str(err):
+            raise
+        kwargs.pop("attn_implementation")
+        model = _from_pretrained(folder, kwargs)
+    if device_map is None and device == "cpu":
         model = model.to(device)
     model.eval()
     return model
