@@ -1,0 +1,598 @@
+"""The EAGLE-3 drafter (common/drafter.py): TTT attention and loss against naive full-mask references, the
+decode path, the SGLang export and its checker, the optimizer, and a conversion by the `speculators` package.
+
+Models are tiny random configurations built in code (fp64 where two implementations are compared, so any
+difference is a bug, not rounding), plus the real stories260K for the export/conversion tests.
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from common import drafter as D
+from common.drafter import (DrafterCache, DrafterConfig, Eagle3Drafter, aux_layers_from_eagle_config,
+                            check_drafter_dir, eagle_config_layer_ids, inspect_drafter_dir, load_drafter,
+                            make_optimizer, save_drafter, simulated_acceptance_length, ttt_attention, ttt_loss)
+
+V, VD, H = 40, 16, 16
+
+
+def tiny_config(**overrides) -> DrafterConfig:
+    values = dict(hidden_size=H, num_attention_heads=4, num_key_value_heads=2, head_dim=8, intermediate_size=24,
+                  rms_norm_eps=1e-6, rope_theta=10000.0, rope_scaling=None, max_position_embeddings=256,
+                  vocab_size=V, draft_vocab_size=VD, aux_layers=[1, 3, 5])
+    values.update(overrides)
+    return DrafterConfig(**values)
+
+
+def vocab_map(seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    gen = torch.Generator().manual_seed(seed)
+    ids = torch.randperm(V, generator=gen)[:VD].sort().values
+    t2d = torch.zeros(V, dtype=torch.bool)
+    t2d[ids] = True
+    return ids - torch.arange(VD), t2d
+
+
+def tiny_model(seed: int = 0, dtype=torch.float64, **overrides) -> tuple[Eagle3Drafter, torch.Tensor]:
+    torch.manual_seed(seed)
+    model = Eagle3Drafter(tiny_config(**overrides)).to(dtype)
+    with torch.no_grad():  # norms away from 1 so their gradients matter
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight"):
+                p.uniform_(0.5, 1.5)
+    lm_head = torch.randn(V, H, dtype=dtype)
+    d2t, t2d = vocab_map(seed)
+    model.init_from_verifier(torch.randn(V, H, dtype=dtype), lm_head, d2t, t2d)
+    return model, lm_head
+
+
+def random_batch(B: int, S: int, dtype=torch.float64, seed: int = 1, pad: int = 0) -> dict:
+    gen = torch.Generator().manual_seed(seed)
+    attention = torch.ones(B, S)
+    if pad:
+        attention[-1, S - pad:] = 0
+    loss_mask = (torch.rand(B, S, generator=gen) > 0.3).float() * attention
+    ids = torch.randint(0, V, (B, S), generator=gen) * attention.long()
+    return dict(input_ids=ids, loss_mask=loss_mask, attention_mask=attention,
+                aux=torch.randn(B, S, 3 * H, generator=gen, dtype=dtype),
+                final=torch.randn(B, S, H, generator=gen, dtype=dtype))
+
+
+# --- naive references: the full (S, S*(j+1)) mask and full-vocabulary logits ----------------------------
+
+def naive_ttt_attention(q, k0, v0, diag, scale):
+    """q [B,S,nh,D]; k0/v0 [B,S,nh,D]; diag [k1, v1, ...] [B,S,nkv,D] -> concatenated keys + explicit mask."""
+    S, nh = q.shape[1], q.shape[2]
+    rep = nh // diag[0].shape[2]
+    keys = torch.cat([k0] + [D._expand_heads(k, rep) for k in diag[0::2]], dim=1)
+    values = torch.cat([v0] + [D._expand_heads(v, rep) for v in diag[1::2]], dim=1)
+    steps = len(diag) // 2
+    mask = torch.zeros(S, S * (steps + 1), dtype=torch.bool)
+    mask[:, :S] = torch.ones(S, S, dtype=torch.bool).tril()
+    for i in range(1, steps + 1):
+        mask[:, i * S:(i + 1) * S] = torch.eye(S, dtype=torch.bool)
+    out = F.scaled_dot_product_attention(q.transpose(1, 2), keys.transpose(1, 2), values.transpose(1, 2),
+                                         attn_mask=mask, scale=scale)
+    return out.transpose(1, 2)
+
+
+def naive_ttt_loss(model: Eagle3Drafter, batch: dict, lm_head: torch.Tensor, steps: int, decay: float):
+    """The TTT loss written out plainly: full-vocabulary logits, per-row loops for the masks."""
+    layer, attn = model.midlayer, model.midlayer.self_attn
+    ids, aux, final = batch["input_ids"], batch["aux"], batch["final"]
+    B, S = ids.shape
+    full = final @ lm_head.t()
+    draft_ids = model.draft_token_ids()
+    target_p = torch.softmax(full[..., draft_ids], dim=-1)
+    target_arg = full[..., draft_ids].argmax(-1)
+    in_draft = model.t2d[full.argmax(-1)]
+    cos, sin = model.rope(torch.arange(S)[None])
+    emb = layer.input_layernorm(model.embed(ids))
+    emb = torch.cat([emb, torch.zeros(B, steps, H, dtype=emb.dtype)], dim=1)
+    rep = attn.num_heads // attn.num_kv_heads
+    hidden = model.fuse(aux)
+    keys = []
+    loss = 0.0
+    sums, correct, counts = [], [], []
+    for j in range(steps):
+        a = torch.cat([emb[:, j + 1:j + 1 + S], layer.hidden_norm(hidden)], dim=-1)
+        q, k, v = attn.qkv(a, cos, sin)
+        if j == 0:
+            k0, v0 = D._expand_heads(k, rep), D._expand_heads(v, rep)
+            out = F.scaled_dot_product_attention(q.transpose(1, 2), k0.transpose(1, 2), v0.transpose(1, 2),
+                                                 is_causal=True).transpose(1, 2)
+        else:
+            keys += [k, v]
+            out = naive_ttt_attention(q, k0, v0, keys, attn.head_dim ** -0.5)
+        hidden = model._after_attention(hidden, out.reshape(B, S, -1))
+        logp = torch.log_softmax(model.logits(hidden), dim=-1)
+        step_sum, step_correct, step_count = 0.0, 0, 0
+        for b in range(B):
+            for t in range(S):
+                u = t + 1 + j  # the verifier position whose distribution is the target
+                if u + 1 >= S or not batch["loss_mask"][b, u + 1] or not batch["attention_mask"][b, u + 1] \
+                        or not in_draft[b, u]:
+                    continue
+                step_sum = step_sum - (target_p[b, u] * logp[b, t]).sum()
+                step_correct += int(logp[b, t].argmax() == target_arg[b, u])
+                step_count += 1
+        loss = loss + decay ** j * step_sum / max(step_count, 1)
+        sums.append(float(step_sum.detach()) if torch.is_tensor(step_sum) else step_sum), correct.append(step_correct), counts.append(step_count)
+    return loss, {"loss_sum": sums, "correct": correct, "count": counts}
+
+
+# --- layer ids ---------------------------------------------------------------------------------------
+
+def test_layer_id_convention_is_sglang_minus_one_and_round_trips():
+    assert eagle_config_layer_ids([2, 30, 58]) == [1, 29, 57]  # SpecForge's DeepSeek-V3 ids
+    assert aux_layers_from_eagle_config(eagle_config_layer_ids([3, 31, 59])) == [3, 31, 59]
+    config = tiny_config(aux_layers=[2, 30, 58], vocab_size=163840).to_sglang_config()
+    assert config["eagle_config"]["eagle_aux_hidden_state_layer_ids"] == [1, 29, 57]  # SGLang reads this
+    assert config["eagle_aux_hidden_state_layer_ids"] == [2, 30, 58]  # vLLM reads this first
+    assert DrafterConfig.from_sglang_config(config).aux_layers == [2, 30, 58]
+
+
+def test_simulated_acceptance_length():
+    assert simulated_acceptance_length([]) == 1.0
+    assert simulated_acceptance_length([0.5, 0.5]) == pytest.approx(1 + 0.5 + 0.25)
+    assert simulated_acceptance_length([1.0, 0.0, 1.0]) == 2.0
+
+
+# --- TTT attention -----------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("backend", ["math", "flash_cpu"])
+@pytest.mark.parametrize("steps,nkv", [(1, 2), (2, 6), (4, 2), (3, 1)])
+def test_ttt_attention_matches_full_mask_reference(backend, steps, nkv):
+    gen = torch.Generator().manual_seed(steps)
+    B, S, nh, Dh = 2, 11, 6, 8
+
+    def rand(heads):
+        return torch.randn(B, S, heads, Dh, generator=gen, dtype=torch.float64).requires_grad_()
+
+    q, k0, v0 = rand(nh), rand(nkv), rand(nkv)
+    diag = [rand(nkv) for _ in range(2 * steps)]
+    inputs = [q, k0, v0, *diag]
+    weight = torch.randn(B, S, nh, Dh, generator=gen, dtype=torch.float64)
+    k0e, v0e = D._expand_heads(k0, nh // nkv), D._expand_heads(v0, nh // nkv)
+    out = ttt_attention(q, k0e, v0e, diag, Dh ** -0.5, backend=backend)
+    grads = torch.autograd.grad((out * weight).sum(), inputs)
+    ref = naive_ttt_attention(q, k0e, v0e, diag, Dh ** -0.5)
+    ref_grads = torch.autograd.grad((ref * weight).sum(), inputs)
+    torch.testing.assert_close(out, ref, rtol=1e-10, atol=1e-10)
+    for got, want in zip(grads, ref_grads):
+        torch.testing.assert_close(got, want, rtol=1e-9, atol=1e-9)
+
+
+def test_ttt_attention_memory_is_linear_in_sequence_length():
+    """The math backend's blocks and the diagonal terms never build a (S, S*(j+1)) tensor per step: peak
+    extra memory of a long sequence stays far below one such mask."""
+    B, S, nh, Dh = 1, 4096, 2, 8
+    q = torch.randn(B, S, nh, Dh)
+    kv = [torch.randn(B, S, 1, Dh) for _ in range(6)]
+    block = D._math_block(B, nh, S)
+    assert block * S * nh * 4 <= (1 << 26)  # one score block <= 64 MB whatever S is
+    out = ttt_attention(q, D._expand_heads(kv[0], 2), D._expand_heads(kv[1], 2), kv[2:], Dh ** -0.5,
+                        backend="math")
+    assert out.shape == q.shape and torch.isfinite(out).all()
+
+
+@pytest.mark.parametrize("policy", ["act", "gate_up"])
+def test_mlp_recompute_policies_match_plain_autograd(policy):
+    """The naive loss reference runs the same MLP, so the memory-saving backward is checked on its own."""
+    torch.manual_seed(0)
+    mlp = D.DrafterMLP(H, 24).double()
+    x = torch.randn(2, 5, H, dtype=torch.float64, requires_grad=True)
+    weight = torch.randn(2, 5, H, dtype=torch.float64)
+    params = [x, mlp.gate_proj.weight, mlp.up_proj.weight, mlp.down_proj.weight]
+    mlp.recompute = "none"
+    want = torch.autograd.grad((mlp(x) * weight).sum(), params)
+    mlp.recompute = policy
+    got = torch.autograd.grad((mlp(x) * weight).sum(), params)
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
+
+
+# --- the TTT loss --------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("backend", ["math", "flash_cpu"])
+def test_ttt_loss_matches_naive_reference_values_grads_and_metrics(backend, monkeypatch):
+    monkeypatch.setenv("EAGLE3_TTT_ATTENTION", backend)
+    model, lm_head = tiny_model()
+    batch = random_batch(B=2, S=10, pad=3)
+    steps, decay = 4, 0.8
+    loss, metrics = ttt_loss(model, batch, lm_head, steps, decay=decay)
+    grads = torch.autograd.grad(loss, [p for p in model.parameters() if p.requires_grad])
+    ref, ref_metrics = naive_ttt_loss(model, batch, lm_head, steps, decay)
+    ref_grads = torch.autograd.grad(ref, [p for p in model.parameters() if p.requires_grad])
+    torch.testing.assert_close(loss, ref, rtol=1e-10, atol=1e-10)
+    for got, want in zip(grads, ref_grads):
+        torch.testing.assert_close(got, want, rtol=1e-8, atol=1e-10)
+    assert metrics["count"].tolist() == ref_metrics["count"]
+    assert metrics["correct"].tolist() == ref_metrics["correct"]
+    torch.testing.assert_close(metrics["loss_sum"].double(), torch.tensor(ref_metrics["loss_sum"],
+                               dtype=torch.float64), rtol=1e-5, atol=1e-5)
+    assert sum(ref_metrics["count"]) > 10  # the comparison is not vacuous
+
+
+def test_ttt_loss_counts_only_in_vocab_loss_masked_real_tokens():
+    """Verifier argmax chosen per position through a one-hot lm_head; the count is checked by hand."""
+    model, _ = tiny_model()
+    B, S, steps = 2, 12, 3
+    lm_head = torch.zeros(V, H, dtype=torch.float64)
+    lm_head[torch.arange(H), torch.arange(H)] = 1.0  # logit of token i = final[..., i] for i < H
+    draft = model.draft_token_ids()
+    outside = [i for i in range(H) if i not in set(draft.tolist())]
+    inside = [i for i in draft.tolist() if i < H]
+    gen = torch.Generator().manual_seed(3)
+    argmax = torch.tensor([[inside[i % len(inside)] if (i * 7 + b) % 3 else outside[i % len(outside)]
+                            for i in range(S)] for b in range(B)])
+    final = torch.rand(B, S, H, generator=gen, dtype=torch.float64)
+    final.scatter_(2, argmax[..., None], 5.0)
+    batch = random_batch(B, S, seed=4, pad=2)
+    batch["final"] = final
+    _, metrics = ttt_loss(model, batch, lm_head, steps)
+    expected = []
+    for j in range(steps):
+        n = 0
+        for b in range(B):
+            for t in range(S - 2 - j):
+                label = t + 2 + j
+                n += int(batch["loss_mask"][b, label] == 1 and batch["attention_mask"][b, label] == 1
+                         and argmax[b, label - 1].item() in set(draft.tolist()))
+        expected.append(n)
+    assert metrics["count"].tolist() == expected
+    assert 0 < expected[0] < B * (S - 2)
+
+
+def test_target_distribution_chunked_equals_full_vocabulary():
+    model, lm_head = tiny_model()
+    final = torch.randn(2, 9, H, dtype=torch.float64)
+    small = D.target_distribution(final, lm_head, model.draft_token_ids(), model.t2d, budget_elems=7)
+    full = final @ lm_head.t()
+    torch.testing.assert_close(small["probs"], torch.softmax(full[..., model.draft_token_ids()], dim=-1))
+    assert torch.equal(small["in_draft"], model.t2d[full.argmax(-1)])
+    assert torch.equal(small["argmax"], full[..., model.draft_token_ids()].argmax(-1))
+
+
+def test_loss_decreases_when_overfitting_a_fixed_batch():
+    model, lm_head = tiny_model(dtype=torch.float32)
+    batch = random_batch(B=2, S=16, dtype=torch.float32, pad=2)
+    optimizer = make_optimizer(model, lr=1e-2)
+    losses = []
+    for _ in range(60):
+        loss, metrics = ttt_loss(model, batch, lm_head.float(), 3, noise_std=0.01)
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_([p for p in model.parameters() if p.requires_grad], 0.5)
+        optimizer.step()
+        losses.append(loss.item())
+    assert losses[-1] < 0.5 * losses[0], losses[::10]
+    acc = (metrics["correct"] / metrics["count"]).tolist()
+    assert min(acc) > 0.8, acc
+
+
+def test_bf16_training_step_runs_and_embedding_stays_frozen():
+    model, lm_head = tiny_model(dtype=torch.float32)
+    model = model.to(torch.bfloat16)
+    embed_before = model.embed_tokens.weight.clone()
+    batch = random_batch(B=1, S=12, dtype=torch.bfloat16)
+    optimizer = make_optimizer(model, lr=1e-3)
+    before = model.fc.weight.detach().clone()
+    loss, _ = ttt_loss(model, batch, lm_head.to(torch.bfloat16), 2)
+    loss.backward()
+    optimizer.step()
+    assert torch.isfinite(loss)
+    assert not torch.equal(before, model.fc.weight)
+    assert torch.equal(embed_before, model.embed_tokens.weight)
+    assert optimizer.state[model.fc.weight]["exp_avg"].dtype == torch.float32
+
+
+def test_stochastic_rounding_keeps_updates_smaller_than_half_a_bf16_ulp():
+    """100 steps of +2e-4 on a weight of 1.0 (bf16 ulp 2^-7): round-to-nearest never moves; stochastic
+    rounding tracks the fp32 sum in expectation."""
+    torch.manual_seed(0)
+    p = torch.nn.Parameter(torch.ones(20000, dtype=torch.bfloat16))
+    x = p.detach().float() + 0.1
+    rounded = D._stochastic_round_bf16(x)
+    assert abs(rounded.float().mean().item() - 1.1) < 2e-3  # unbiased
+    assert set(torch.unique(rounded.float()).tolist()) <= {1.09375, 1.1015625}  # neighbours only
+    results = {}
+    for mode in ("nearest", "stochastic", "master"):
+        q = torch.nn.Parameter(torch.ones(4096, dtype=torch.bfloat16))
+        opt = D.DrafterAdamW([q], lr=2e-4, master_weights=mode == "master",
+                             stochastic_rounding=mode == "stochastic")
+        for _ in range(100):
+            q.grad = -torch.ones_like(q)  # Adam step of exactly lr per iteration
+            opt.step()
+        results[mode] = q.float().mean().item()
+        if mode == "master":
+            assert opt.state[q]["master"].mean().item() == pytest.approx(1.02, abs=1e-5)
+    assert results["nearest"] == 1.0  # every update rounded away
+    assert results["stochastic"] == pytest.approx(1.02, abs=1e-3)
+    assert results["master"] == pytest.approx(1.02, abs=2 ** -8)  # nearest bf16 of the fp32 master
+
+
+# --- decode ------------------------------------------------------------------------------------------
+
+def test_decode_with_cache_equals_full_sequence_and_ttt_step0_and_crop_rolls_back():
+    model, lm_head = tiny_model()
+    batch = random_batch(B=2, S=9)
+    ids, aux = batch["input_ids"], batch["aux"]
+    S = ids.shape[1]
+    T = S - 1
+    positions = torch.arange(T)[None].expand(2, T)
+    hidden = model.fuse(aux[:, :T])
+    with torch.no_grad():
+        full, full_logits = model.decode(ids[:, 1:], hidden, positions)
+        step0 = next(model.ttt_hidden_states(ids, aux, 1))[1]
+        torch.testing.assert_close(full, step0[:, :T])
+        cache = DrafterCache()
+        outs = [model.decode(ids[:, t + 1:t + 2], hidden[:, t:t + 1], positions[:, t:t + 1], cache)
+                for t in range(T)]
+        torch.testing.assert_close(torch.cat([o[0] for o in outs], 1), full)
+        torch.testing.assert_close(torch.cat([o[1] for o in outs], 1), full_logits)
+        assert cache.length == T
+        cache.crop(4)
+        again, _ = model.decode(ids[:, 5:], hidden[:, 4:], positions[:, 4:], cache)
+        torch.testing.assert_close(again, full[:, 4:])
+        # an explicit tree mask equal to the causal one gives the same result
+        tree = DrafterCache()
+        model.decode(ids[:, 1:4], hidden[:, :3], positions[:, :3], tree)
+        mask = torch.ones(2, 1, T - 3, T, dtype=torch.bool).tril(diagonal=3)
+        masked, _ = model.decode(ids[:, 4:], hidden[:, 3:], positions[:, 3:], tree, attention_mask=mask)
+        torch.testing.assert_close(masked, full[:, 3:])
+    assert torch.equal(model.draft_to_target(torch.arange(VD)), model.draft_token_ids())
+
+
+# --- export / load / check ----------------------------------------------------------------------------
+
+EXPECTED_KEYS = {
+    "fc.weight", "midlayer.input_layernorm.weight", "midlayer.hidden_norm.weight",
+    "midlayer.self_attn.q_proj.weight", "midlayer.self_attn.k_proj.weight", "midlayer.self_attn.v_proj.weight",
+    "midlayer.self_attn.o_proj.weight", "midlayer.post_attention_layernorm.weight",
+    "midlayer.mlp.gate_proj.weight", "midlayer.mlp.up_proj.weight", "midlayer.mlp.down_proj.weight",
+    "norm.weight", "lm_head.weight", "d2t", "t2d",
+}
+
+
+def test_export_has_exact_keys_shapes_dtypes_and_config(tmp_path):
+    from safetensors.torch import load_file
+
+    model, _ = tiny_model(dtype=torch.float32)
+    model = model.to(torch.bfloat16)
+    save_drafter(model, tmp_path / "d", extra={"step": 5})
+    tensors = load_file(str(tmp_path / "d" / "model.safetensors"))
+    assert set(tensors) == EXPECTED_KEYS
+    cfg = model.config
+    assert tensors["fc.weight"].shape == (H, 3 * H)
+    assert tensors["midlayer.self_attn.q_proj.weight"].shape == (4 * 8, 2 * H)
+    assert tensors["midlayer.self_attn.k_proj.weight"].shape == (2 * 8, 2 * H)
+    assert tensors["midlayer.mlp.down_proj.weight"].shape == (H, 24)
+    assert tensors["lm_head.weight"].shape == (VD, H)
+    assert tensors["d2t"].dtype == torch.int64 and tensors["d2t"].shape == (VD,)
+    assert tensors["t2d"].dtype == torch.bool and tensors["t2d"].shape == (V,)
+    assert all(t.dtype == torch.bfloat16 for k, t in tensors.items() if k not in ("d2t", "t2d"))
+    config = json.loads((tmp_path / "d" / "config.json").read_text())
+    assert config["architectures"] == ["LlamaForCausalLMEagle3"] and config["model_type"] == "llama"
+    assert config["num_hidden_layers"] == 1 and config["tie_word_embeddings"] is False
+    assert config["vocab_size"] == V and config["draft_vocab_size"] == VD and config["hidden_size"] == H
+    assert config["eagle_config"] == {"use_aux_hidden_state": True,
+                                      "eagle_aux_hidden_state_layer_ids": eagle_config_layer_ids(cfg.aux_layers)}
+    assert config["eagle_aux_hidden_state_layer_ids"] == cfg.aux_layers
+    assert not set(D.FORBIDDEN_CONFIG_KEYS) & set(config)
+    assert config[D.METADATA_KEY]["step"] == 5
+    assert check_drafter_dir(tmp_path / "d", {"aux_layers": cfg.aux_layers}) == []
+    assert not list(tmp_path.glob(".d.*"))  # no staging folder left behind
+
+
+def test_save_load_round_trip_gives_the_same_drafter(tmp_path):
+    model, _ = tiny_model(dtype=torch.float32)
+    save_drafter(model, tmp_path / "d")
+    save_drafter(model, tmp_path / "d")  # overwriting an existing checkpoint is atomic too
+    loaded = load_drafter(tmp_path / "d", embed=model.embed_tokens.weight.detach())
+    assert loaded.config == model.config
+    for (name, a), (_, b) in zip(sorted(model.state_dict().items()), sorted(loaded.state_dict().items())):
+        assert torch.equal(a, b), name
+    batch = random_batch(B=1, S=6, dtype=torch.float32)
+    pos = torch.arange(5)[None]
+    with torch.no_grad():
+        want = model.decode(batch["input_ids"][:, 1:], model.fuse(batch["aux"][:, :5]), pos)[1]
+        got = loaded.decode(batch["input_ids"][:, 1:], loaded.fuse(batch["aux"][:, :5]), pos)[1]
+    torch.testing.assert_close(got, want)
+
+
+def _plant(folder: Path, tensors_fn=None, config_fn=None):
+    from safetensors.torch import load_file, save_file
+
+    if tensors_fn is not None:
+        tensors = load_file(str(folder / "model.safetensors"))
+        tensors_fn(tensors)
+        save_file(tensors, str(folder / "model.safetensors"))
+    if config_fn is not None:
+        config = json.loads((folder / "config.json").read_text())
+        config_fn(config)
+        (folder / "config.json").write_text(json.dumps(config))
+
+
+def _rename(tensors, old, new):
+    tensors[new] = tensors.pop(old)
+
+
+def _break_d2t(tensors):
+    d2t = tensors["d2t"].clone()
+    ids = torch.arange(len(d2t)) + d2t
+    d2t[3] = ids[4] - 3  # draft ids 3 and 4 now name the same token
+    tensors["d2t"] = d2t
+
+
+def _move_t2d(tensors):
+    t2d = tensors["t2d"].clone()
+    ids = torch.arange(len(tensors["d2t"])) + tensors["d2t"]
+    t2d[ids[3]] = False
+    t2d[int(torch.nonzero(~t2d)[0])] = True  # same count, but draft id 3's token is no longer marked
+    tensors["t2d"] = t2d
+
+
+PLANTED = {
+    "renamed key": (lambda t: _rename(t, "midlayer.hidden_norm.weight", "midlayer.hidden_norm.weights"), None,
+                    ["missing tensor 'midlayer.hidden_norm.weight'", "unexpected tensor 'midlayer.hidden_norm.weights'"]),
+    "wrong shape": (lambda t: t.__setitem__("lm_head.weight", t["lm_head.weight"][:-1].clone()), None,
+                    ["lm_head.weight has shape"]),
+    "wrong dtype": (lambda t: t.__setitem__("d2t", t["d2t"].int()), None, ["d2t has dtype I32"]),
+    "d2t duplicate id": (_break_d2t, None, ["not strictly ascending"]),
+    "t2d disagrees with d2t": (_move_t2d, None, ["1 draft ids arange(Vd)+d2t are not marked in t2d"]),
+    "missing architectures": (None, lambda c: c.pop("architectures"), ["architectures is None"]),
+    "eagle-3.1 flag": (None, lambda c: c.__setitem__("norm_before_fc", True), ["norm_before_fc"]),
+    "embed in config missing": (None, lambda c: c.pop("draft_vocab_size"), ["missing draft_vocab_size"]),
+}
+
+
+@pytest.mark.parametrize("case", sorted(PLANTED))
+def test_check_drafter_dir_finds_planted_problems(tmp_path, case):
+    model, _ = tiny_model(dtype=torch.float32)
+    save_drafter(model, tmp_path / "d")
+    tensors_fn, config_fn, expected = PLANTED[case]
+    _plant(tmp_path / "d", tensors_fn, config_fn)
+    problems = check_drafter_dir(tmp_path / "d", {"aux_layers": model.config.aux_layers})
+    for text in expected:
+        assert any(text in p for p in problems), (text, problems)
+
+
+def test_check_drafter_dir_compares_layer_ids_with_the_hidden_state_manifest(tmp_path):
+    model, _ = tiny_model(dtype=torch.float32)  # trained on HF layers [1, 3, 5]
+    save_drafter(model, tmp_path / "d")
+    assert check_drafter_dir(tmp_path / "d", {"aux_layers": [1, 3, 5]}) == []
+    problems = check_drafter_dir(tmp_path / "d", {"aux_layers": [2, 3, 5]})
+    assert any("SGLang will capture the inputs of layers [1, 3, 5]" in p and "[1, 2, 4]" in p for p in problems)
+    # ids written as if SGLang took them as layer inputs (the classic off-by-one)
+    _plant(tmp_path / "d", config_fn=lambda c: c["eagle_config"].__setitem__("eagle_aux_hidden_state_layer_ids",
+                                                                             [1, 3, 5]))
+    problems = check_drafter_dir(tmp_path / "d", {"aux_layers": [1, 3, 5]})
+    assert any("[2, 4, 6]" in p for p in problems), problems
+    # vLLM's top-level ids dropped: SGLang is still right, vLLM would not be -> a warning, not a problem
+    _plant(tmp_path / "d", config_fn=lambda c: (c["eagle_config"].__setitem__(
+        "eagle_aux_hidden_state_layer_ids", [0, 2, 4]), c.pop("eagle_aux_hidden_state_layer_ids")))
+    problems, notes = inspect_drafter_dir(tmp_path / "d", {"aux_layers": [1, 3, 5]})
+    assert problems == [] and any("vLLM would capture" in n for n in notes)
+
+
+def test_from_verifier_and_init_on_real_stories260k(stories260k):
+    from common.verifier import default_aux_layers, read_embedding_tensors, read_verifier_info
+
+    info = read_verifier_info(str(stories260k))
+    cfg = DrafterConfig.from_verifier(info, 100, default_aux_layers(info.num_layers), intermediate_size=96)
+    assert (cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim) == (64, 8, 4, 8)
+    assert cfg.intermediate_size == 96 and cfg.vocab_size == 512
+    model = Eagle3Drafter(cfg)
+    tensors = read_embedding_tensors(str(stories260k))
+    ids = torch.arange(0, 200, 2)
+    t2d = torch.zeros(512, dtype=torch.bool)
+    t2d[ids] = True
+    model.init_from_verifier(tensors["embed_tokens"].float(), tensors["lm_head"].float(), ids - torch.arange(100), t2d)
+    assert torch.equal(model.lm_head.weight, tensors["lm_head"].float()[ids])
+    assert not model.embed_tokens.weight.requires_grad
+    with pytest.raises(ValueError, match="not marked in t2d"):
+        bad = t2d.clone()
+        bad[0] = False
+        bad[1] = True
+        model.init_from_verifier(tensors["embed_tokens"].float(), tensors["lm_head"].float(),
+                                 ids - torch.arange(100), bad)
+    mla = type(info)(**{**info.__dict__, "model_type": "deepseek_v3", "hidden_size": 7168,
+                        "num_attention_heads": 64, "num_key_value_heads": 64, "head_dim": 112,
+                        "vocab_size": 163840, "rope_scaling": {"type": "yarn", "factor": 32.0, "mscale": 1.0}})
+    kimi = DrafterConfig.from_verifier(mla, 32000, [2, 30, 58])
+    assert (kimi.head_dim, kimi.rope_scaling) == (128, None)
+    assert D.parse_drafter_overrides('{"num_key_value_heads": 8}') == {"num_key_value_heads": 8}
+    with pytest.raises(ValueError, match="unknown field"):
+        D.parse_drafter_overrides('{"heads": 8}')
+
+
+def test_rope_scaling_types():
+    llama3 = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+              "original_max_position_embeddings": 64}
+    inv, scale = D.rope_parameters(tiny_config(rope_scaling=llama3))
+    base, _ = D.rope_parameters(tiny_config())
+    assert inv.shape == base.shape and not torch.equal(inv, base) and scale == 1.0
+    inv, _ = D.rope_parameters(tiny_config(rope_scaling={"type": "linear", "factor": 2.0}))
+    torch.testing.assert_close(inv, base / 2)
+    with pytest.raises(ValueError, match="not supported"):
+        tiny_config(rope_scaling={"rope_type": "dynamic", "factor": 2.0})
+
+
+def test_speculators_converter_accepts_the_export(tmp_path, stories260k):
+    """vLLM's `speculators` package converts and validates the export (Eagle3Converter with validate=True).
+
+    speculators 0.9.0 imports openai, loguru, pydantic_settings and hs_connectors at import time and pins
+    transformers<=5.19; it runs here when installed with `pip install --no-deps speculators loguru
+    pydantic-settings openai httpx anyio distro jiter sniffio httpcore h11 python-dotenv hs-connectors`.
+    """
+    try:
+        from speculators.convert.eagle.eagle3_converter import Eagle3Converter
+    except Exception as err:  # noqa: BLE001 - any import failure means: not runnable here
+        pytest.skip(f"speculators not importable here ({type(err).__name__}: {err}); see the docstring")
+    from safetensors.torch import load_file
+
+    from common.verifier import default_aux_layers, read_embedding_tensors, read_verifier_info
+
+    info = read_verifier_info(str(stories260k))
+    cfg = DrafterConfig.from_verifier(info, 100, default_aux_layers(info.num_layers))
+    model = Eagle3Drafter(cfg)
+    tensors = read_embedding_tensors(str(stories260k))
+    ids = torch.arange(0, 200, 2)
+    t2d = torch.zeros(512, dtype=torch.bool)
+    t2d[ids] = True
+    model.init_from_verifier(tensors["embed_tokens"].float(), tensors["lm_head"].float(), ids - torch.arange(100), t2d)
+    save_drafter(model.to(torch.bfloat16), tmp_path / "ours")
+    Eagle3Converter().convert(tmp_path / "ours", tmp_path / "converted", base_model=str(stories260k),
+                              validate=True, eagle_aux_hidden_state_layer_ids=cfg.aux_layers)
+    converted = load_file(str(tmp_path / "converted" / "model.safetensors"))
+    ours = load_file(str(tmp_path / "ours" / "model.safetensors"))
+    for key, value in ours.items():
+        new_key = key.replace("midlayer.", "layers.0.")
+        assert torch.equal(converted[new_key], value), key
+    config = json.loads((tmp_path / "converted" / "config.json").read_text())
+    assert config["draft_vocab_size"] == 100
+    assert config["eagle_aux_hidden_state_layer_ids"] == cfg.aux_layers
+
+
+def test_check_drafter_script_and_bench_smoke(tmp_path, monkeypatch):
+    """scripts/check_drafter.py on a valid and a broken folder; scripts/bench_train_step.py on a tiny shape."""
+    import importlib.util
+
+    from conftest import REPO, run_script
+
+    model, _ = tiny_model(dtype=torch.float32)
+    save_drafter(model, tmp_path / "d")
+    (tmp_path / "hs").mkdir()
+    (tmp_path / "hs" / "manifest.json").write_text(json.dumps({"aux_layers": model.config.aux_layers}))
+    done = run_script("scripts/check_drafter.py", str(tmp_path / "d"), "--data-dir", str(tmp_path / "hs"))
+    assert done.returncode == 0 and "OK" in done.stdout, done.stdout + done.stderr
+    (tmp_path / "hs" / "manifest.json").write_text(json.dumps({"aux_layers": [0, 3, 5]}))
+    done = run_script("scripts/check_drafter.py", str(tmp_path / "d"), "--data-dir", str(tmp_path / "hs"))
+    assert done.returncode == 1 and "SGLang will capture" in done.stdout
+
+    spec = importlib.util.spec_from_file_location("bench_train_step", REPO / "scripts" / "bench_train_step.py")
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    monkeypatch.setenv("OUT", str(tmp_path / "out"))
+    code = bench.main(["--device", "cpu", "--dtype", "fp32", "--shapes", "tiny", "--seq-lens", "32",
+                       "--ttt-steps", "2", "--steps", "1", "--warmup", "1", "--in-process", "--optimizer", "sr"])
+    rec = json.loads((tmp_path / "out" / "bench_train_step.jsonl").read_text().splitlines()[-1])
+    assert code == 0 and rec["status"] == "ok", rec
+    assert rec["tokens_per_s"] > 0 and rec["flops_per_step"] > 0 and rec["ttt_attention_backend"]
+
+
+def test_offloaded_embedding_stays_put_and_short_sequences_still_backpropagate():
+    model, lm_head = tiny_model()
+    model.offload_embedding()
+    model = model.to(torch.float32)
+    assert model.embed_tokens.weight.dtype == torch.float64  # the offloaded table is left alone
+    assert model.fc.weight.dtype == torch.float32
+    batch = random_batch(B=1, S=2, dtype=torch.float32)
+    loss, metrics = ttt_loss(model, batch, lm_head.float(), 3)
+    loss.backward()  # no label at all, yet a graph to run backward on
+    assert metrics["count"].sum() == 0 and model.fc.weight.grad is not None
