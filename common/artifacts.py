@@ -22,6 +22,8 @@ MANIFEST = "manifest.json"
 MANIFEST_VERSION = 1
 STATUS_RUNNING = "running"
 STATUS_COMPLETE = "complete"
+_UMASK = os.umask(0)
+os.umask(_UMASK)
 _PACKAGES = ("torch", "transformers", "safetensors", "tokenizers", "datasets", "numpy", "sglang")
 
 
@@ -35,6 +37,7 @@ def atomic_path(path: str | os.PathLike) -> Iterator[Path]:
     fd, tmp_name = tempfile.mkstemp(prefix=f".{final.name}.", suffix=".tmp", dir=final.parent)
     os.close(fd)
     tmp = Path(tmp_name)
+    os.chmod(tmp, 0o666 & ~_UMASK)  # mkstemp makes 0600; artifacts should be readable like any file
     try:
         yield tmp
         os.replace(tmp, final)
