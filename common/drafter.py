@@ -282,6 +282,42 @@ def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
 
 
 # =====================================================================================================
+# Compiled elementwise pieces
+# =====================================================================================================
+
+class _CompiledOnCuda:
+    """`fn` through torch.compile on CUDA tensors, the same Python `fn` run eagerly everywhere else.
+
+    The functions wrapped here are chains of elementwise ops and row reductions that eager PyTorch runs as
+    many kernels, each reading and writing whole [rows, width] tensors (often upcast to fp32); compiled they
+    become one or two fused kernels that read the bf16 inputs once and keep the fp32 intermediates in
+    registers. The maths is the same Python code either way. Compilation happens on the first CUDA call;
+    if it fails (no Triton, an unsupported op) the eager function is used from then on, with a warning.
+    EAGLE3_COMPILE=0 turns compilation off.
+    """
+
+    def __init__(self, fn):
+        self.fn = fn
+        self.compiled = None
+        self.failed = os.environ.get("EAGLE3_COMPILE", "1") == "0"
+
+    def __call__(self, *args):
+        if self.failed or not args[0].is_cuda:
+            return self.fn(*args)
+        if self.compiled is None:
+            self.compiled = torch.compile(self.fn, dynamic=True, fullgraph=True)
+        try:
+            return self.compiled(*args)
+        except torch.OutOfMemoryError:
+            raise
+        except Exception as err:  # noqa: BLE001 - any compile failure means: eager ops from now on
+            warnings.warn(f"torch.compile of {self.fn.__name__} failed ({type(err).__name__}: {err}); "
+                          "using eager ops")
+            self.failed = True
+            return self.fn(*args)
+
+
+# =====================================================================================================
 # Modules
 # =====================================================================================================
 
@@ -309,19 +345,38 @@ def _rms_normalize(x: Tensor, eps: float) -> Tensor:
     return F.rms_norm(x, (x.shape[-1],), None, eps)
 
 
+def _silu_mul(gate: Tensor, up: Tensor) -> Tensor:
+    return F.silu(gate) * up
+
+
+def _swiglu_grads_(gate: Tensor, up: Tensor, grad_act: Tensor) -> Tensor:
+    """Gradients of silu(gate) * up: returns the one w.r.t. up and overwrites grad_act by the one w.r.t.
+    gate (grad_act is not needed afterwards; reusing it saves a [tokens, intermediate] buffer)."""
+    sig = torch.sigmoid(gate)
+    grad_up = gate * sig * grad_act
+    # d silu(g)/dg = sig * (1 + g * (1 - sig))
+    grad_act.mul_(sig * (1 + gate * (1 - sig)) * up)
+    return grad_up
+
+
+_SILU_MUL = _CompiledOnCuda(_silu_mul)
+_SWIGLU_GRADS = _CompiledOnCuda(_swiglu_grads_)
+
+
 class _SwiGLU(torch.autograd.Function):
     """down(silu(gate(x)) * up(x)) that keeps only gate(x) and up(x) (or only x) for backward.
 
     Autograd would also keep silu(gate)*up ([tokens, intermediate], the biggest activation of the layer)
     for every TTT step; it is one cheap elementwise op to recompute. With recompute_gate_up the two
-    projections are recomputed as well (more FLOPs, least memory).
+    projections are recomputed as well (more FLOPs, least memory). The elementwise parts are one fused
+    kernel each way on CUDA (_CompiledOnCuda).
     """
 
     @staticmethod
     def forward(ctx, x, w_gate, w_up, w_down, recompute_gate_up: bool):
         gate = F.linear(x, w_gate)
         up = F.linear(x, w_up)
-        out = F.linear(F.silu(gate) * up, w_down)
+        out = F.linear(_SILU_MUL(gate, up), w_down)
         ctx.recompute_gate_up = recompute_gate_up
         if recompute_gate_up:
             ctx.save_for_backward(x, w_gate, w_up, w_down)
@@ -336,25 +391,19 @@ class _SwiGLU(torch.autograd.Function):
             gate, up = F.linear(x, w_gate), F.linear(x, w_up)
         else:
             x, w_gate, w_up, w_down, gate, up = ctx.saved_tensors
-        # ordered (and in place) so that at most three [tokens, intermediate] temporaries are alive
+        # ordered so that at most two [tokens, intermediate] temporaries are alive besides gate and up
         x2 = x.reshape(-1, x.shape[-1])
-        sig = torch.sigmoid(gate)
-        silu = gate * sig
-        grad_w_down = grad_out.reshape(-1, grad_out.shape[-1]).t().mm((silu * up).reshape(-1, up.shape[-1]))
-        grad_act = F.linear(grad_out, w_down.t())
-        grad_up = silu.mul_(grad_act)
-        del silu
-        grad_w_up = grad_up.reshape(-1, grad_up.shape[-1]).t().mm(x2)
-        grad_x = F.linear(grad_up, w_up.t())
+        inter = gate.shape[-1]
+        grad_out2 = grad_out.reshape(-1, grad_out.shape[-1])
+        grad_w_down = grad_out2.t().mm(_SILU_MUL(gate, up).reshape(-1, inter))
+        grad_act = grad_out2.mm(w_down)  # becomes the gradient w.r.t. gate below
+        grad_up = _SWIGLU_GRADS(gate.reshape(-1, inter), up.reshape(-1, inter), grad_act)
+        grad_w_up = grad_up.t().mm(x2)
+        grad_x = grad_up.mm(w_up)
         del grad_up
-        # d silu(g)/dg = sig * (1 + g * (1 - sig))
-        grad_gate = torch.sub(1, sig).mul_(gate).add_(1).mul_(sig)
-        del sig
-        grad_gate = grad_gate.mul_(up).mul_(grad_act)
-        del grad_act
-        grad_w_gate = grad_gate.reshape(-1, grad_gate.shape[-1]).t().mm(x2)
-        grad_x += F.linear(grad_gate, w_gate.t())
-        return grad_x, grad_w_gate, grad_w_up, grad_w_down, None
+        grad_w_gate = grad_act.t().mm(x2)
+        grad_x = torch.addmm(grad_x, grad_act, w_gate)
+        return grad_x.reshape(x.shape), grad_w_gate, grad_w_up, grad_w_down, None
 
 
 class DrafterMLP(nn.Module):
@@ -455,6 +504,7 @@ class Eagle3Drafter(nn.Module):
         self.register_buffer("inv_freq", inv_freq, persistent=False)
         self.rope_scale = scale
         self._embed_offloaded = False
+        self.ce_grad = "auto"  # see set_memory_policy
 
     # ---- setup ------------------------------------------------------------------------------------
 
@@ -587,6 +637,8 @@ class Eagle3Drafter(nn.Module):
             out = F.scaled_dot_product_attention(q, k, v, attn_mask=attention_mask.to(torch.bool))
         elif past == 0:
             out = F.scaled_dot_product_attention(q, k, v, is_causal=T > 1)
+        elif T == 1:  # one new position sees the whole cache: no mask to build
+            out = F.scaled_dot_product_attention(q, k, v)
         else:
             allowed = torch.ones(T, past + T, dtype=torch.bool, device=q.device).tril(diagonal=past)
             out = F.scaled_dot_product_attention(q, k, v, attn_mask=allowed)
@@ -596,12 +648,15 @@ class Eagle3Drafter(nn.Module):
 
     # ---- training ---------------------------------------------------------------------------------
 
-    def set_memory_policy(self, mlp_recompute: str = "act") -> None:
-        """"act": keep gate/up, recompute silu*up (default); "gate_up": keep only the MLP input;
-        "none": plain autograd."""
+    def set_memory_policy(self, mlp_recompute: str = "act", ce_grad: str = "auto") -> None:
+        """mlp_recompute "act": keep gate/up, recompute silu*up (default); "gate_up": keep only the MLP
+        input; "none": plain autograd. ce_grad "store" | "recompute" | "auto": whether the soft-CE keeps
+        its logits' gradient until backward (see store_ce_gradients)."""
         if mlp_recompute not in ("act", "gate_up", "none"):
             raise ValueError(f"mlp_recompute must be act, gate_up or none, got {mlp_recompute!r}")
+        store_ce_gradients(self.config, ce_grad)  # validates
         self.midlayer.mlp.recompute = mlp_recompute
+        self.ce_grad = ce_grad
 
     def ttt_hidden_states(self, input_ids: Tensor, aux: Tensor, ttt_steps: int, noise_std: float = 0.0,
                           attention_backend: str | None = None):
@@ -923,62 +978,123 @@ def target_distribution(final: Tensor, verifier_lm_head: Tensor, draft_ids: Tens
             "in_draft": (best >= nondraft_max).view(B, S)}
 
 
-class _DraftSoftCE(torch.autograd.Function):
-    """sum over rows of w * soft-CE(target probs, softmax(lm_head(x))), never keeping [rows, Vd] logits.
+def _soft_ce_rows(lg: Tensor, p: Tensor, tgt_argmax: Tensor, row_w: Tensor, want_grad: bool):
+    """Soft-CE statistics of logits rows lg [n,Vd] against target probabilities p [n,Vd].
 
-    Forward and backward walk the rows in chunks; backward recomputes each chunk's logits (one extra
-    GEMM) instead of keeping them, so the TTT steps never hold [S, Vd] fp32 logits at once. Also returns
-    the (non-differentiable) weighted count of rows whose argmax equals the target's argmax.
+    Returns (ce, lse, hit) per row (fp32; fp64 for fp64 inputs). With want_grad, lg is overwritten by
+    the rows' gradient of sum(row_w * ce) w.r.t. the logits, (softmax(lg) - p) * row_w, in lg's dtype:
+    the logits are not needed afterwards, so the gradient reuses their memory.
+    """
+    acc = _up(lg[:0]).dtype
+    lg32, p32 = lg.to(acc), p.to(acc)
+    lse = torch.logsumexp(lg32, dim=-1)
+    # -sum p log q = lse - sum p * logits   (sum p = 1)
+    ce = lse - (lg32 * p32).sum(dim=-1)
+    hit = lg32.argmax(dim=-1) == tgt_argmax
+    if want_grad:
+        lg.copy_(((lg32 - lse[:, None]).exp() - p32) * row_w[:, None])
+    return ce, lse, hit
+
+
+def _soft_ce_grad_rows(lg: Tensor, p: Tensor, lse: Tensor, row_w: Tensor) -> Tensor:
+    """lg [n,Vd] (recomputed logits) overwritten by (exp(lg - lse) - p) * row_w, as in _soft_ce_rows."""
+    acc = lse.dtype
+    lg.copy_(((lg.to(acc) - lse[:, None]).exp() - p.to(acc)) * row_w[:, None])
+    return lg
+
+
+_SOFT_CE_ROWS = _CompiledOnCuda(_soft_ce_rows)
+_SOFT_CE_GRAD_ROWS = _CompiledOnCuda(_soft_ce_grad_rows)
+
+
+def _ce_rows_per_pass(x: Tensor, draft_vocab: int) -> int:
+    """Rows per elementwise pass of the soft-CE: all of them when the pass is a compiled fused kernel (no
+    fp32 [rows, Vd] intermediate exists), else chunks that bound the eager fp32 temporaries."""
+    if x.is_cuda and not _SOFT_CE_ROWS.failed:
+        return 1 << 30
+    return _ce_chunk_rows(draft_vocab)
+
+
+class _DraftSoftCE(torch.autograd.Function):
+    """sum over rows of w * soft-CE(target probs, softmax(lm_head(x))), plus the hit count.
+
+    The logits of all target rows come from one GEMM (bf16 output, fp32 accumulation, as F.linear); the
+    statistics and the logits' gradient (softmax - p) * w come from one elementwise pass over them
+    (`_soft_ce_rows`, compiled on CUDA), which writes the gradient over the logits. Backward is then two
+    GEMMs: grad_x = G @ W and grad_W = G^T @ x, scaled by the incoming gradient.
+    store=True keeps G ([rows, Vd] in x's dtype) from forward to backward; store=False keeps nothing of
+    that size and recomputes it in backward (one more GEMM and elementwise pass, less memory).
+    Also returns the (non-differentiable) weighted count of rows whose argmax equals the target's argmax.
     """
 
     @staticmethod
-    def forward(ctx, x, weight, tgt_probs, tgt_argmax, row_w, chunk):
+    def forward(ctx, x, weight, tgt_probs, tgt_argmax, row_w, store, need_grad):
         B, T = tgt_probs.shape[:2]  # x may have more rows than targets: they get no loss and no gradient
+        Vd = weight.shape[0]
         acc = _up(x[:0]).dtype
         q_lse = torch.empty(B, T, dtype=acc, device=x.device)
         ce = torch.empty(B, T, dtype=acc, device=x.device)
         hit = torch.empty(B, T, dtype=torch.bool, device=x.device)
+        logits = F.linear(x[:, :T], weight)  # [B,T,Vd]
+        keep = bool(need_grad and store)
+        chunk = _ce_rows_per_pass(x, Vd)
         for b in range(B):
             for r0 in range(0, T, chunk):
                 r1 = min(T, r0 + chunk)
-                lg = _up(F.linear(x[b, r0:r1], weight))
-                lse = torch.logsumexp(lg, dim=-1)
-                hit[b, r0:r1] = lg.argmax(dim=-1) == tgt_argmax[b, r0:r1]
-                # -sum p log q = lse - sum p * logits   (sum p = 1)
-                ce[b, r0:r1] = lse - torch.linalg.vecdot(lg, tgt_probs[b, r0:r1].to(acc))
-                q_lse[b, r0:r1] = lse
-        ctx.chunk = chunk
-        ctx.save_for_backward(x, weight, tgt_probs, row_w, q_lse)
+                ce[b, r0:r1], q_lse[b, r0:r1], hit[b, r0:r1] = _SOFT_CE_ROWS(
+                    logits[b, r0:r1], tgt_probs[b, r0:r1], tgt_argmax[b, r0:r1], row_w[b, r0:r1], keep)
+        ctx.stored = keep
+        if keep:
+            ctx.save_for_backward(x, weight, logits)
+        else:
+            del logits
+            ctx.save_for_backward(x, weight, tgt_probs, row_w, q_lse)
         ctx.mark_non_differentiable(hit)
         return (ce * row_w).sum(), (hit.to(row_w.dtype) * row_w).sum()
 
     @staticmethod
     def backward(ctx, grad_loss, _grad_hit):
-        x, weight, tgt_probs, row_w, q_lse = ctx.saved_tensors
-        B, T = tgt_probs.shape[:2]
-        chunk = ctx.chunk
+        if ctx.stored:
+            x, weight, grad_logits = ctx.saved_tensors
+            B, T = grad_logits.shape[:2]
+        else:
+            x, weight, tgt_probs, row_w, q_lse = ctx.saved_tensors
+            B, T = tgt_probs.shape[:2]
+            grad_logits = F.linear(x[:, :T], weight)
+            chunk = _ce_rows_per_pass(x, weight.shape[0])
+            for b in range(B):
+                for r0 in range(0, T, chunk):
+                    r1 = min(T, r0 + chunk)
+                    _SOFT_CE_GRAD_ROWS(grad_logits[b, r0:r1], tgt_probs[b, r0:r1], q_lse[b, r0:r1],
+                                       row_w[b, r0:r1])
+        grad_loss = grad_loss.to(x.dtype)
         grad_x = torch.empty_like(x)
         grad_x[:, T:] = 0
-        grad_w = None
-        scale = row_w * grad_loss
-        for b in range(B):
-            for r0 in range(0, T, chunk):
-                r1 = min(T, r0 + chunk)
-                xc = x[b, r0:r1]
-                g = _up(F.linear(xc, weight)).sub_(q_lse[b, r0:r1, None]).exp_()  # softmax(logits)
-                g = g.sub_(tgt_probs[b, r0:r1]).mul_(scale[b, r0:r1, None]).to(x.dtype)
-                grad_x[b, r0:r1] = g @ weight
-                part = g.t() @ xc
-                if grad_w is None:
-                    grad_w = part if (B == 1 and T <= chunk) else _up(part)
-                else:
-                    grad_w += part
-        return grad_x, grad_w.to(weight.dtype), None, None, None, None
+        grad_x[:, :T] = torch.matmul(grad_logits, weight).mul_(grad_loss)
+        rows_x = x[:, :T].reshape(B * T, x.shape[-1])
+        grad_w = grad_logits.reshape(B * T, -1).t().mm(rows_x).mul_(grad_loss)
+        return grad_x, grad_w.to(weight.dtype), None, None, None, None, None
 
 
 def _ce_chunk_rows(draft_vocab: int, budget_elems: int = 1 << 25) -> int:
     rows = max(1, budget_elems // max(1, draft_vocab))
     return max(64, rows // 64 * 64)
+
+
+def store_ce_gradients(cfg: DrafterConfig, policy: str = "auto") -> bool:
+    """Whether the soft-CE keeps its logits' gradient ([S, Vd] per TTT step) from forward to backward
+    (saves a [S,H]x[H,Vd] GEMM and an elementwise pass per step) instead of recomputing it.
+
+    "auto" keeps it when it adds at most ~60% to what a TTT step keeps anyway (~ S * (8H + 2I) elements:
+    attention inputs/outputs, norms, the MLP's gate/up): true for Llama-8B- and Kimi-sized drafters with a
+    32K draft vocabulary, false for small ones (SmolLM2), whose memory the logits would dominate.
+    """
+    if policy in ("store", "recompute"):
+        return policy == "store"
+    if policy != "auto":
+        raise ValueError(f"ce_grad must be auto, store or recompute, got {policy!r}")
+    kept_per_row = 8 * cfg.hidden_size + 2 * cfg.intermediate_size
+    return cfg.draft_vocab_size <= 0.6 * kept_per_row
 
 
 def ttt_loss(model: Eagle3Drafter, batch: dict, verifier_lm_head: Tensor, ttt_steps: int,
@@ -1005,7 +1121,8 @@ def ttt_loss(model: Eagle3Drafter, batch: dict, verifier_lm_head: Tensor, ttt_st
         zero = torch.zeros((), device=device)
         loss = zero
         loss_sums, corrects, counts = [], [], []
-        chunk = _ce_chunk_rows(model.config.draft_vocab_size)
+        store = store_ce_gradients(model.config, getattr(model, "ce_grad", "auto"))
+        need_grad = torch.is_grad_enabled()
         for j, prenorm in model.ttt_hidden_states(input_ids, batch["aux"], ttt_steps, noise_std):
             rows = S - 2 - j  # positions t = 0 .. S-3-j have a label
             if rows <= 0:
@@ -1015,7 +1132,7 @@ def ttt_loss(model: Eagle3Drafter, batch: dict, verifier_lm_head: Tensor, ttt_st
             normed = model.norm(prenorm)  # all S rows: the CE reads the first `rows` (no slice gradient)
             ce_sum, hit = _DraftSoftCE.apply(
                 normed, model.lm_head.weight, targets["probs"][:, 1 + j:1 + j + rows],
-                targets["argmax"][:, 1 + j:1 + j + rows], row_w, chunk)
+                targets["argmax"][:, 1 + j:1 + j + rows], row_w, store, need_grad)
             count = row_w.sum()
             loss = loss + (decay ** j) * ce_sum / count.clamp(min=1.0)
             loss_sums.append(ce_sum.detach()), corrects.append(hit.detach()), counts.append(count)

@@ -95,13 +95,15 @@ def synthetic_vocab_map(torch, final, lm_head, draft_vocab: int, seed: int):
     return selected - torch.arange(draft_vocab), t2d, coverage
 
 
-def memory_estimate_gib(cfg, trainable: int, seq: int, ttt: int, master: bool, offload: bool, mlp: str) -> dict:
+def memory_estimate_gib(cfg, trainable: int, seq: int, ttt: int, master: bool, offload: bool, mlp: str,
+                        ce_stored: bool = False) -> dict:
     """Rough model of the peak (bf16 params/grads, fp32 moments): what to expect before running."""
     gib = 1 / 2 ** 30
     H, inter = cfg.hidden_size, cfg.intermediate_size
     fixed = trainable * (2 + 2 + 8 + (4 if master else 0))
     frozen = cfg.vocab_size * H * 2 * (1 if offload else 2)  # verifier lm_head (+ embedding on the GPU)
-    per_step = seq * 2 * (8 * H + {"none": 3, "act": 2, "gate_up": 0}[mlp] * inter)  # tensors kept per TTT step
+    per_step = seq * 2 * (8 * H + {"none": 3, "act": 2, "gate_up": 0}[mlp] * inter  # tensors kept per TTT step
+                          + (cfg.draft_vocab_size if ce_stored else 0))  # the soft-CE's logits gradient
     other = seq * 2 * (cfg.draft_vocab_size + 8 * H)
     return {"fixed_gib": round((fixed + frozen) * gib, 2), "activations_gib": round((per_step * ttt + other) * gib, 2),
             "total_gib": round((fixed + frozen + per_step * ttt + other + seq * 2 * inter * 4) * gib, 2)}
@@ -166,9 +168,10 @@ def run_one(args) -> dict:
     if offload:
         model.offload_embedding()
     mlp = args.mlp_recompute
-    model.set_memory_policy(mlp)
+    model.set_memory_policy(mlp, ce_grad=args.ce_grad)
     trainable = D.trainable_parameter_count(model)
-    rec.update(params_trainable=trainable, embedding_offloaded=offload, mlp_recompute=mlp)
+    rec.update(params_trainable=trainable, embedding_offloaded=offload, mlp_recompute=mlp, ce_grad=args.ce_grad,
+               ce_grad_stored=D.store_ce_gradients(cfg, args.ce_grad))
 
     # ---- optimizer + scheduler + step: stage 04's
     try:
@@ -184,7 +187,8 @@ def run_one(args) -> dict:
                         f"stochastic_rounding={getattr(optimizer, 'stochastic_rounding', None) and not master})")
     rec["optimizer_source"] = "common.training.make_optimizer" if args.optimizer == "stage04" and TR else \
         f"common.drafter.make_optimizer({args.optimizer})"
-    rec["memory_model"] = memory_estimate_gib(cfg, trainable, B * S, T, master, offload, mlp)
+    rec["memory_model"] = memory_estimate_gib(cfg, trainable, B * S, T, master, offload, mlp,
+                                              rec["ce_grad_stored"])
     if TR is not None:
         scheduler = TR.make_scheduler(optimizer, total_steps=100_000, warmup_ratio=0.015, kind="cosine")
         train_cfg = TR.TrainConfig(lr=args.lr, max_grad_norm=0.5, ttt_steps=T, ttt_decay=0.8,
@@ -317,7 +321,7 @@ def emit(rec: dict) -> None:
 def child_argv(args, shape: str, seq_len: int) -> list[str]:
     argv = [sys.executable, os.path.abspath(__file__), "--_child", "--shapes", shape, "--seq-lens", str(seq_len)]
     for name in ("batch_size", "ttt_steps", "draft_vocab", "steps", "warmup", "device", "dtype", "optimizer",
-                 "mlp_recompute", "offload_embedding", "lr", "seed"):
+                 "mlp_recompute", "ce_grad", "offload_embedding", "lr", "seed"):
         argv += ["--" + name.replace("_", "-"), str(getattr(args, name))]
     if args.shape_json:
         argv += ["--shape-json", args.shape_json]
@@ -343,6 +347,10 @@ def main(argv=None) -> int:
                         "stochastic rounding, no master copy; master: fp32 master weights")
     p.add_argument("--mlp-recompute", choices=("act", "gate_up", "none"), default="act",
                    help="act: keep gate/up outputs, recompute silu*up; gate_up: keep only the MLP input")
+    p.add_argument("--ce-grad", choices=("auto", "store", "recompute"), default="auto",
+                   help="soft-CE: keep the logits' gradient [S, Vd] per TTT step until backward (store) or "
+                        "recompute it there (recompute); auto: store for large drafters (common.drafter."
+                        "store_ce_gradients)")
     p.add_argument("--offload-embedding", choices=("auto", "on", "off"), default="auto",
                    help="keep the frozen [V,H] embedding in pinned CPU memory (auto: on CUDA when >= 256 MiB)")
     p.add_argument("--lr", type=float, default=1e-4)

@@ -196,12 +196,39 @@ def test_mlp_recompute_policies_match_plain_autograd(policy):
         torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
 
 
+def test_compiled_elementwise_pieces_equal_their_eager_functions():
+    """On CUDA the soft-CE and SwiGLU elementwise passes run through torch.compile (they overwrite an input
+    in place); compiled here on the CPU, they must give what the eager functions give."""
+    torch._dynamo.reset()
+    gen = torch.Generator().manual_seed(0)
+    n, width = 6, 40
+    lg = torch.randn(n, width, generator=gen)
+    p = torch.softmax(torch.randn(n, width, generator=gen), dim=-1)
+    argmax, row_w = p.argmax(-1), (torch.rand(n, generator=gen) > 0.3).float()
+    gate, up, grad_act = (torch.randn(n, width, generator=gen) for _ in range(3))
+    cases = [(D._soft_ce_rows, (lg, p, argmax, row_w, True), 0),
+             (D._soft_ce_grad_rows, (lg, p, torch.logsumexp(lg, -1), row_w), 0),
+             (D._silu_mul, (gate, up), None),
+             (D._swiglu_grads_, (gate, up, grad_act), 2)]
+    for fn, args, mutated in cases:
+        eager_args = [a.clone() if isinstance(a, torch.Tensor) else a for a in args]
+        compiled_args = [a.clone() if isinstance(a, torch.Tensor) else a for a in args]
+        want = fn(*eager_args)
+        got = torch.compile(fn, dynamic=True, fullgraph=True)(*compiled_args)
+        for a, b in zip(got if isinstance(got, tuple) else [got], want if isinstance(want, tuple) else [want]):
+            torch.testing.assert_close(a, b)
+        if mutated is not None:
+            torch.testing.assert_close(compiled_args[mutated], eager_args[mutated])
+            assert not torch.equal(eager_args[mutated], args[mutated])  # the function did overwrite it
+
+
 # --- the TTT loss --------------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("backend", ["math", "flash_cpu"])
-def test_ttt_loss_matches_naive_reference_values_grads_and_metrics(backend, monkeypatch):
+@pytest.mark.parametrize("backend,ce_grad", [("math", "store"), ("flash_cpu", "store"), ("math", "recompute")])
+def test_ttt_loss_matches_naive_reference_values_grads_and_metrics(backend, ce_grad, monkeypatch):
     monkeypatch.setenv("EAGLE3_TTT_ATTENTION", backend)
     model, lm_head = tiny_model()
+    model.set_memory_policy("act", ce_grad=ce_grad)
     batch = random_batch(B=2, S=10, pad=3)
     steps, decay = 4, 0.8
     loss, metrics = ttt_loss(model, batch, lm_head, steps, decay=decay)
