@@ -31,7 +31,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common.artifacts import (MANIFEST, STATUS_COMPLETE, Manifest, atomic_path, read_json,  # noqa: E402
                               sha256_text, write_text_atomic)
 from common.chat_data import (BadRecordError, BadRecords, ChatTokenizer, Record, Sample, TokenStats,  # noqa: E402
-                              check_writable, end_of_turn_ids, first_user_prompt, make_ids_unique, prompt_hash,
+                              check_writable, end_of_turn_ids, first_user_prompt, keep_first_user_turns,
+                              make_ids_unique, prompt_hash,
                               Source, read_records, remove_duplicates, resolve_source, sample_line)
 from common.flags import EVAL_DATA_FILE, PREPARED_DATA_FILE, UsageError, parse_stage_args, require  # noqa: E402
 from common.stage import Progress, resolved_config, run_stage  # noqa: E402
@@ -72,6 +73,7 @@ def _fingerprint(args, tokenizer_sha: str, template_sha: str | None, eval_file: 
         "datasets": [_dataset_identity(spec) for spec in args.dataset], "max_seq_len": args.max_seq_len,
         "num_samples": args.num_samples, "seed": args.seed, "eval_ratio": args.eval_ratio,
         "eval_output": str(eval_file.resolve()) if args.eval_ratio > 0 else None, "regenerate": args.regenerate,
+        "max_turns": args.max_turns,
     }
     if args.regenerate:
         fingerprint.update(max_new_tokens=args.max_new_tokens, temperature=args.temperature, dtype=args.dtype)
@@ -301,6 +303,9 @@ def read_data(args, inputs: Inputs, log) -> tuple[list[Record], BadRecords, list
 
     records = read_records(inputs.sources, bad, source_done)
     records_read = len(records) + bad.total
+    if args.max_turns:
+        records = [replace(r, messages=keep_first_user_turns(r.messages, args.max_turns)) if r.is_chat else r
+                   for r in records]
     bad.log(log, "reading")
     try:
         if not records:

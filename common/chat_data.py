@@ -608,3 +608,15 @@ def check_writable(folder: Path, flag: str) -> None:
         probe.unlink()
     except OSError as err:
         raise UsageError(f"{flag} {folder}: cannot write there ({err}); pick a writable folder")
+
+
+def keep_first_user_turns(messages: list[dict], max_user_turns: int) -> list[dict]:
+    """The conversation up to (not including) its (max_user_turns + 1)-th user turn."""
+    kept, users = [], 0
+    for message in messages:
+        if message["role"] == "user":
+            users += 1
+            if users > max_user_turns:
+                break
+        kept.append(message)
+    return kept

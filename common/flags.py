@@ -109,6 +109,8 @@ _ALL_FLAGS: list[Flag] = [
          metavar="PATH", is_path=True),
     Flag("--max-bad-fraction", "Fail when more than this share of records is unusable.",
          type=_fraction, default=0.2),
+    Flag("--max-turns", "Keep at most this many user turns (with their replies) of each conversation.",
+         type=_positive_int),
     Flag("--regenerate", "Replace assistant turns with the verifier's own responses (recommended).",
          type=None, action="store_true"),
     Flag("--max-new-tokens", "Longest generated response.", aliases=("--max-tokens",), type=_positive_int,
@@ -206,7 +208,7 @@ FLAGS: dict[str, Flag] = {flag.name: flag for flag in _ALL_FLAGS}
 STAGE_FLAGS: dict[str, list[str]] = {
     "01_prepare_data": ["--run-dir", "--model-path", "--trust-remote-code", "--dataset", "--output-dir",
                         "--chat-template", "--max-seq-len", "--num-samples", "--seed", "--eval-ratio",
-                        "--eval-output", "--max-bad-fraction", "--regenerate", "--max-new-tokens",
+                        "--eval-output", "--max-bad-fraction", "--max-turns", "--regenerate", "--max-new-tokens",
                         "--batch-size", "--device", "--dtype", "--temperature", "--overwrite"],
     "02_extract_hidden_states": ["--run-dir", "--model-path", "--trust-remote-code", "--prepared-data",
                                  "--output-dir", "--aux-layers", "--batch-size", "--max-tokens-per-batch",

@@ -578,3 +578,13 @@ def test_regenerate_with_stories260k_and_resume(stage, tmp_path, stories260k, st
     regeneration = json.loads((out / "manifest.json").read_text())["regeneration"]
     assert (regeneration["reused"], regeneration["generated"]) == (0, 4)
     assert regeneration["settings"]["max_new_tokens"] == 7
+
+
+def test_max_turns_keeps_the_first_user_turns_and_their_replies():
+    from common.chat_data import keep_first_user_turns
+
+    messages = [{"role": "system", "content": "s"}, {"role": "user", "content": "u1"},
+                {"role": "assistant", "content": "a1"}, {"role": "user", "content": "u2"},
+                {"role": "assistant", "content": "a2"}]
+    assert keep_first_user_turns(messages, 1) == messages[:3]
+    assert keep_first_user_turns(messages, 2) == messages

@@ -1,0 +1,72 @@
+"""run_pipeline.py: flags routed by the schema, checked before any stage runs, finished stages skipped."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from conftest import REPO
+
+
+def run_pipeline(*args: str):
+    return subprocess.run([sys.executable, str(REPO / "run_pipeline.py"), *args], capture_output=True, text=True,
+                          timeout=600, cwd=str(REPO))
+
+
+@pytest.fixture()
+def texts(tmp_path):
+    path = tmp_path / "stories.jsonl"
+    lines = [{"text": f"Once upon a time there was a little {animal} who liked to {verb} in the park."}
+             for animal in ("cat", "dog", "bird", "fish", "frog") for verb in ("run", "play", "sing", "jump")]
+    path.write_text("".join(json.dumps(line) + "\n" for line in lines))
+    return path
+
+
+def test_runs_stages_in_order_then_skips_them(tmp_path, texts, stories260k):
+    run = tmp_path / "run"
+    common = ["--run-dir", str(run), "--model-path", str(stories260k), "--dataset", str(texts),
+              "--draft-vocab-size", "100", "--skip", "02", "--skip", "04", "--skip", "05"]
+    first = run_pipeline(*common)
+    assert first.returncode == 0, first.stdout[-3000:] + first.stderr[-3000:]
+    for stage, folder in (("01_prepare_data", "data"), ("03_build_vocab_mapping", "vocab")):
+        manifest = json.loads((run / folder / "manifest.json").read_text())
+        assert manifest["status"] == "complete"
+        assert (run / "logs" / f"{stage}.log").exists()
+    # --draft-vocab-size went to stage 03 only; --dataset to stage 01 only.
+    assert json.loads((run / "vocab" / "manifest.json").read_text())["draft_vocab_size"] == 100
+    second = run_pipeline(*common)
+    assert second.returncode == 0
+    assert second.stdout.count("complete with these flags, skipped") == 2
+    changed = run_pipeline(*common[:-6], "--draft-vocab-size", "120", "--overwrite", "--skip", "02", "--skip", "04",
+                           "--skip", "05")
+    assert changed.returncode == 0, changed.stdout[-3000:]
+    assert "01_prepare_data: complete with these flags, skipped" in changed.stdout
+    assert json.loads((run / "vocab" / "manifest.json").read_text())["draft_vocab_size"] == 120
+    status = run_pipeline("--run-dir", str(run), "--status")
+    assert "03_build_vocab_mapping" in status.stdout and "complete" in status.stdout
+    assert "04_train" in status.stdout and "not started" in status.stdout
+
+
+def test_a_bad_flag_for_a_late_stage_stops_before_the_first(tmp_path, texts, stories260k):
+    run = tmp_path / "run"
+    result = run_pipeline("--run-dir", str(run), "--model-path", str(stories260k), "--dataset", str(texts),
+                          "--stage-args", "04", "--epoch 3")
+    assert result.returncode == 2
+    assert "04_train" in result.stderr and "did you mean --epochs" in result.stderr
+    assert not (run / "data").exists()
+
+
+def test_unknown_flag_to_the_runner_is_named(tmp_path):
+    result = run_pipeline("--run-dir", str(tmp_path), "--verifer-path", "x")
+    assert result.returncode == 2 and "--verifer-path" in result.stderr and "did you mean" in result.stderr
+
+
+def test_a_failing_stage_stops_the_pipeline_with_its_log_tail(tmp_path, stories260k):
+    run = tmp_path / "run"
+    result = run_pipeline("--run-dir", str(run), "--model-path", str(stories260k), "--dataset",
+                          str(tmp_path / "missing.jsonl"))
+    assert result.returncode == 2
+    assert "01_prepare_data failed (exit 2)" in result.stdout and "missing.jsonl" in result.stdout
+    assert not (run / "vocab").exists()
