@@ -182,13 +182,17 @@ def load_models(args, log):
     from common.drafter import load_drafter
     from common.verifier import load_verifier_model, pick_device
 
+    from common.training import compute_dtype_for
+
     device = pick_device(args.device)
+    # --dtype on GPU; float32 on CPU, where bf16 is slow and its rounding makes greedy ties differ.
+    dtype = compute_dtype_for(device, args.dtype)
     started = time.time()
-    verifier = load_verifier_model(args.model_path, device, args.dtype, args.trust_remote_code)
+    verifier = load_verifier_model(args.model_path, device, dtype, args.trust_remote_code)
     embed = verifier.get_input_embeddings().weight.detach()
-    drafter = load_drafter(args.draft_model_path, embed=embed, device=device, dtype=getattr(torch, args.dtype))
+    drafter = load_drafter(args.draft_model_path, embed=embed, device=device, dtype=getattr(torch, dtype))
     drafter.eval()
-    log.info("loaded the verifier and the drafter on %s (%s) in %.1f s", device, args.dtype, time.time() - started)
+    log.info("loaded the verifier and the drafter on %s (%s) in %.1f s", device, dtype, time.time() - started)
     return verifier, drafter, device
 
 

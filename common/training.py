@@ -689,9 +689,11 @@ class Trainer:
             self.log.info("training already finished at step %d (%d epochs)", state.step, loop.epochs)
             return self.summary(best=state.best_checkpoint)
         self.log.info("training: %d samples, %d validation; %d optimizer steps over %d epochs "
-                      "(%d micro-batches of at most %d padded tokens / %d sequences, grad-accum %d)",
+                      "(%d micro-batches of at most %d padded tokens and %s sequences, grad-accum %d)",
                       len(self.train_set), len(self.val_set or []), self.total_steps, loop.epochs,
-                      sum(len(p) for p in self.epoch_plans), loop.max_tokens, loop.max_sequences, cfg.grad_accum)
+                      sum(len(p) for p in self.epoch_plans), loop.max_tokens,
+                      loop.max_sequences if loop.max_sequences < (1 << 30) else "any number of",
+                      cfg.grad_accum)
         window = _Window()
         with Progress(self.total_steps, "04_train", unit="step", initial=state.step) as progress:
             for epoch in range(state.epoch, loop.epochs):
@@ -842,6 +844,8 @@ class _Window:
         self.steps += 1
 
     def postfix(self, epoch: int, epochs: int) -> str:
+        if self.last_loss != self.last_loss:  # nothing flushed yet: metrics come every --log-interval steps
+            return f"epoch {epoch}/{epochs}"
         return f"epoch {epoch}/{epochs}, loss {self.last_loss:.4f}, {self.tokens_per_s:.0f} tok/s"
 
     def flush(self, decay: float) -> dict[str, Any]:

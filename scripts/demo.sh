@@ -17,7 +17,7 @@ fi
   --regenerate --max-turns 1 --num-samples "$SAMPLES" --eval-ratio 0.05 --max-seq-len 512 \
   --draft-vocab-size 8000 --epochs "$EPOCHS" --ttt-steps "$TTT" --lr 3e-4 \
   --stage-args 01 "--max-new-tokens 160" \
-  --stage-args 04 "--eval-interval 100 --save-interval 200" \
+  --stage-args 04 "--max-tokens-per-batch 2048 --eval-interval 50 --save-interval 100 --log-interval 5" \
   --stage-args 05 "--num-prompts $PROMPTS --max-new-tokens 64 --num-steps 3" \
   "$@"
 echo
