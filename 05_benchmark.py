@@ -171,8 +171,12 @@ def check_drafter(args, verifier_info, log) -> dict:
         if problems:
             raise UsageError(f"--draft-model-path {folder} does not fit --model-path {args.model_path}:\n  "
                              + "\n  ".join(problems))
-    log.info("drafter %s (%s): hidden %s, draft vocabulary %s of %s, aux layers %s", folder, folder.resolve().name,
+    from common.drafter import DrafterConfig
+
+    log.info("drafter %s (%s): hidden %s, draft vocabulary %s of %s, aux layers %s (inputs of those decoder "
+             "layers; eagle_config ids %s in SGLang's convention)", folder, folder.resolve().name,
              config.get("hidden_size"), config.get("draft_vocab_size"), config.get("vocab_size"),
+             DrafterConfig.from_sglang_config(config).aux_layers,
              (config.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids"))
     return config
 

