@@ -89,3 +89,11 @@ def test_refuses_data_of_another_tokenizer(run_dir, tmp_path, stories260k):
     assert result.returncode == 2
     assert "mismatch" in result.stdout and str(stories260k) in result.stdout
     assert not (tmp_path / "v" / "vocab_mapping.safetensors").exists()
+
+
+def test_progress_is_logged_as_plain_lines_under_nohup(run_dir):
+    # The fixture ran the stage with stdout to a pipe, as under nohup: no tqdm bar, plain progress lines.
+    log = (run_dir / "logs" / "03_build_vocab_mapping.log").read_text()
+    samples = json.loads((run_dir / "data" / "manifest.json").read_text())["counts"]["samples"]
+    assert f"counting target tokens: {samples}/{samples} (100.0%), ETA 00:00" in log
+    assert "\r" not in log  # no terminal control characters in the file
