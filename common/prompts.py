@@ -34,25 +34,14 @@ class BenchPrompt:
 
 # --- reading ---------------------------------------------------------------------------------------
 
-def _user_turns_from_messages(messages: list, where: str) -> list[str]:
+def _user_turns(entries: list, where: str, field_name: str) -> list[str]:
+    """User contents of OpenAI-style (role/content) or ShareGPT-style (from/value) turns."""
     turns = []
-    for message in messages:
+    for message in entries:
         if not isinstance(message, dict):
-            raise UsageError(f"{where}: 'messages' entries must be objects with role and content")
+            raise UsageError(f"{where}: '{field_name}' entries must be objects with role/content or from/value")
         role = str(message.get("role", message.get("from", ""))).lower()
         content = message.get("content", message.get("value"))
-        if role in _USER_ROLES and isinstance(content, str) and content.strip():
-            turns.append(content)
-    return turns
-
-
-def _user_turns_from_sharegpt(conversations: list, where: str) -> list[str]:
-    turns = []
-    for message in conversations:
-        if not isinstance(message, dict):
-            raise UsageError(f"{where}: 'conversations' entries must be objects with from and value")
-        role = str(message.get("from", message.get("role", ""))).lower()
-        content = message.get("value", message.get("content"))
         if role in _USER_ROLES and isinstance(content, str) and content.strip():
             turns.append(content)
     return turns
@@ -71,9 +60,9 @@ def prompt_from_record(record: Any, index: int, where: str) -> BenchPrompt | Non
     if isinstance(record.get("turns"), list):
         turns = [t for t in record["turns"] if isinstance(t, str) and t.strip()]
     elif isinstance(record.get("messages"), list):
-        turns = _user_turns_from_messages(record["messages"], where)
+        turns = _user_turns(record["messages"], where, "messages")
     elif isinstance(record.get("conversations"), list):
-        turns = _user_turns_from_sharegpt(record["conversations"], where)
+        turns = _user_turns(record["conversations"], where, "conversations")
     else:
         key = next((k for k in _PROMPT_KEYS if isinstance(record.get(k), str)), None)
         if key is None:

@@ -19,6 +19,15 @@ if str(REPO) not in sys.path:
 SHARED = REPO.parent / "shared"
 STORIES260K = SHARED / "models" / "stories260K"
 
+# A chat template for stories260K (which has none): special tokens around turns, the assistant header
+# "Answer:" emitted by the generation prompt exactly as in the rendered assistant turn.
+STORIES_TEMPLATE = (
+    "{%- for m in messages -%}"
+    "{%- if m.role == 'assistant' -%}<s>Answer: {{ m.content }}</s>"
+    "{%- else -%}<s>{{ m.role | capitalize }}: {{ m.content }}\n{% endif -%}"
+    "{%- endfor -%}"
+    "{%- if add_generation_prompt -%}<s>Answer:{%- endif -%}")
+
 
 @pytest.fixture(scope="session")
 def stories260k() -> Path:

@@ -22,16 +22,10 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import REPO
+from conftest import REPO, STORIES_TEMPLATE
 
 STARTS = ["Once upon a time", "The little dog", "Tom and Sue went", "One day, a big", "Lily wanted", "The sun was"]
 DRAFT_VOCAB = 320
-STORIES_TEMPLATE = (
-    "{%- for m in messages -%}"
-    "{%- if m.role == 'assistant' -%}<s>Answer: {{ m.content }}</s>"
-    "{%- else -%}<s>{{ m.role | capitalize }}: {{ m.content }}\n{% endif -%}"
-    "{%- endfor -%}"
-    "{%- if add_generation_prompt -%}<s>Answer:{%- endif -%}")
 
 
 def _load_module(name: str, file: str):

@@ -13,21 +13,12 @@ from pathlib import Path
 
 import pytest
 
-from conftest import REPO, run_script
+from conftest import REPO, STORIES_TEMPLATE, run_script
 from common.chat_data import (BadRecordError, BadRecords, ChatTokenizer, end_of_turn_ids, iter_json_array,
                               prompt_hash, read_records, resolve_source)
 from common.regenerate import CACHE_FILE, RegenerationCache, prompts_hash, regenerate_conversations
 
 SCRIPT = "01_prepare_data.py"
-
-# A template for stories260K (which has none): special tokens around turns, the assistant header
-# "Answer:" emitted by the generation prompt exactly as in the rendered assistant turn.
-STORIES_TEMPLATE = (
-    "{%- for m in messages -%}"
-    "{%- if m.role == 'assistant' -%}<s>Answer: {{ m.content }}</s>"
-    "{%- else -%}<s>{{ m.role | capitalize }}: {{ m.content }}\n{% endif -%}"
-    "{%- endfor -%}"
-    "{%- if add_generation_prompt -%}<s>Answer:{%- endif -%}")
 
 KIMI_TEMPLATE = (
     "{%- for message in messages -%}"
