@@ -7,7 +7,8 @@ Reads ShareGPT / OpenAI-messages / plain-text JSON(L), parquet, Hugging Face dat
 after <|im_end|>, which the verifier never generates); removes exact duplicates; shuffles (--seed);
 keeps --num-samples conversations, of which --eval-ratio go to a held-out file whose prompts never
 appear in training. With --regenerate the assistant turns are first replaced by the verifier's own
-responses (resumable).
+responses (resumable), generated in-process or, with --regenerate-endpoint URL, by an OpenAI-compatible
+server already serving the verifier (e.g. SGLang; --concurrency requests in flight).
 
 Writes OUTPUT_DIR/tokenized_data.jsonl ({"id", "input_ids", "loss_mask"}), eval_data.jsonl (also
 "prompt" and the original "messages"), train_prompt_hashes.txt, bad_records.jsonl and manifest.json.
@@ -66,7 +67,8 @@ def _dataset_identity(spec: str) -> str:
     return str(path.resolve()) if path.exists() else spec
 
 
-def _fingerprint(args, tokenizer_sha: str, template_sha: str | None, eval_file: Path) -> dict:
+def _fingerprint(args, tokenizer_sha: str, template_sha: str | None, eval_file: Path,
+                 served_model: str | None = None) -> dict:
     """The settings the output depends on; a complete output made with other settings is not reused."""
     fingerprint = {
         "model_path": args.model_path, "tokenizer_sha256": tokenizer_sha, "chat_template_sha256": template_sha,
@@ -76,8 +78,19 @@ def _fingerprint(args, tokenizer_sha: str, template_sha: str | None, eval_file: 
         "max_turns": args.max_turns,
     }
     if args.regenerate:
-        fingerprint.update(max_new_tokens=args.max_new_tokens, temperature=args.temperature, dtype=args.dtype)
+        fingerprint.update(max_new_tokens=args.max_new_tokens, temperature=args.temperature,
+                           **_generator_identity(args, served_model))
     return fingerprint
+
+
+def _generator_identity(args, served_model: str | None) -> dict:
+    """What generates the responses: the in-process dtype, or the endpoint and the model it serves."""
+    if args.regenerate_endpoint:
+        from common.regenerate import endpoint_base
+
+        return {"dtype": None, "regenerate_endpoint": endpoint_base(args.regenerate_endpoint),
+                "served_model": served_model}
+    return {"dtype": args.dtype}
 
 
 def _already_complete(out: Path, data_file: Path, fingerprint: dict, overwrite: bool, log) -> bool:
@@ -221,6 +234,7 @@ class Inputs:
     template_sha: str | None
     fingerprint: dict
     device: str | None
+    served_model: str | None = None  # the model name the --regenerate-endpoint serves
 
 
 @dataclass
@@ -240,6 +254,7 @@ def check_inputs(args) -> Inputs:
     from common.verifier import load_tokenizer, pick_device, read_verifier_info
 
     require(args, "model_path", "dataset")
+    served_model = _check_endpoint(args)
     out = Path(args.output_dir)
     if args.eval_output and args.eval_ratio == 0:
         raise UsageError("--eval-output is set but --eval-ratio is 0; give --eval-ratio (e.g. 0.01) for a "
@@ -251,13 +266,26 @@ def check_inputs(args) -> Inputs:
     sources = [resolve_source(spec) for spec in args.dataset]
     for source in sources:
         source.check()
-    device = pick_device(args.device) if args.regenerate else None
+    device = pick_device(args.device) if args.regenerate and not args.regenerate_endpoint else None
     verifier = read_verifier_info(args.model_path, args.trust_remote_code)
     tokenizer = load_tokenizer(args.model_path, args.trust_remote_code, args.chat_template)
     template = _template_text(tokenizer)
     template_sha = sha256_text(template) if template else None
     return Inputs(out, out / PREPARED_DATA_FILE, eval_file, sources, tokenizer, verifier.identity(), template_sha,
-                  _fingerprint(args, verifier.tokenizer_sha256, template_sha, eval_file), device)
+                  _fingerprint(args, verifier.tokenizer_sha256, template_sha, eval_file, served_model), device,
+                  served_model)
+
+
+def _check_endpoint(args) -> str | None:
+    """--regenerate-endpoint answers (before any data is read); returns the model name it serves."""
+    if not args.regenerate_endpoint:
+        return None
+    if not args.regenerate:
+        raise UsageError("--regenerate-endpoint is set without --regenerate; add --regenerate to regenerate the "
+                         "responses through it")
+    from common.regenerate import check_endpoint
+
+    return check_endpoint(args.regenerate_endpoint)
 
 
 def regeneration_cache(args, inputs: Inputs, log):
@@ -271,8 +299,9 @@ def regeneration_cache(args, inputs: Inputs, log):
 
     settings = {k: inputs.fingerprint[k] for k in ("model_path", "tokenizer_sha256", "chat_template_sha256",
                                                    "max_seq_len")}
-    settings.update(max_new_tokens=args.max_new_tokens, temperature=args.temperature, dtype=args.dtype,
-                    seed=args.seed if args.temperature > 0 else None)
+    settings.update(max_new_tokens=args.max_new_tokens, temperature=args.temperature,
+                    seed=args.seed if args.temperature > 0 else None,
+                    **_generator_identity(args, inputs.served_model))
     cache = RegenerationCache(inputs.out, settings)
     if args.overwrite and cache.differences():
         log.info("--overwrite: removing %s (generated with other settings)", cache.path)
@@ -322,11 +351,20 @@ def read_data(args, inputs: Inputs, log) -> tuple[list[Record], BadRecords, list
 
 
 def make_regenerator(args, inputs: Inputs, stop_ids: set[int], cache, records: list[Record], log):
-    """The verifier-backed regenerator (the model loads on first use, after the preflight)."""
-    from common.regenerate import HFResponder, Regenerator
+    """The verifier-backed regenerator (the model loads on first use, after the preflight), or the
+    endpoint-backed one with --regenerate-endpoint (no model load here)."""
+    from common.regenerate import EndpointResponder, HFResponder, Regenerator
     from common.verifier import load_verifier_model
 
     _preflight(ChatTokenizer(inputs.tokenizer, stop_ids, args.max_seq_len), records, args.max_bad_fraction, log)
+    if args.regenerate_endpoint:
+        # conversations per cache append: enough to keep every concurrent request slot busy
+        batch_size = args.batch_size or max(DEFAULT_REGEN_BATCH, 4 * args.concurrency)
+        log.info("regenerating through %s (model %s, %d request(s) in flight)", args.regenerate_endpoint,
+                 inputs.served_model or "default", args.concurrency)
+        responder = EndpointResponder(args.regenerate_endpoint, inputs.served_model, args.max_new_tokens,
+                                      args.temperature, args.concurrency)
+        return Regenerator(responder, cache, batch_size)
     batch_size = args.batch_size or DEFAULT_REGEN_BATCH
     responder = HFResponder(
         lambda: load_verifier_model(args.model_path, inputs.device, args.dtype, args.trust_remote_code),
@@ -460,6 +498,9 @@ def work(args, log) -> None:
     if regenerator is not None:
         manifest.data["regeneration"] = {"settings": cache.settings, "cache": cache.path.name, **regenerator.counts,
                                          "hit_max_new_tokens": regenerator.respond.hit_max_new_tokens}
+        if args.regenerate_endpoint:  # requests that failed after retries (their conversations are bad records)
+            manifest.data["regeneration"].update(failures=regenerator.respond.failures,
+                                                 failure_examples=regenerator.respond.errors)
     manifest.complete()
     log.info("wrote %s: %d samples, %d tokens (%d with loss), %d truncated; length p50 %d p99 %d max %d",
              inputs.data_file, train["samples"], train["tokens"], train["loss_tokens"], train["truncated"],

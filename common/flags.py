@@ -115,6 +115,8 @@ _ALL_FLAGS: list[Flag] = [
          type=None, action="store_true"),
     Flag("--max-new-tokens", "Longest generated response.", aliases=("--max-tokens",), type=_positive_int,
          default=256),
+    Flag("--regenerate-endpoint", "OpenAI-compatible server that regenerates the responses instead of loading "
+         "--model-path in-process; the tokenizer still comes from --model-path.", metavar="URL"),
     # --- shared compute settings -----------------------------------------------------------------
     Flag("--batch-size", "Sequences per batch.", aliases=("--bs", "--per-device-batch-size",
          "--train-batch-size", "--micro-batch-size"), type=_positive_int),
@@ -209,7 +211,8 @@ STAGE_FLAGS: dict[str, list[str]] = {
     "01_prepare_data": ["--run-dir", "--model-path", "--trust-remote-code", "--dataset", "--output-dir",
                         "--chat-template", "--max-seq-len", "--num-samples", "--seed", "--eval-ratio",
                         "--eval-output", "--max-bad-fraction", "--max-turns", "--regenerate", "--max-new-tokens",
-                        "--batch-size", "--device", "--dtype", "--temperature", "--overwrite"],
+                        "--batch-size", "--device", "--dtype", "--temperature", "--overwrite",
+                        "--regenerate-endpoint", "--concurrency"],
     "02_extract_hidden_states": ["--run-dir", "--model-path", "--trust-remote-code", "--prepared-data",
                                  "--output-dir", "--aux-layers", "--batch-size", "--max-tokens-per-batch",
                                  "--max-seq-len", "--device", "--dtype", "--num-workers",

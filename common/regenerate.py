@@ -6,8 +6,8 @@ far, turn by turn. Two layers:
 
   - a *responder*: any callable taking a list of conversations (message lists, each ending with a user
     turn) and returning one reply per conversation: the text, or None when no reply can be made (the
-    prompt is too long). `HFResponder` runs batched `generate` on a transformers model; an
-    OpenAI-compatible endpoint client can be another responder without touching the rest.
+    prompt is too long). `HFResponder` runs batched `generate` on a transformers model;
+    `EndpointResponder` asks an OpenAI-compatible server (e.g. SGLang serving the verifier).
   - `regenerate_conversations`: drives a responder over whole conversations in batches, appending each
     finished batch to a JSONL cache (flushed and synced per batch) so an interrupted run resumes where it
     stopped; ids already in the cache (for the same prompts) are not generated again.
@@ -17,6 +17,11 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import threading
+import time
+import urllib.error
+import urllib.request
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Sequence
@@ -27,6 +32,9 @@ from common.stage import Progress, get_logger
 ASSISTANT = "assistant"
 CACHE_FILE = "regenerated.jsonl"
 SETTINGS_FILE = "regenerated.settings.json"
+# Bad reason of a conversation the endpoint failed to answer: transient, so it is not reused from the
+# cache but asked again on the next run.
+ENDPOINT_FAILED = "endpoint_failed"
 
 Responder = Callable[[list[list[dict]]], list["str | None"]]
 
@@ -146,7 +154,12 @@ class _Conversation:
 
 
 def _generate_batch(batch: list[_Conversation], respond: Responder) -> None:
-    """Run every conversation of the batch to its end, one turn (one responder call) at a time."""
+    """Run every conversation of the batch to its end, one turn (one responder call) at a time.
+
+    A responder with a `failure_reason` (reason, detail) means None as "the request failed": that
+    conversation is marked bad on any turn (to be asked again next run), not cut short.
+    """
+    failure = getattr(respond, "failure_reason", None)
     while True:
         active = [c for c in batch if c.pending]
         if not active:
@@ -157,6 +170,9 @@ def _generate_batch(batch: list[_Conversation], respond: Responder) -> None:
             raise RuntimeError(f"the responder returned {len(replies)} replies for {len(prompts)} prompts")
         for conversation, prompt, reply in zip(active, prompts, replies):
             text = None if reply is None else reply.strip()
+            if reply is None and failure is not None:
+                conversation.bad = failure
+                continue
             if not text:
                 if conversation.next_segment == 0:
                     conversation.bad = ("no_reply", "prompt too long or not renderable") if reply is None \
@@ -181,7 +197,7 @@ def regenerate_conversations(conversations: Sequence[Any], respond: Responder, c
     for conversation in conversations:
         digest = prompts_hash(conversation.messages)
         entry = cached.get(conversation.id)
-        if entry is not None and entry.get("prompts_sha256") == digest:
+        if entry is not None and entry.get("prompts_sha256") == digest and entry.get("bad") != ENDPOINT_FAILED:
             results[conversation.id] = entry
         else:
             todo.append(_Conversation(conversation.id, prompt_segments(conversation.messages), []))
@@ -285,6 +301,110 @@ class HFResponder:
                 self.hit_max_new_tokens += 1
             replies.append(self.tokenizer.decode(row[:stop], skip_special_tokens=True).strip())
         return replies
+
+
+# --- the OpenAI-compatible endpoint responder ------------------------------------------------------------
+
+def endpoint_base(url: str) -> str:
+    """The server root: "http://host:port", "http://host:port/" and "http://host:port/v1" are the same."""
+    base = url.strip().rstrip("/")
+    return base[:-len("/v1")] if base.endswith("/v1") else base
+
+
+def _is_transient(err: Exception) -> bool:
+    """Worth retrying: the server is busy or restarting (5xx, 429) or the connection broke."""
+    if isinstance(err, urllib.error.HTTPError):
+        return err.code >= 500 or err.code == 429
+    return isinstance(err, (urllib.error.URLError, ConnectionError, TimeoutError))
+
+
+def check_endpoint(url: str, timeout_s: float = 10.0) -> str | None:
+    """Preflight: the endpoint answers. Returns the served model name (first of GET /v1/models), or None
+    when the server has no such route; raises UsageError naming the URL when nothing answers."""
+    base = endpoint_base(url)
+    if not base.startswith(("http://", "https://")):
+        raise UsageError(f"--regenerate-endpoint {url!r}: expected an http(s) URL such as http://127.0.0.1:30000")
+    try:
+        with urllib.request.urlopen(base + "/v1/models", timeout=timeout_s) as response:
+            listing = json.loads(response.read() or b"{}")
+    except urllib.error.HTTPError:
+        return None  # it answered, just not this route: the chat route may still work
+    except (urllib.error.URLError, ConnectionError, TimeoutError, OSError) as err:
+        reason = getattr(err, "reason", err)
+        raise UsageError(f"--regenerate-endpoint {url}: no OpenAI-compatible server answers at {base}/v1/models "
+                         f"({reason}); start the server (e.g. sglang.launch_server --model-path ...) or fix the URL")
+    except json.JSONDecodeError:
+        return None
+    models = listing.get("data") if isinstance(listing, dict) else None
+    if models and isinstance(models[0], dict) and models[0].get("id"):
+        return str(models[0]["id"])
+    return None
+
+
+class EndpointResponder:
+    """Replies from an OpenAI-compatible /v1/chat/completions, `concurrency` requests in flight.
+
+    Transient failures (connection errors, 5xx, 429) are retried with exponential backoff; a
+    conversation still failing gets None and is counted in `failures` (the first errors are logged).
+    The server applies the chat template and stops at its end-of-turn tokens.
+    """
+
+    failure_reason = (ENDPOINT_FAILED, "the endpoint gave no reply after retries (see the log); asked again "
+                                       "on the next run")
+    LOGGED_ERRORS = 5
+
+    def __init__(self, url: str, model: str | None = None, max_new_tokens: int = 256, temperature: float = 0.0,
+                 concurrency: int = 1, retries: int = 3, timeout_s: float = 600, backoff_s: float = 0.5):
+        self.url = endpoint_base(url) + "/v1/chat/completions"
+        self.model = model or "default"
+        self.max_new_tokens, self.temperature = max_new_tokens, temperature
+        self.concurrency, self.retries, self.timeout_s, self.backoff_s = concurrency, retries, timeout_s, backoff_s
+        self.failures = 0
+        self.hit_max_new_tokens = 0
+        self.errors: list[str] = []  # the first few, for the manifest
+        self._lock = threading.Lock()
+
+    def __call__(self, conversations: list[list[dict]]) -> list[str | None]:
+        with ThreadPoolExecutor(max_workers=self.concurrency) as pool:
+            return list(pool.map(self._respond, conversations))
+
+    def _post(self, messages: list[dict]) -> dict:
+        body = json.dumps({"model": self.model, "messages": messages, "max_tokens": self.max_new_tokens,
+                           "temperature": self.temperature}).encode("utf-8")
+        request = urllib.request.Request(self.url, data=body, headers={"Content-Type": "application/json"})
+        with urllib.request.urlopen(request, timeout=self.timeout_s) as response:
+            return json.loads(response.read())
+
+    def _respond(self, messages: list[dict]) -> str | None:
+        for attempt in range(self.retries + 1):
+            try:
+                choice = self._post(messages)["choices"][0]
+                reply = choice["message"]["content"]
+            except Exception as err:  # noqa: BLE001 - every failure is either retried or counted
+                if _is_transient(err) and attempt < self.retries:
+                    time.sleep(self.backoff_s * 2 ** attempt)
+                    continue
+                self._record_failure(err, attempt + 1)
+                return None
+            if choice.get("finish_reason") == "length":
+                with self._lock:
+                    self.hit_max_new_tokens += 1
+            return (reply or "").strip()
+        return None  # not reached: the last attempt returns above
+
+    def _record_failure(self, err: Exception, attempts: int) -> None:
+        detail = f"{type(err).__name__}: {err}"
+        if isinstance(err, urllib.error.HTTPError):
+            try:
+                detail += f" ({err.read()[:200].decode('utf-8', 'replace')})"
+            except Exception:  # noqa: BLE001 - the body is only a hint
+                pass
+        with self._lock:
+            self.failures += 1
+            if len(self.errors) < self.LOGGED_ERRORS:
+                self.errors.append(detail)
+                get_logger().warning("%s: request failed after %d attempt(s): %s", self.url, attempts,
+                                     detail)
 
 
 class Regenerator:

@@ -10,7 +10,8 @@ decoding, whose real verify count is reported the way SGLang reports it). Endpoi
   GET  /get_server_info           avg_spec_accept_length, nested under internal_states[0] (newer SGLang) or
                                   flat (older), with a drafter
   GET  /health
-`fail_first=N` answers the first N POST requests with HTTP 503, to exercise the client's retries.
+`fail_first=N` answers the first N POST requests with HTTP 503, to exercise the client's retries;
+`fail_when(body) -> bool` answers every matching POST with HTTP 500 (a request that always fails).
 Standard library http.server in a background thread; one generation at a time (a lock).
 
 Run by hand: python tests/openai_server.py --model-path ../shared/models/stories260K --port 30000
@@ -33,7 +34,7 @@ if str(REPO) not in sys.path:
 
 class ModelServer:
     def __init__(self, model, tokenizer, name: str = "test-model", decoder=None, eos_token_ids=(),
-                 info_layout: str = "nested", fail_first: int = 0):
+                 info_layout: str = "nested", fail_first: int = 0, fail_when=None):
         from common.prompts import has_chat_template
 
         self.model, self.tokenizer, self.name, self.decoder = model, tokenizer, name, decoder
@@ -41,6 +42,7 @@ class ModelServer:
         self.raw = not has_chat_template(tokenizer)
         self.info_layout = info_layout
         self.failures_left = fail_first
+        self.fail_when = fail_when
         self.lock = threading.Lock()
         self.requests = 0
         self.total_tokens = 0
@@ -128,6 +130,9 @@ class ModelServer:
                         server.failures_left -= 1
                 if failing:
                     self._send(503, {"error": "temporarily unavailable (test failure injection)"})
+                    return
+                if server.fail_when is not None and server.fail_when(body):
+                    self._send(500, {"error": "internal error (test failure injection)"})
                     return
                 try:
                     if self.path == "/v1/chat/completions":

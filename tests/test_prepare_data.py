@@ -579,3 +579,96 @@ def test_max_turns_keeps_the_first_user_turns_and_their_replies():
                 {"role": "assistant", "content": "a2"}]
     assert keep_first_user_turns(messages, 1) == messages[:3]
     assert keep_first_user_turns(messages, 2) == messages
+
+
+# --- regeneration through an OpenAI-compatible endpoint ----------------------------------------------
+
+@pytest.fixture()
+def endpoint(stories260k):
+    """tests/openai_server.py serving stories260K (with STORIES_TEMPLATE) over real HTTP: the first two
+    POSTs get a transient 503, and any request whose messages contain "ALWAYS FAIL" gets a 500."""
+    sys.path.insert(0, str(REPO / "tests"))
+    from openai_server import ModelServer
+
+    from common.verifier import load_tokenizer, load_verifier_model
+
+    tokenizer = load_tokenizer(str(stories260k))
+    tokenizer.chat_template = STORIES_TEMPLATE
+    model = load_verifier_model(str(stories260k), "cpu", "float32")
+    server = ModelServer(model, tokenizer, name="stories-served", eos_token_ids=[tokenizer.eos_token_id],
+                         fail_first=2,
+                         fail_when=lambda body: any("ALWAYS FAIL" in m["content"] for m in body.get("messages", [])))
+    url = server.start()
+    yield server, url
+    server.stop()
+
+
+def test_regenerate_through_an_endpoint(stage, tmp_path, endpoint, stories260k, stories_template):
+    server, url = endpoint
+    rows = [sharegpt([("human", "Tell a story about Lily."), ("gpt", "DATA REPLY ONE")], id="e0"),
+            sharegpt([("system", "Be kind."), ("human", "Once upon a time"), ("gpt", "DATA REPLY TWO"),
+                      ("human", "What happened next?"), ("gpt", "DATA REPLY THREE")], id="e1"),
+            sharegpt([("human", "Tom had a red ball.")], id="e2"),
+            sharegpt([("human", "The dog ran home."), ("gpt", "DATA REPLY FOUR")], id="e3"),
+            sharegpt([("human", "ALWAYS FAIL here"), ("gpt", "DATA REPLY FIVE")], id="e4")]
+    data = write_jsonl(tmp_path / "regen.jsonl", rows)
+    out = tmp_path / "out"
+    args = ["--model-path", str(stories260k), "--chat-template", str(stories_template), "--dataset",
+            str(data), "--output-dir", str(out), "--regenerate", "--regenerate-endpoint", url, "--concurrency", "4",
+            "--max-new-tokens", "6", "--max-seq-len", "256", "--max-bad-fraction", "0.5"]
+
+    assert stage.main(args) == 0
+    assert server.failures_left == 0  # both transient 503s were retried
+    generated_turns = server.requests
+    assert generated_turns == 5  # e1 has two user turns; e4 never reached the model
+    cache = {e["id"]: e for e in read_jsonl(out / CACHE_FILE)}
+    assert cache["e4"]["bad"] == "endpoint_failed"
+    manifest = json.loads((out / "manifest.json").read_text())
+    regeneration = manifest["regeneration"]
+    assert regeneration["failures"] == 1 and "500" in regeneration["failure_examples"][0]
+    assert regeneration["settings"]["regenerate_endpoint"] == url
+    assert regeneration["settings"]["served_model"] == "stories-served"
+    assert manifest["bad_records"]["counts"] == {"endpoint_failed": 1}
+    samples = {s["id"] for s in read_jsonl(out / "tokenized_data.jsonl")}
+    assert samples == {"e0", "e1", "e2", "e3"}
+
+    # Rerun: every answered conversation comes from the cache (no new generation on the server); the
+    # failed one is asked again (and fails again).
+    assert stage.main(args + ["--overwrite"]) == 0
+    assert server.requests == generated_turns
+    regeneration = json.loads((out / "manifest.json").read_text())["regeneration"]
+    assert (regeneration["reused"], regeneration["generated"], regeneration["failures"]) == (4, 1, 1)
+
+    # The cached replies are exactly what the server generates for those conversations (greedy).
+    for entry in (cache[i] for i in ("e0", "e1", "e2", "e3")):
+        messages = entry["messages"]
+        assert not any("DATA REPLY" in m["content"] for m in messages)
+        for turn, message in enumerate(messages):
+            if message["role"] == "assistant":
+                reply = server.chat({"messages": messages[:turn], "max_tokens": 6, "temperature": 0.0})
+                assert reply["choices"][0]["message"]["content"].strip() == message["content"]
+
+    # The in-process generator's settings differ from the endpoint's: that cache is refused.
+    manifest = json.loads((out / "manifest.json").read_text())
+    manifest["status"] = "running"
+    (out / "manifest.json").write_text(json.dumps(manifest))
+    in_process = [a for a in args if a not in ("--regenerate-endpoint", url, "--concurrency", "4")]
+    assert stage.main(in_process + ["--device", "cpu"]) == 2
+    last_line = (out / "logs" / "01_prepare_data.log").read_text().splitlines()[-1]
+    assert CACHE_FILE in last_line and "regenerate_endpoint" in last_line
+
+
+def test_unreachable_endpoint_exits_2_before_any_work(stage, tmp_path, stories260k, stories_template):
+    import socket
+
+    with socket.socket() as probe:  # a port nothing listens on once closed
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    url = f"http://127.0.0.1:{port}"
+    data = write_jsonl(tmp_path / "d.jsonl", [sharegpt([("human", "Hi"), ("gpt", "Hello")], id="u0")])
+    out = tmp_path / "out"
+    assert stage.main(["--model-path", str(stories260k), "--chat-template", str(stories_template), "--dataset",
+                       str(data), "--output-dir", str(out), "--regenerate", "--regenerate-endpoint", url]) == 2
+    assert not (out / "manifest.json").exists() and not (out / CACHE_FILE).exists()
+    log = (out / "logs" / "01_prepare_data.log").read_text()
+    assert url in log.splitlines()[-1]
