@@ -507,19 +507,26 @@ def test_check_drafter_dir_compares_layer_ids_with_the_hidden_state_manifest(tmp
     assert problems == [] and any("vLLM would capture" in n for n in notes)
 
 
-def test_from_verifier_and_init_on_real_stories260k(stories260k):
+def stories260k_drafter(stories260k, **overrides):
+    """A drafter on stories260K's shape, initialised from its real tensors, with draft ids 0, 2, ..., 198."""
     from common.verifier import default_aux_layers, read_embedding_tensors, read_verifier_info
 
     info = read_verifier_info(str(stories260k))
-    cfg = DrafterConfig.from_verifier(info, 100, default_aux_layers(info.num_layers), intermediate_size=96)
-    assert (cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim) == (64, 8, 4, 8)
-    assert cfg.intermediate_size == 96 and cfg.vocab_size == 512
+    cfg = DrafterConfig.from_verifier(info, 100, default_aux_layers(info.num_layers), **overrides)
     model = Eagle3Drafter(cfg)
     tensors = read_embedding_tensors(str(stories260k))
     ids = torch.arange(0, 200, 2)
     t2d = torch.zeros(512, dtype=torch.bool)
     t2d[ids] = True
     model.init_from_verifier(tensors["embed_tokens"].float(), tensors["lm_head"].float(), ids - torch.arange(100), t2d)
+    return model, tensors, ids, t2d
+
+
+def test_from_verifier_and_init_on_real_stories260k(stories260k):
+    model, tensors, ids, t2d = stories260k_drafter(stories260k, intermediate_size=96)
+    cfg = model.config
+    assert (cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim) == (64, 8, 4, 8)
+    assert cfg.intermediate_size == 96 and cfg.vocab_size == 512
     assert torch.equal(model.lm_head.weight, tensors["lm_head"].float()[ids])
     assert not model.embed_tokens.weight.requires_grad
     with pytest.raises(ValueError, match="not marked in t2d"):
@@ -528,6 +535,9 @@ def test_from_verifier_and_init_on_real_stories260k(stories260k):
         bad[1] = True
         model.init_from_verifier(tensors["embed_tokens"].float(), tensors["lm_head"].float(),
                                  ids - torch.arange(100), bad)
+    from common.verifier import read_verifier_info
+
+    info = read_verifier_info(str(stories260k))
     mla = type(info)(**{**info.__dict__, "model_type": "deepseek_v3", "hidden_size": 7168,
                         "num_attention_heads": 64, "num_key_value_heads": 64, "head_dim": 112,
                         "vocab_size": 163840, "rope_scaling": {"type": "yarn", "factor": 32.0, "mscale": 1.0}})
@@ -563,16 +573,8 @@ def test_speculators_converter_accepts_the_export(tmp_path, stories260k):
         pytest.skip(f"speculators not importable here ({type(err).__name__}: {err}); see the docstring")
     from safetensors.torch import load_file
 
-    from common.verifier import default_aux_layers, read_embedding_tensors, read_verifier_info
-
-    info = read_verifier_info(str(stories260k))
-    cfg = DrafterConfig.from_verifier(info, 100, default_aux_layers(info.num_layers))
-    model = Eagle3Drafter(cfg)
-    tensors = read_embedding_tensors(str(stories260k))
-    ids = torch.arange(0, 200, 2)
-    t2d = torch.zeros(512, dtype=torch.bool)
-    t2d[ids] = True
-    model.init_from_verifier(tensors["embed_tokens"].float(), tensors["lm_head"].float(), ids - torch.arange(100), t2d)
+    model, _, _, _ = stories260k_drafter(stories260k)
+    cfg = model.config
     save_drafter(model.to(torch.bfloat16), tmp_path / "ours")
     Eagle3Converter().convert(tmp_path / "ours", tmp_path / "converted", base_model=str(stories260k),
                               validate=True, eagle_aux_hidden_state_layer_ids=cfg.aux_layers)
