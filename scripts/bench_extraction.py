@@ -6,9 +6,12 @@ On the same synthetic batches, in one process, it measures:
   extraction    common.extraction.Extractor.run, the exact code the stage runs: hooks, gather, side-stream
                 copies into page-locked staging buffers, writer processes saving .pt files;
   naive         (optional) output_hidden_states=True, synchronous .cpu() copies, torch.save in the loop;
-  disk          the raw sequential write rate of the output disk (one big file + fsync).
+  disk          the raw sequential write rate of the output disk (one big file + fsync), before and after
+                the extraction, writing as many bytes as the extraction does.
 and reports extraction / forward-only throughput and the write rates. Target: extraction >= 90% of
-forward-only, or >= 80% of the disk's sequential rate where the disk is the limit.
+forward-only, or >= 80% of the disk's sequential rate where the disk is the limit. Extraction is timed until
+its files are on the disk (the writers fdatasync every file, and a final os.sync() is counted), so the rate
+is the sustained one a long run sees, not the page cache's.
 
     python scripts/bench_extraction.py --random-llama8b                      # H200: 8B-shaped random Llama
     python scripts/bench_extraction.py --model-path /models/SmolLM2-135M-Instruct
@@ -58,7 +61,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--num-workers", type=int, default=8, help="writer processes (stage 02's --num-workers)")
     parser.add_argument("--aux-layers", default=None, help="a,b,c (default: the stage's default layers)")
     parser.add_argument("--naive-batches", type=int, default=2, help="batches for the naive baseline (0: skip)")
-    parser.add_argument("--disk-test-mb", type=int, default=4096, help="size of the raw disk write test (0: skip)")
+    parser.add_argument("--disk-test-mb", type=int, default=None,
+                        help="size of each raw disk write test (default: the extraction's size; 0: skip)")
     parser.add_argument("--output-dir", default=None, help="scratch folder for the files (on the disk to test)")
     parser.add_argument("--keep-files", action="store_true")
     parser.add_argument("--trust-remote-code", action="store_true")
@@ -196,7 +200,10 @@ def main(argv=None) -> int:
               "num_batches": len(measured), "tokens": tokens, "aux_layers": layers, "hidden_size": hidden,
               "num_workers": args.num_workers, "output_dir": str(scratch)}
     emit({"phase": "setup", **result})
+    disk_mb = args.disk_test_mb if args.disk_test_mb is not None else max(1, tokens * bytes_per_token >> 20)
     try:
+        disk_before = disk_write_rate(scratch, disk_mb)
+        emit({"phase": "disk_before", **disk_before})
         # Writers are forked before the model exists, as in the stage.
         with Extractor(out_dir, samples, batches, layers, hidden, store_dtype, args.num_workers) as extractor:
             if device.startswith("cuda"):  # only now: the writers were forked before CUDA started here
@@ -217,12 +224,16 @@ def main(argv=None) -> int:
             emit({"phase": "forward_only", "seconds": round(fwd1, 3), "tokens_per_s": round(tokens / fwd1, 1)})
 
             extraction = extractor.run(text, measured).as_dict()
+            # Count whatever the kernel still holds: the rate is the one at which data reaches the disk.
             elapsed = extraction["elapsed_s"]
             sync_started = time.perf_counter()
             os.sync()
             sync_s = time.perf_counter() - sync_started
             extraction["sync_after_s"] = round(sync_s, 3)
-            extraction["tokens_per_s_including_sync"] = round(extraction["tokens_written"] / (elapsed + sync_s), 1)
+            extraction["window_tokens_per_s"] = extraction["tokens_per_s"]
+            extraction["elapsed_s"] = round(elapsed + sync_s, 3)
+            extraction["tokens_per_s"] = round(extraction["tokens_written"] / (elapsed + sync_s), 1)
+            extraction["write_bytes_per_s"] = round(extraction["bytes_written"] / (elapsed + sync_s), 1)
             emit({"phase": "extraction", **extraction})
 
             fwd2 = forward_only(text, samples, measured)
@@ -233,8 +244,8 @@ def main(argv=None) -> int:
                 naive = naive_extract(text, samples, measured[:args.naive_batches], layers, store_dtype,
                                       scratch / "naive")
                 emit({"phase": "naive_baseline", **naive})
-        disk = disk_write_rate(scratch, args.disk_test_mb)
-        emit({"phase": "disk", **disk})
+        disk_after = disk_write_rate(scratch, disk_mb)
+        emit({"phase": "disk_after", **disk_after})
     finally:
         if not args.keep_files:
             shutil.rmtree(scratch, ignore_errors=True)
@@ -244,7 +255,10 @@ def main(argv=None) -> int:
     result["forward_only"] = {"tokens_per_s": round(forward_rate, 1), "runs_s": [round(fwd1, 3), round(fwd2, 3)]}
     result["extraction"] = extraction
     result["naive_baseline"] = naive
-    result["disk"] = disk
+    # The disk's rate drifts between runs; the better of the two measurements is the stricter reference.
+    disk = max((disk_before, disk_after), key=lambda d: d.get("sequential_write_bytes_per_s", 0))
+    result["disk"] = {"before": disk_before, "after": disk_after,
+                      "sequential_write_bytes_per_s": disk.get("sequential_write_bytes_per_s")}
     result["extraction_vs_forward"] = round(ratio, 4)
     result["bytes_per_token"] = bytes_per_token
     needed_rate = forward_rate * bytes_per_token
