@@ -200,6 +200,21 @@ def plan_batches(samples: Sequence[Sample], batch_size: int, max_tokens_per_batc
     return batches
 
 
+def rank_batches(samples: Sequence[Sample], batches: Sequence[list[int]], world_size: int,
+                 rank: int) -> list[list[int]]:
+    """The batches one rank of a torchrun extraction runs: a disjoint share of `batches` (the remaining ones of
+    the single-process plan), balanced by padded tokens, in plan order.
+
+    Splitting whole batches of the one plan, rather than samples, keeps every sample in the batch it would
+    have had in a single process, so the files are bit-identical whatever the number of ranks, and a resume
+    with another number of ranks simply shares out what is left.
+    """
+    from common.distributed import share_by_cost
+
+    costs = [len(batch) * max(samples[i].num_tokens for i in batch) for batch in batches]
+    return [batches[i] for i in share_by_cost(costs, world_size)[rank]]
+
+
 def padding_stats(samples: Sequence[Sample], batches: Iterable[list[int]]) -> dict[str, float]:
     real = padded = 0
     for batch in batches:
@@ -488,34 +503,78 @@ def standalone(view: torch.Tensor) -> torch.Tensor:
     return torch.empty(0, dtype=view.dtype).set_(storage, 0, tuple(view.shape), tuple(view.stride()))
 
 
-def save_durably(obj: Any, path: Path) -> None:
-    """torch.save, then fdatasync before the caller renames anything into place.
+def _load_syncfs():
+    """libc's syncfs (Linux): one call writes back and flushes a whole file system."""
+    try:
+        import ctypes
+
+        function = ctypes.CDLL(None, use_errno=True).syncfs
+        function.argtypes = [ctypes.c_int]
+        return function
+    except (OSError, AttributeError):
+        return None
+
+
+_SYNCFS = _load_syncfs()
+
+
+def flush_to_disk(folder: Path, files: Sequence[Path]) -> None:
+    """Make `files` durable before the caller renames them into place.
 
     Two reasons. A rename can reach the disk before the data it names, so after a power loss a sample
-    folder could hold empty files; syncing first rules that out. And it keeps the disk busy from the
-    first sample: without it the kernel holds gigabytes of dirty pages and starts writing late, so a run
-    looks fast until the page cache fills and then stalls (the rate that matters is the sustained one).
+    folder could hold empty files; syncing first rules that out. And it keeps the disk busy from the first
+    sample: without it the kernel holds gigabytes of dirty pages and writes them late, so a run looks fast
+    until the page cache fills and then stalls (the rate that matters is the sustained one).
+    One syncfs per batch of samples rather than an fdatasync per file: each sync also flushes the disk's
+    own cache, which on a virtual disk costs milliseconds, and was measured to cost 25% of the write rate
+    with 600 KB files.
     """
-    with open(path, "wb") as handle:
-        torch.save(obj, handle)
-        handle.flush()
-        os.fdatasync(handle.fileno())
+    if _SYNCFS is not None:
+        descriptor = os.open(folder, os.O_RDONLY)
+        try:
+            if _SYNCFS(descriptor) == 0:
+                return
+        finally:
+            os.close(descriptor)
+    for path in files:  # no syncfs here: the portable, slower way
+        with open(path, "rb+") as handle:
+            os.fsync(handle.fileno())
 
 
-def write_sample(output_dir: Path, sample: Sample, tensors: Sequence[torch.Tensor]) -> int:
-    """Write aux_0..2, final and meta of one sample into a temp folder, then rename it into place."""
+def stage_sample(output_dir: Path, sample: Sample, tensors: Sequence[torch.Tensor]) -> tuple[Path, list[Path], int]:
+    """Write aux_0..2, final and meta of one sample into its temporary folder: (folder, files, bytes)."""
     final_dir = output_dir / sample.rel_path
     tmp_dir = final_dir.parent / f"{TMP_PREFIX}{final_dir.name}_{os.getpid()}"
     if tmp_dir.exists():
         shutil.rmtree(tmp_dir)
     tmp_dir.mkdir(parents=True)
-    written = 0
+    files, written = [], 0
     for name, tensor in zip(AUX_FILES + (FINAL_FILE,), tensors):
-        save_durably(standalone(tensor), tmp_dir / name)
+        torch.save(standalone(tensor), tmp_dir / name)
+        files.append(tmp_dir / name)
         written += tensor.numel() * tensor.element_size()
-    save_durably({"input_ids": sample.input_ids, "loss_mask": sample.loss_mask}, tmp_dir / META_FILE)
-    os.replace(tmp_dir, final_dir)
-    return written + sample.num_tokens * _META_BYTES_PER_TOKEN
+    torch.save({"input_ids": sample.input_ids, "loss_mask": sample.loss_mask}, tmp_dir / META_FILE)
+    files.append(tmp_dir / META_FILE)
+    return tmp_dir, files, written + sample.num_tokens * _META_BYTES_PER_TOKEN
+
+
+def publish_sample(output_dir: Path, sample: Sample, tmp_dir: Path) -> None:
+    """The rename that makes a sample count: before it, a crash leaves only a temporary folder."""
+    os.replace(tmp_dir, output_dir / sample.rel_path)
+
+
+def write_samples(output_dir: Path, samples: Sequence[Sample], tensors: Sequence[Sequence[torch.Tensor]]) -> int:
+    """Write several samples durably and atomically; returns the bytes written."""
+    staged = [stage_sample(output_dir, sample, views) for sample, views in zip(samples, tensors)]
+    flush_to_disk(output_dir, [path for _, files, _ in staged for path in files])
+    for sample, (tmp_dir, _, _) in zip(samples, staged):
+        publish_sample(output_dir, sample, tmp_dir)
+    return sum(written for _, _, written in staged)
+
+
+def write_sample(output_dir: Path, sample: Sample, tensors: Sequence[torch.Tensor]) -> int:
+    """Write one sample durably into a temp folder, then rename it into place."""
+    return write_samples(output_dir, [sample], [tensors])
 
 
 class StagingBuffers:
@@ -578,11 +637,10 @@ def _writer_process(output_dir: str, samples: Sequence[Sample], staging: Staging
         buffer, chunk = task
         index = chunk[0][0]
         try:
-            written = 0
-            for index, offset in chunk:
-                rows = slice(offset, offset + samples[index].num_tokens)
-                written += write_sample(folder, samples[index], [buffers[buffer][k, rows]
-                                                                 for k in range(buffers[buffer].shape[0])])
+            staging_rows = buffers[buffer]
+            views = [[staging_rows[k, offset:offset + samples[i].num_tokens] for k in range(staging_rows.shape[0])]
+                     for i, offset in chunk]
+            written = write_samples(folder, [samples[i] for i, _ in chunk], views)
             results.put(("done", buffer, [index for index, _ in chunk], written))
         except BaseException:  # noqa: BLE001 - reported to the parent, which stops the stage
             results.put(("error", buffer, index, traceback.format_exc()))
@@ -615,6 +673,26 @@ class ExtractionStats:
                 "elapsed_s": round(self.elapsed_s, 3), "tokens_per_s": round(rate, 1),
                 "write_bytes_per_s": round(self.bytes_written / self.elapsed_s, 1) if self.elapsed_s else 0.0,
                 "waited_for_writers_s": round(self.forward_wait_s, 3), **self.extra}
+
+
+def merge_rank_stats(summaries: Sequence[dict[str, Any]]) -> dict[str, Any]:
+    """One summary of the ranks of a torchrun extraction (each an ExtractionStats.as_dict()): counts summed,
+    rates over the slowest rank's time (the ranks run side by side), and each rank's own summary."""
+    summed = ("batches", "samples_written", "tokens_forwarded", "tokens_written", "padded_tokens", "files_written",
+              "bytes_written")
+    merged: dict[str, Any] = {key: sum(s[key] for s in summaries) for key in summed}
+    elapsed = max(s["elapsed_s"] for s in summaries)
+    merged.update({
+        "padding_waste": round(1 - merged["tokens_forwarded"] / merged["padded_tokens"], 4)
+        if merged["padded_tokens"] else 0,
+        "elapsed_s": elapsed,
+        "tokens_per_s": round(merged["tokens_written"] / elapsed, 1) if elapsed else 0.0,
+        "write_bytes_per_s": round(merged["bytes_written"] / elapsed, 1) if elapsed else 0.0,
+        "waited_for_writers_s": max(s["waited_for_writers_s"] for s in summaries),
+        "world_size": len(summaries),
+        "ranks": list(summaries),
+    })
+    return merged
 
 
 class Extractor:
