@@ -13,7 +13,7 @@
                 tokens inside a repeated 4-gram (loops inflate tau).
 --mode server   prompts sent to a running server (SGLang, or any OpenAI-compatible one) at --url with
                 --concurrency threads: acceptance length (from the response meta_info, or
-                /get_server_info), output tokens/s, latency p50/p90/p99; --baseline-url (a server without
+                /server_info), output tokens/s, latency p50/p90/p99; --baseline-url (a server without
                 speculation) gives the speedup.
 --mode eval     teacher-forced per-step agreement and simulated acceptance length on the stage-02 hidden
                 states (--data-dir, default RUN_DIR/hidden_states) of the validation split training held
@@ -42,6 +42,7 @@ STAGE = "05_benchmark"
 HASHES_FILE = "train_prompt_hashes.txt"
 DATA_STAGE = "01_prepare_data"
 ANSWER_PREVIEW_CHARS = 2000
+BASELINE_CACHE = "baselines_cache.jsonl"
 
 
 def parse(argv):
@@ -212,6 +213,12 @@ _SETTINGS = {  # the flags each mode's report records (and its Markdown settings
 }
 
 
+def gpu_name(device: str) -> str | None:
+    import torch
+
+    return torch.cuda.get_device_name(device) if device.startswith("cuda") else None
+
+
 def _settings(args, extra: dict) -> dict:
     settings = {"mode": args.mode}
     settings.update({key: getattr(args, key, None) for key in _SETTINGS[args.mode]})
@@ -242,11 +249,11 @@ def _turn_record(prompt, turn, ids, spec, plain, hf, greedy: bool, answer: str) 
 
 
 def run_offline(args, log, begin, prompt_spec, prompts, overlap) -> dict:
-    import torch
-    from common.bench_report import by_category, summarize_generations
+    from common.bench_report import BaselineCache, by_category, summarize_generations
     from common.chat_data import end_of_turn_ids
     from common.prompts import has_chat_template, render_conversation
-    from common.speculative import SpeculativeDecoder, hf_generate, plain_decode, resolve_draft_shape
+    from common.speculative import (GenerationStats, SpeculativeDecoder, hf_generate, plain_decode,
+                                    resolve_draft_shape)
     from common.verifier import load_tokenizer, read_verifier_info, resolve_model_path
 
     require(args, "model_path")
@@ -281,6 +288,22 @@ def run_offline(args, log, begin, prompt_spec, prompts, overlap) -> dict:
     plain_decode(verifier, warm_ids, warm_tokens, eos, args.temperature, args.top_p, args.seed)
     hf_generate(verifier, warm_ids, warm_tokens, eos, args.temperature, args.top_p, args.seed)
 
+    cache = BaselineCache(Path(args.output_dir) / BASELINE_CACHE,
+                          {"verifier": info.identity(), "device": str(device), "gpu": gpu_name(device),
+                           "dtype": str(next(verifier.parameters()).dtype), "stop": eos})
+
+    def baselines(ids, seed):
+        """The same loop without drafting, and transformers' generate: measured once per prompt and setting."""
+        key = cache.key(ids, max_new_tokens=args.max_new_tokens, temperature=args.temperature,
+                        top_p=args.top_p, seed=seed)
+        entry = cache.get(key)
+        if entry is None:
+            plain = plain_decode(verifier, ids, args.max_new_tokens, eos, args.temperature, args.top_p, seed)
+            hf = hf_generate(verifier, ids, args.max_new_tokens, eos, args.temperature, args.top_p, seed)
+            entry = {"plain": [plain[0], plain[1].as_dict()], "hf": [hf[0], hf[1].as_dict()]}
+            cache.put(key, entry)
+        return tuple((tokens, GenerationStats.from_dict(stats)) for tokens, stats in (entry["plain"], entry["hf"]))
+
     runs, per_prompt = [], []
     total_turns = sum(len(p.turns) for p in prompts)
     with Progress(total_turns, "05_benchmark offline", unit="turn") as progress:
@@ -295,8 +318,7 @@ def run_offline(args, log, begin, prompt_spec, prompts, overlap) -> dict:
                                 info.max_position_embeddings)
                 seed = args.seed + 1000 * index + turn
                 spec = decoder.generate(ids, args.max_new_tokens, eos)
-                plain = plain_decode(verifier, ids, args.max_new_tokens, eos, args.temperature, args.top_p, seed)
-                hf = hf_generate(verifier, ids, args.max_new_tokens, eos, args.temperature, args.top_p, seed)
+                plain, hf = baselines(ids, seed)
                 answer = tokenizer.decode(spec[0], skip_special_tokens=True)
                 record = _turn_record(prompt, turn, ids, spec, plain, hf, greedy, answer)
                 if greedy and not record["matches_plain"]:
@@ -311,6 +333,9 @@ def run_offline(args, log, begin, prompt_spec, prompts, overlap) -> dict:
             per_prompt.append({"id": prompt.id, "category": prompt.category,
                                "summary": summarize_generations(turns, args.num_steps), "turns": turns})
     overall = summarize_generations(runs, args.num_steps)
+    if cache.hits:
+        log.info("baselines: %d of %d turns reused from %s (same verifier, prompt and settings)", cache.hits,
+                 total_turns, cache.path)
     return {
         "mode": "offline",
         "stage": STAGE,
@@ -319,8 +344,7 @@ def run_offline(args, log, begin, prompt_spec, prompts, overlap) -> dict:
                                      "drafting": decoder.drafting, "device": str(device),
                                      "aux_layers": decoder.aux_layers, "raw_text_prompts": raw,
                                      "stop_token_ids": eos, "prompt_count": len(prompts),
-                                     "gpu": torch.cuda.get_device_name(device) if device.startswith("cuda")
-                                     else None}),
+                                     "gpu": gpu_name(device), "baselines_reused": cache.hits}),
         "overlap_check": overlap,
         "overall": overall,
         "categories": by_category(runs, args.num_steps),

@@ -32,7 +32,7 @@ from __future__ import annotations
 
 import inspect
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from functools import partial
 from typing import Iterable, Sequence
 
@@ -214,6 +214,8 @@ class VerifierRunner:
         self.device = next(model.parameters()).device
         self.attn_implementation = getattr(model.config, "_attn_implementation", None) or "sdpa"
         self._negative_crop: bool | None = None
+        self._arange: torch.Tensor | None = None
+        self.dtype = next(model.parameters()).dtype
 
     def new_cache(self):
         from transformers import DynamicCache
@@ -241,6 +243,18 @@ class VerifierRunner:
                              "load the verifier with attn_implementation='sdpa' (or use --topk 1)")
         additive = torch.zeros(allowed.shape, dtype=dtype, device=allowed.device)
         return additive.masked_fill(~allowed, torch.finfo(dtype).min)[None, None]
+
+    def causal_mask(self, past: int, length: int, dtype: torch.dtype) -> torch.Tensor:
+        """The mask of `length` new tokens after `past` cached ones, built in one comparison.
+
+        Given explicitly, transformers uses it as is; left to itself, it builds the same mask through its
+        general masking code, which costs more host time than the verifier's layers on a small model.
+        """
+        if self._arange is None or self._arange.numel() < past + length:
+            self._arange = torch.arange(max(2 * (past + length), 4096), device=self.device)
+        kv = self._arange[:past + length]
+        allowed = kv[None, :] <= kv[past:, None]
+        return self.tree_mask(allowed, dtype)
 
     def crop(self, cache, length: int) -> None:
         """Keep the first `length` cached positions. transformers 5 takes the number of tokens to remove
@@ -292,6 +306,10 @@ class GenerationStats:
     @property
     def tokens_per_s(self) -> float | None:
         return self.new_tokens / self.wall_s if self.wall_s > 0 else None
+
+    @classmethod
+    def from_dict(cls, saved: dict) -> "GenerationStats":
+        return cls(**{f.name: saved[f.name] for f in fields(cls) if f.name in saved})
 
     def as_dict(self) -> dict:
         return {"prompt_tokens": self.prompt_tokens, "new_tokens": self.new_tokens,
@@ -397,10 +415,11 @@ class SpeculativeDecoder:
 
     def __init__(self, verifier: torch.nn.Module, drafter: torch.nn.Module, num_steps: int = 3, topk: int = 1,
                  num_draft_tokens: int | None = None, temperature: float = 0.0, top_p: float = 1.0,
-                 seed: int = 0, aux_layers: Sequence[int] | None = None):
+                 seed: int = 0, aux_layers: Sequence[int] | None = None, explicit_mask: bool = True):
         from common.drafter import DrafterCache
 
         self.verifier = VerifierRunner(verifier)
+        self.explicit_mask = explicit_mask
         self.drafter = drafter
         self.cache_type = DrafterCache
         self.num_steps, self.topk = num_steps, topk
@@ -517,7 +536,8 @@ class SpeculativeDecoder:
         draft_ids = torch.cat(draft_ids)  # [k] draft-vocabulary ids
         drafts = self.draft_to_target[draft_ids]  # [k] verifier ids
         verify_in = torch.cat([root.view(1), drafts]).view(1, k + 1)
-        logits = self.verifier(verify_in, vcache)[0]  # [k+1, V]
+        mask = self.verifier.causal_mask(committed - 1, k + 1, self.verifier.dtype) if self.explicit_mask else None
+        logits = self.verifier(verify_in, vcache, attention_mask=mask)[0]  # [k+1, V]
         aux = capture.take()
         if greedy:
             target = logits.argmax(dim=-1)  # [k+1]

@@ -130,8 +130,14 @@ def component_costs(verifier, drafter, ids, k: int, device, repeats: int) -> dic
             capture.take()
             runner.crop(cache, n)
 
+        def verify_own_mask(tokens):
+            runner(prompt[:, :tokens], cache, attention_mask=runner.causal_mask(n, tokens, runner.dtype))
+            capture.take()
+            runner.crop(cache, n)
+
         one = timed(lambda: verify(1), device, repeats)
         many = timed(lambda: verify(k + 1), device, repeats)
+        many_own_mask = timed(lambda: verify_own_mask(k + 1), device, repeats)
     dcache = DrafterCache()
     hidden = drafter.fuse(aux)
     positions = torch.arange(n + 8, device=device)[None]
@@ -146,6 +152,7 @@ def component_costs(verifier, drafter, ids, k: int, device, repeats: int) -> dic
         dcache.crop(n)
 
     return {"verifier_forward_1_s": one, f"verifier_forward_{k + 1}_s": many,
+            f"verifier_forward_{k + 1}_explicit_mask_s": many_own_mask,
             "drafter_step_s": timed(step, device, repeats), "drafter_extend_3_s": timed(extend, device, repeats)}
 
 
@@ -161,6 +168,10 @@ def main(argv=None) -> int:
     parser.add_argument("--num-draft-tokens", type=int)
     parser.add_argument("--max-new-tokens", type=int, default=128)
     parser.add_argument("--repeats", type=int, default=20)
+    parser.add_argument("--cprofile", action="store_true",
+                        help="also print where the host time of one speculative and one plain generation goes")
+    parser.add_argument("--hf-mask", action="store_true",
+                        help="verify with transformers' own causal mask instead of the explicit one")
     args = parser.parse_args(argv)
 
     from common.prompts import has_chat_template, render_conversation
@@ -176,7 +187,7 @@ def main(argv=None) -> int:
     if args.oracle:
         drafter = OracleDrafter(drafter)
     decoder = SpeculativeDecoder(verifier, drafter, num_steps=args.num_steps, topk=args.topk,
-                                 num_draft_tokens=args.num_draft_tokens)
+                                 num_draft_tokens=args.num_draft_tokens, explicit_mask=not args.hf_mask)
     raw = not has_chat_template(tokenizer)
     eos = [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else []
     prompts = [render_conversation(tokenizer, [{"role": "user", "content": p}], raw) for p in PROMPTS]
@@ -217,7 +228,27 @@ def main(argv=None) -> int:
           "speedup_vs_hf_generate": tps["spec"] / tps["hf"], "iteration_s": iteration,
           "draft_cost_ratio_c": costs["drafter_step_s"] / costs["verifier_forward_1_s"],
           "projected_speedup_vs_plain_at_tau": projected, **costs})
+    if args.cprofile:
+        host_profile(lambda: decoder.generate(prompts[0], args.max_new_tokens, eos), "speculative")
+        host_profile(lambda: plain_decode(verifier, prompts[0], args.max_new_tokens, eos), "plain")
     return 0
+
+
+def host_profile(fn, name: str, top: int = 30) -> None:
+    """cProfile of one call, heaviest functions by own time: where the host's time goes."""
+    import cProfile
+    import io
+    import pstats
+
+    profile = cProfile.Profile()
+    profile.enable()
+    fn()
+    profile.disable()
+    text = io.StringIO()
+    pstats.Stats(profile, stream=text).sort_stats("tottime").print_stats(top)
+    print(f"--- host time, {name} ---\n{text.getvalue()}", flush=True)
+    if os.environ.get("OUT"):
+        (Path(os.environ["OUT"]) / f"cprofile_{name}.txt").write_text(text.getvalue())
 
 
 if __name__ == "__main__":

@@ -371,6 +371,16 @@ def test_offline_mode_reports_every_number(stage05, stories260k, drafters, tmp_p
     sampled = json.loads((out / "bench_offline_k2_topk2_n5_t0.7_p0.9_prompts.json").read_text())
     assert "greedy_match" not in sampled["overall"] and sampled["settings"]["drafting"].startswith("tree")
     assert (out / "bench_offline_k3_t0_prompts.json").exists()
+    assert sampled["settings"]["baselines_reused"] == 0  # another temperature: measured anew
+
+    # k=2 at temperature 0 reuses the baselines that the k=3 run measured, turn by turn.
+    assert stage05.main(common + ["--num-steps", "2"]) == 0
+    again = json.loads((out / "bench_offline_k2_t0_prompts.json").read_text())
+    assert again["settings"]["baselines_reused"] == 4
+    first_turns = [t for p in results["prompts"] for t in p["turns"]]
+    again_turns = [t for p in again["prompts"] for t in p["turns"]]
+    assert [t["plain"] for t in again_turns] == [t["plain"] for t in first_turns]
+    assert again["overall"]["greedy_match"] == {"turns_checked": 4, "turns_identical": 4}
 
 
 def test_offline_mode_checks_inputs_before_loading(stage05, stories260k, drafters, tmp_path):
