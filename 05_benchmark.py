@@ -453,9 +453,9 @@ def run_eval(args, log, begin, *_ignored) -> dict:
         raise UsageError(f"{data_dir / MANIFEST} names no verifier; give --model-path (its lm_head scores the drafter)")
     info = read_verifier_info(model_path, args.trust_remote_code)
     config = check_drafter(args, info, log)
-    # The drafter's config names SGLang ids (input of layer id+1); compare as HF indices.
+    # The drafter's config names SGLang ids (whose meaning depends on the verifier); compare as HF indices.
     sglang_ids = (config.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids")
-    drafter_layers = aux_layers_from_eagle_config(sglang_ids) if sglang_ids else None
+    drafter_layers = aux_layers_from_eagle_config(sglang_ids, info.architecture) if sglang_ids else None
     stored_layers = [int(x) for x in manifest.get("aux_layers") or []] or None
     log.info("hidden states %s: inputs of layers %s; the drafter reads layers %s", data_dir, stored_layers,
              drafter_layers)

@@ -31,11 +31,16 @@ Layer-id convention of the exported config (checked in the sources, current main
     model loop (vllm/model_executor/models/llama.py, deepseek_v2.py) appends `hidden_states + residual`
     before layer idx when idx is in aux_hidden_state_layers. So vLLM id e captures the input of layer e:
     e = l. Without ids its default is (2, L//2, L-3) too.
+  * Exception, SGLang's DeepSeek-V2/V3 family (Kimi-K2/K2.5 included; deepseek_v2.py in SGLang 0.5.23):
+    `set_eagle3_layers_to_capture` adds one only when the FIRST id is 1, and otherwise captures the ids as
+    written. So for those verifiers e = l - 1 when the first stored layer is 2 (the default [2, 30, 58] ->
+    [1, 29, 57], what published Kimi drafters carry) and e = l otherwise; a first layer of 1 cannot be
+    captured at all.
   The two conventions conflict by one, so the export writes BOTH: `eagle_config.eagle_aux_hidden_state_
-  layer_ids = [l - 1]` (what SGLang, the deployment target, reads) and a top-level
-  `eagle_aux_hidden_state_layer_ids = [l]` (what vLLM reads first, and which SGLang never reads). Each
-  server then captures exactly the layers stage 02 stored. `eagle_config_layer_ids` / `aux_layers_from_
-  eagle_config` are the one place the SGLang shift lives.
+  layer_ids` in SGLang's convention for the verifier's architecture (what SGLang, the deployment target,
+  reads) and a top-level `eagle_aux_hidden_state_layer_ids = [l]` (what vLLM reads first, and which SGLang
+  never reads). Each server then captures exactly the layers stage 02 stored. `eagle_config_layer_ids` /
+  `aux_layers_from_eagle_config` are the one place the SGLang shift lives.
 """
 from __future__ import annotations
 
@@ -64,17 +69,33 @@ _MLA_MODEL_TYPES = ("deepseek_v2", "deepseek_v3", "kimi_k2", "kimi_k25", "kimi_v
 # Layer ids
 # =====================================================================================================
 
-def eagle_config_layer_ids(aux_layers: list[int]) -> list[int]:
+# Verifier architectures whose SGLang model class is deepseek_v2.py's (its own layer-id rule, see above).
+DEEPSEEK_FAMILY = ("DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM", "DeepseekV32ForCausalLM",
+                   "KimiK25ForConditionalGeneration")
+
+
+def eagle_config_layer_ids(aux_layers: list[int], verifier_architecture: str | None = None) -> list[int]:
     """SGLang `eagle_config` ids that capture the INPUTS of decoder layers `aux_layers` (HF indices).
 
-    SGLang captures before layer id+1 (see the module docstring), so the id is one less than the layer.
+    SGLang captures before layer id+1 (see the module docstring), so the id is one less than the layer;
+    DeepSeek-family verifiers shift only an id list that starts at 1. ValueError when no ids can work.
     """
-    return [int(layer) - 1 for layer in aux_layers]
+    layers = [int(layer) for layer in aux_layers]
+    if verifier_architecture in DEEPSEEK_FAMILY and layers and layers[0] != 2:
+        if layers[0] == 1:
+            raise ValueError(f"aux layers {layers}: SGLang cannot capture the input of layer 1 on "
+                             f"{verifier_architecture} (its set_eagle3_layers_to_capture shifts ids only when the "
+                             f"first one is 1); start the aux layers at 2 or later")
+        return layers
+    return [layer - 1 for layer in layers]
 
 
-def aux_layers_from_eagle_config(layer_ids: list[int]) -> list[int]:
+def aux_layers_from_eagle_config(layer_ids: list[int], verifier_architecture: str | None = None) -> list[int]:
     """Inverse of `eagle_config_layer_ids`: HF output_hidden_states indices SGLang captures for these ids."""
-    return [int(layer_id) + 1 for layer_id in layer_ids]
+    ids = [int(layer_id) for layer_id in layer_ids]
+    if verifier_architecture in DEEPSEEK_FAMILY and ids and ids[0] != 1:
+        return ids
+    return [layer_id + 1 for layer_id in ids]
 
 
 # =====================================================================================================
@@ -96,6 +117,7 @@ class DrafterConfig:
     draft_vocab_size: int
     aux_layers: list[int]  # HF output_hidden_states indices stage 02 stored ([] when unknown)
     target_hidden_size: int | None = None
+    verifier_architecture: str | None = None  # decides SGLang's layer-id convention (None: Llama's)
 
     def __post_init__(self):
         if self.num_attention_heads % self.num_key_value_heads:
@@ -134,6 +156,7 @@ class DrafterConfig:
             vocab_size=info.vocab_size,
             draft_vocab_size=int(draft_vocab_size),
             aux_layers=list(aux_layers),
+            verifier_architecture=info.architecture,
         )
         unknown = set(overrides) - {f.name for f in fields(cls)}
         if unknown:
@@ -172,7 +195,11 @@ class DrafterConfig:
             config["target_hidden_size"] = self.target_hidden_size
         eagle_config: dict[str, Any] = {"use_aux_hidden_state": True}
         if self.aux_layers:
-            eagle_config["eagle_aux_hidden_state_layer_ids"] = eagle_config_layer_ids(self.aux_layers)
+            try:
+                ids = eagle_config_layer_ids(self.aux_layers, self.verifier_architecture)
+            except ValueError:  # no ids make SGLang capture these; vLLM still reads the top-level ones below
+                ids = eagle_config_layer_ids(self.aux_layers)
+            eagle_config["eagle_aux_hidden_state_layer_ids"] = ids
             # vLLM reads this top-level key first and takes it as written (input of layer id).
             config["eagle_aux_hidden_state_layer_ids"] = list(self.aux_layers)
         config["eagle_config"] = eagle_config
@@ -186,8 +213,9 @@ class DrafterConfig:
             raise ValueError(f"drafter config has no {', '.join(missing)}")
         heads = int(config["num_attention_heads"])
         eagle = config.get("eagle_config") or {}
+        architecture = (config.get(METADATA_KEY) or {}).get("verifier_architecture")
         if eagle.get("eagle_aux_hidden_state_layer_ids"):
-            aux = aux_layers_from_eagle_config(eagle["eagle_aux_hidden_state_layer_ids"])
+            aux = aux_layers_from_eagle_config(eagle["eagle_aux_hidden_state_layer_ids"], architecture)
         else:
             aux = list(config.get("eagle_aux_hidden_state_layer_ids") or [])
         theta = config.get("rope_theta", (config.get("rope_parameters") or {}).get("rope_theta", 10000.0))
@@ -205,6 +233,7 @@ class DrafterConfig:
             draft_vocab_size=int(config.get("draft_vocab_size") or config["vocab_size"]),
             aux_layers=aux,
             target_hidden_size=config.get("target_hidden_size"),
+            verifier_architecture=architecture,
         )
 
 
@@ -1324,7 +1353,8 @@ def save_drafter(model: Eagle3Drafter, directory, extra: dict | None = None) -> 
     config = cfg.to_sglang_config()
     config["torch_dtype"] = str(model.compute_dtype).replace("torch.", "")
     meta = {"aux_layers": list(cfg.aux_layers), "layer_convention": LAYER_CONVENTION,
-            "sglang_eagle_config_ids": eagle_config_layer_ids(cfg.aux_layers) if cfg.aux_layers else None}
+            "verifier_architecture": cfg.verifier_architecture,
+            "sglang_eagle_config_ids": config["eagle_config"].get("eagle_aux_hidden_state_layer_ids")}
     meta.update(extra or {})
     config[METADATA_KEY] = meta
     staging = directory.with_name(f".{directory.name}.tmp{os.getpid()}")
@@ -1491,7 +1521,11 @@ def inspect_drafter_dir(directory, data_manifest: dict | None = None,
 
     # ---- layer ids: what each server will capture, as HF output_hidden_states indices
     vllm_ids = config.get("eagle_aux_hidden_state_layer_ids")
-    sglang_layers = aux_layers_from_eagle_config(sglang_ids) if sglang_ids else None
+    # SGLang's id rule depends on the verifier's architecture: the verifier's own, else the one recorded.
+    architecture = (getattr(verifier_info, "architecture", None)
+                    or ((data_manifest or {}).get("verifier") or {}).get("architecture")
+                    or cfg.verifier_architecture)
+    sglang_layers = aux_layers_from_eagle_config(sglang_ids, architecture) if sglang_ids else None
     stored = (data_manifest or {}).get("aux_layers")
     if stored is not None:
         stored = [int(x) for x in stored]
@@ -1501,10 +1535,14 @@ def inspect_drafter_dir(directory, data_manifest: dict | None = None,
         vllm_effective = list(vllm_ids) if vllm_ids else (
             list(eagle.get("eagle_aux_hidden_state_layer_ids")) if sglang_ids else default)
         if sglang_effective != stored:
-            problems.append(f"{config_path}: SGLang will capture the inputs of layers {sglang_effective} "
-                            f"(eagle_config ids {sglang_ids} + 1) but the hidden states were stored for layers "
-                            f"{stored}; eagle_config.eagle_aux_hidden_state_layer_ids must be "
-                            f"{eagle_config_layer_ids(stored)}")
+            mismatch = (f"{config_path}: SGLang will capture the inputs of layers {sglang_effective} (eagle_config "
+                        f"ids {sglang_ids} on {architecture or 'a Llama-style verifier'}) but the hidden states were "
+                        f"stored for layers {stored}")
+            try:
+                problems.append(f"{mismatch}; eagle_config.eagle_aux_hidden_state_layer_ids must be "
+                                f"{eagle_config_layer_ids(stored, architecture)}")
+            except ValueError as err:  # nothing to fix in this folder: only vLLM can serve such a drafter
+                notes.append(f"{mismatch}: {err}")
         if vllm_effective != stored:
             notes.append(f"{config_path}: vLLM would capture the inputs of layers {vllm_effective}, not the "
                          f"stored {stored}; set the top-level eagle_aux_hidden_state_layer_ids to {stored}")

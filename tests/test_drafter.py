@@ -136,6 +136,24 @@ def test_layer_id_convention_is_sglang_minus_one_and_round_trips():
     assert DrafterConfig.from_sglang_config(config).aux_layers == [2, 30, 58]
 
 
+def test_deepseek_family_verifiers_follow_sglangs_own_layer_id_rule():
+    """SGLang's deepseek_v2.py shifts the ids only when the first is 1 (Kimi-K2.5 is of that family)."""
+    kimi = "KimiK25ForConditionalGeneration"
+    assert eagle_config_layer_ids([2, 30, 58], kimi) == [1, 29, 57]  # the published Kimi drafters' ids
+    assert eagle_config_layer_ids([3, 31, 59], kimi) == [3, 31, 59]  # taken as written there
+    assert eagle_config_layer_ids([3, 31, 59], "LlamaForCausalLM") == [2, 30, 58]
+    for layers in ([2, 30, 58], [3, 31, 59], [4, 20, 50]):
+        assert aux_layers_from_eagle_config(eagle_config_layer_ids(layers, kimi), kimi) == layers
+    with pytest.raises(ValueError, match="cannot capture the input of layer 1"):
+        eagle_config_layer_ids([1, 30, 58], kimi)
+    # The exported config names the verifier's architecture, so reading it back gives the trained layers.
+    cfg = tiny_config(aux_layers=[3, 31, 59], vocab_size=163840, verifier_architecture=kimi)
+    config = cfg.to_sglang_config()
+    assert config["eagle_config"]["eagle_aux_hidden_state_layer_ids"] == [3, 31, 59]
+    config["eagle3_pipeline"] = {"verifier_architecture": kimi}
+    assert DrafterConfig.from_sglang_config(config).aux_layers == [3, 31, 59]
+
+
 def test_simulated_acceptance_length():
     assert simulated_acceptance_length([]) == 1.0
     assert simulated_acceptance_length([0.5, 0.5]) == pytest.approx(1 + 0.5 + 0.25)
