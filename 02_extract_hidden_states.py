@@ -10,6 +10,10 @@ Everything that can be checked is checked before the verifier loads: the prepare
 the verifier identity, the layer indices, the output folder, and the disk space the run needs. A rerun
 resumes: complete samples are kept, partial ones redone; --overwrite starts over. On CPU the verifier
 computes in float32 (bf16 matmuls are slow there); the stored tensors always follow --dtype.
+
+--backend sglang --tp-size N runs the verifier in SGLang instead (for verifiers only SGLang can serve, such as
+Kimi-K2.5 int4 on 8 GPUs): the same checks and the same output, written by run-time hooks in patches/ (see
+common/sglang_backend.py).
 """
 from __future__ import annotations
 
@@ -17,10 +21,12 @@ import os
 import shutil
 import sys
 import time
+from contextlib import nullcontext
 from pathlib import Path
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
+from common import distributed  # noqa: E402
 from common.artifacts import (MANIFEST, Manifest, check_verifier_matches, load_manifest, read_json,  # noqa: E402
                               sha256_file)
 from common.flags import UsageError, parse_stage_args, require  # noqa: E402
@@ -144,22 +150,50 @@ def check_disk(args, output_dir: Path, todo_tokens: int, todo_samples: int, info
     return needed
 
 
+def finish_output(output_dir: Path, samples, manifest: Manifest, summary: dict, log) -> None:
+    """6. Index and manifest over everything on disk (this run plus earlier ones), for either backend."""
+    from common.extraction import SAMPLE_FILES, scan_output, write_index
+
+    complete = scan_output(output_dir, samples, clean=False)
+    if len(complete) != len(samples):
+        raise RuntimeError(f"{len(samples) - len(complete)} samples are missing after the run; rerun to resume")
+    write_index(output_dir, samples, complete)
+    manifest.data["counts"]["files"] = len(complete) * len(SAMPLE_FILES)
+    manifest.data["last_run"] = summary
+    manifest.complete()
+    log.info("wrote %s and %s", output_dir / "index.jsonl", output_dir / MANIFEST)
+
+
 def work(args, log) -> None:
     import torch
     from common.extraction import (Extractor, OutputLock, check_writable, find_text_model, human_bytes,
-                                   padding_stats, plan_batches, remove_owned, scan_output, write_index)
+                                   merge_rank_stats, padding_stats, plan_batches, rank_batches, remove_owned,
+                                   scan_output, write_index)
 
     require(args, "model_path", "prepared_data")
-    if args.backend != "hf":
-        raise UsageError(f"--backend {args.backend}: only the hf backend is implemented for {STAGE}; use --backend hf")
-    if args.tp_size != 1:
+    if args.backend == "sglang":  # the pinned SGLang, GPUs, one process: checked first (common/sglang_backend.py)
+        from common.sglang_backend import check_sglang_early
+
+        check_sglang_early(args)
+    elif args.tp_size != 1:
         log.warning("--tp-size %d is for the sglang backend; the hf backend places the verifier with --device-map",
                     args.tp_size)
+
+    # Under torchrun, each rank owns a disjoint group of its node's GPUs (CUDA_VISIBLE_DEVICES, set before CUDA
+    # starts) and extracts a share of the batches; the ranks only coordinate, through gloo.
+    rank = distributed.rank_info()
+    if args.device != "cpu":
+        distributed.restrict_gpus_to_local_rank(rank)
+    distributed.init("cpu", distributed.EXTRACTION_TIMEOUT)
 
     # 1. The verifier's config and tokenizer (seconds, no weights).
     info = read_verifier_info(args.model_path, args.trust_remote_code)
     aux_layers = check_aux_layers(list(args.aux_layers) if args.aux_layers else default_aux_layers(info.num_layers),
                                   info.num_layers)
+    if args.backend == "sglang":
+        from common.sglang_backend import check_sglang_verifier
+
+        check_sglang_verifier(args, info)
     device = pick_device(args.device)
     compute_dtype = args.dtype if device != "cpu" else "float32"
     log.info("verifier %s: %s, %d layers, hidden %d, vocab %d; aux layers %s (inputs of those decoder layers = "
@@ -175,13 +209,14 @@ def work(args, log) -> None:
     # 3. The output folder: writable, not in use, and either empty, resumable, or --overwrite.
     output_dir = Path(args.output_dir)
     check_writable(output_dir)
-    with OutputLock(output_dir):
+    with OutputLock(output_dir) if rank.is_main else nullcontext():  # rank 0 holds it for all ranks
         manifest = build_manifest(args, info, data_file.parent, data_sha, aux_layers, compute_dtype)
         existing = check_existing_output(args, output_dir, manifest, log)
         batch_size = args.batch_size or DEFAULT_BATCH_SIZE["cpu" if device == "cpu" else "cuda"]
         max_tokens = args.max_tokens_per_batch or DEFAULT_MAX_TOKENS_PER_BATCH["cpu" if device == "cpu" else "cuda"]
         batches = plan_batches(samples, batch_size, max_tokens)
-        complete = set() if args.overwrite else scan_output(output_dir, samples, clean=False)
+        complete = set() if args.overwrite else distributed.from_main(
+            lambda: scan_output(output_dir, samples, clean=False))  # one scan, the same on every rank
         todo_batches = [b for b in batches if any(i not in complete for i in b)]
         todo_samples = [i for i in range(len(samples)) if i not in complete]
         todo_tokens = sum(samples[i].num_tokens for i in todo_samples)
@@ -196,8 +231,9 @@ def work(args, log) -> None:
                 log.info("%s already holds all %d samples (%d tokens) extracted with these settings; nothing to do "
                          "(pass --overwrite to extract again)", output_dir, len(samples), total_tokens)
                 return
-            write_index(output_dir, samples, complete)  # killed after the last sample, before finishing
-            manifest.complete()
+            if rank.is_main:
+                write_index(output_dir, samples, complete)  # killed after the last sample, before finishing
+                manifest.complete()
             log.info("all %d samples were already on disk; manifest completed", len(samples))
             return
         if existing is not None:
@@ -206,16 +242,36 @@ def work(args, log) -> None:
 
         # 4. Disk, then (only now) clear an overwritten output.
         needed = check_disk(args, output_dir, todo_tokens, len(todo_samples), info, log)
-        if args.overwrite:
+        distributed.barrier()  # every rank has read the output folder before rank 0 changes it
+        if args.overwrite and rank.is_main:
             removed = remove_owned(output_dir)
             if removed:
                 log.info("--overwrite: removed %d earlier entries from %s", removed, output_dir)
-        scan_output(output_dir, samples, clean=True)  # drop temp folders and partial samples of a killed run
+        if rank.is_main:
+            scan_output(output_dir, samples, clean=True)  # drop temp folders and partial samples of a killed run
         pad = padding_stats(samples, todo_batches)
         log.info("plan: %d batches (<= %d sequences, <= %d padded tokens each), padding waste %.1f%%",
                  len(todo_batches), batch_size, max_tokens, 100 * pad["padding_waste"])
         manifest.data["planned_bytes"] = needed
-        manifest.write()
+        if rank.is_main:
+            manifest.write()
+        if rank.distributed:
+            distributed.barrier()  # cleaned up before any rank writes a sample
+            todo_batches = rank_batches(samples, todo_batches, rank.world_size, rank.rank)
+            todo_samples = [i for batch in todo_batches for i in batch if i not in complete]
+            log.info("%d ranks; rank 0 extracts %d batches (%d samples)", rank.world_size, len(todo_batches),
+                     len(todo_samples))
+
+        if args.backend == "sglang":  # SGLang's processes run the verifier; patches/sglang_capture.py writes
+            from common.sglang_backend import extract_with_sglang
+
+            summary = extract_with_sglang(args, info, samples, todo_samples, complete, aux_layers, output_dir,
+                                          batch_size, max_tokens, log)
+            log.info("extracted %d samples (%d tokens) in %.1f s: %.0f tokens/s, about %s written",
+                     summary["samples_written"], summary["tokens_written"], summary["elapsed_s"],
+                     summary["tokens_per_s"], human_bytes(summary["bytes_written"]))
+            finish_output(output_dir, samples, manifest, summary, log)
+            return
 
         # 5. Writers first (forked without a model), then the verifier, then the batches.
         from common.verifier import choose_device_map, load_verifier_model
@@ -238,23 +294,28 @@ def work(args, log) -> None:
                 log.warning("parts of the verifier were placed on cpu/disk: extraction will be very slow")
             with Progress(total=len(todo_samples), desc="extract", unit="samples") as progress:
                 # index.jsonl grows during the run (run_pipeline.py --status reads it for progress)
+                def refresh(written):  # (rank 0 only: the others' samples join the index at the end)
+                    write_index(output_dir, samples, complete | written)
+
                 stats = extractor.run(text, todo_batches, complete, progress,
-                                      on_checkpoint=lambda written: write_index(output_dir, samples, complete | written))
+                                      on_checkpoint=refresh if rank.is_main else None)
         summary = stats.as_dict()
         log.info("extracted %d samples (%d tokens) in %.1f s: %.0f tokens/s, %s written (%s/s), padding waste %.1f%%",
                  summary["samples_written"], summary["tokens_written"], summary["elapsed_s"], summary["tokens_per_s"],
                  human_bytes(summary["bytes_written"]), human_bytes(summary["write_bytes_per_s"]),
                  100 * summary["padding_waste"])
 
-        # 6. Index and manifest over everything on disk (this run plus earlier ones).
-        complete = scan_output(output_dir, samples, clean=False)
-        if len(complete) != len(samples):
-            raise RuntimeError(f"{len(samples) - len(complete)} samples are missing after the run; rerun to resume")
-        write_index(output_dir, samples, complete)
-        manifest.data["counts"]["files"] = len(complete) * 5
-        manifest.data["last_run"] = summary
-        manifest.complete()
-        log.info("wrote %s and %s", output_dir / "index.jsonl", output_dir / MANIFEST)
+        if rank.distributed:  # once every rank has reported, all their samples are on disk
+            summary = merge_rank_stats(distributed.all_gather_object(summary))
+            if not rank.is_main:
+                distributed.shutdown()
+                return
+            log.info("all %d ranks: %d samples (%d tokens) in %.1f s: %.0f tokens/s", rank.world_size,
+                     summary["samples_written"], summary["tokens_written"], summary["elapsed_s"],
+                     summary["tokens_per_s"])
+
+        finish_output(output_dir, samples, manifest, summary, log)
+    distributed.shutdown()
 
 
 def main(argv=None) -> int:

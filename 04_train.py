@@ -15,9 +15,15 @@ end: loss and top-1 agreement per TTT step and the simulated acceptance length o
 (metrics.jsonl, the log, TensorBoard if installed). Every --save-interval steps and at each epoch end:
 an SGLang-ready drafter folder with the full training state (step_N/, epoch_N/), `latest` and `best`
 pointers, older step folders pruned to --keep-last. --resume continues a stopped run exactly.
+
+Under torchrun (several processes, one GPU each) the drafter trains data-parallel: DDP, or FSDP with
+--fsdp. An optimizer step takes --grad-accum micro-batches on every rank, so 2 GPUs with --grad-accum 1
+train exactly as 1 GPU with --grad-accum 2; rank 0 writes checkpoints, logs and metrics (summed over the
+ranks), and a run resumes on another number of ranks when --grad-accum x ranks stays the same.
 """
 from __future__ import annotations
 
+import logging
 import shutil
 import sys
 from dataclasses import dataclass
@@ -38,9 +44,10 @@ OFFLOAD_EMBEDDING_BYTES = 1 << 28  # as scripts/bench_train_step.py's "auto": em
 UNLIMITED_SEQUENCES = 1 << 30
 # Flags (and input hashes) a resumed run must share with the run it continues: they decide the split,
 # the batch plan, the schedule and the loss, so changing one would not continue that run.
-RESUME_KEYS = ("seed", "epochs", "lr", "scheduler", "warmup_ratio", "grad_accum", "max_grad_norm", "max_seq_len",
-               "ttt_steps", "ttt_decay", "noise_std", "val_ratio", "max_tokens", "max_sequences", "finetune_from",
-               "compute_dtype", "hidden_states_index_sha256", "vocab_mapping_sha256")
+# The global batch counts, not --grad-accum: micro_batches_per_step = --grad-accum x ranks.
+RESUME_KEYS = ("seed", "epochs", "lr", "scheduler", "warmup_ratio", "micro_batches_per_step", "max_grad_norm",
+               "max_seq_len", "ttt_steps", "ttt_decay", "noise_std", "val_ratio", "max_tokens", "max_sequences",
+               "finetune_from", "compute_dtype", "hidden_states_index_sha256", "vocab_mapping_sha256")
 
 
 def parse(argv):
@@ -147,6 +154,13 @@ def check_verifier(args, data_dir: Path, data_manifest: dict) -> tuple[VerifierI
         aux_layers = check_aux_layers(list(data_manifest["aux_layers"]), info.num_layers)
     except UsageError as err:
         raise UsageError(f"{name}: {err}")
+    from common.drafter import eagle_config_layer_ids
+
+    try:  # a drafter SGLang could never feed (vLLM can): say so before training it
+        eagle_config_layer_ids(aux_layers, info.architecture)
+    except ValueError as err:
+        logging.getLogger(STAGE).warning("%s: %s; vLLM can serve this drafter, SGLang cannot (rerun "
+                                         "02_extract_hidden_states.py with other --aux-layers for SGLang)", name, err)
     locate_embedding_tensors(model_path)  # safetensors index/headers only: the tensors are read later
     return info, aux_layers
 
@@ -206,13 +220,14 @@ def check_inputs(args, log) -> Inputs:
                   max_tokens, max_sequences)
 
 
-def run_config_of(args, inputs: Inputs) -> dict:
+def run_config_of(args, inputs: Inputs, world_size: int = 1) -> dict:
     from common.training import compute_dtype_for
 
     flags = ("seed", "epochs", "lr", "scheduler", "warmup_ratio", "grad_accum", "max_grad_norm", "max_seq_len",
              "ttt_steps", "ttt_decay", "noise_std", "val_ratio")
     return {
         **{key: getattr(args, key) for key in flags},
+        "world_size": world_size, "micro_batches_per_step": args.grad_accum * world_size,
         "max_tokens": inputs.max_tokens, "max_sequences": inputs.max_sequences,
         "finetune_from": str(Path(args.finetune_from).resolve()) if args.finetune_from else None,
         "compute_dtype": compute_dtype_for(pick_device(args.device), args.dtype),
@@ -247,8 +262,15 @@ def check_output(args, run_config: dict, log) -> tuple[Path | None, bool]:
         log.warning("--resume: no complete checkpoint in %s; starting from the beginning", output_dir)
         return None, manager.has_outputs()
     previous = read_json(point / TRAINER_STATE_JSON).get("run_config", {})
+    if "micro_batches_per_step" not in previous and "grad_accum" in previous:  # saved before torchrun: 1 process
+        previous = {**previous, "micro_batches_per_step": previous["grad_accum"]}
     changed = [f"{key}: was {previous.get(key)!r}, now {run_config.get(key)!r}" for key in RESUME_KEYS
                if key in previous and previous.get(key) != run_config.get(key)]
+    if any(line.startswith("micro_batches_per_step") for line in changed):
+        changed.append(f"(micro_batches_per_step = --grad-accum x ranks; the run being resumed had --grad-accum "
+                       f"{previous.get('grad_accum')} on {previous.get('world_size', 1)} rank(s): on "
+                       f"{run_config['world_size']} rank(s) give --grad-accum "
+                       f"{previous['micro_batches_per_step'] / run_config['world_size']:g})")
     if changed:
         raise UsageError(f"--resume from {point}: these settings or inputs differ from the run being resumed, "
                          f"so it could not continue exactly:\n  " + "\n  ".join(changed) +
@@ -315,17 +337,43 @@ def count_parameters(inputs: Inputs) -> int:
     return sum(p.numel() for p in model.parameters() if p.requires_grad)
 
 
+def rank_device(args, rank) -> str:
+    """This process's device: under torchrun on GPUs, cuda:LOCAL_RANK (one GPU a rank)."""
+    device = pick_device(args.device)
+    if not (rank.distributed and device.startswith("cuda")):
+        return device
+    import torch
+
+    if torch.cuda.device_count() < rank.local_world_size:
+        raise UsageError(f"{rank.local_world_size} processes on this node but {torch.cuda.device_count()} visible "
+                         f"GPU(s): stage 04 runs one process a GPU (torchrun --nproc_per_node)")
+    return f"cuda:{rank.local_rank}"
+
+
 def work(args, log, hooks=()):
+    from common import distributed
+
+    rank = distributed.rank_info()
+    # Every rank checks everything (read-only), so a bad input stops all of them with exit code 2.
     inputs = check_inputs(args, log)
-    run_config = run_config_of(args, inputs)
+    run_config = run_config_of(args, inputs, rank.world_size)
     resume_from, clear_first = check_output(args, run_config, log)
     check_disk(args, count_parameters(inputs), log)
-    if clear_first:  # only now that every check has passed
-        from common.training import CheckpointManager
+    device = rank_device(args, rank)
+    if args.fsdp and not rank.distributed:
+        log.warning("--fsdp shards over the ranks of a torchrun launch; this single process trains as usual")
+    with distributed.process_group("cuda" if device.startswith("cuda") else "cpu") as rank:
+        distributed.barrier()  # every rank has read the output folder before rank 0 changes it
+        if clear_first and rank.is_main:  # only now that every check has passed
+            from common.training import CheckpointManager
 
-        log.info("removing the earlier run's checkpoints and metrics in %s", args.output_dir)
-        CheckpointManager(args.output_dir, args.keep_last).clear()
+            log.info("removing the earlier run's checkpoints and metrics in %s", args.output_dir)
+            CheckpointManager(args.output_dir, args.keep_last).clear()
+        train(args, log, inputs, run_config, resume_from, device, rank, hooks)
+        distributed.barrier()  # rank 0 has written its last checkpoint and the manifest
 
+
+def train(args, log, inputs: Inputs, run_config: dict, resume_from: Path | None, device: str, rank, hooks) -> None:
     import torch
     from common.drafter import check_drafter_dir
     from common.training import HiddenStateDataset, LoopConfig, TrainConfig, Trainer, VAL_SPLIT_FILE, \
@@ -333,7 +381,6 @@ def work(args, log, hooks=()):
     from common.verifier import read_embedding_tensors
 
     output_dir = Path(args.output_dir)
-    device = pick_device(args.device)
     manifest = Manifest(output_dir, STAGE, vars(args))
     manifest.add_input("hidden_states", inputs.data_dir, inputs.data_dir / MANIFEST)
     manifest.add_input("vocab_mapping", inputs.vocab_dir, inputs.vocab_dir / MANIFEST)
@@ -341,10 +388,12 @@ def work(args, log, hooks=()):
         manifest.add_input("finetune_from", args.finetune_from, Path(args.finetune_from) / MANIFEST)
     manifest.data["verifier"] = inputs.verifier.identity()
     manifest.data.update(aux_layers=inputs.aux_layers, draft_vocab_size=len(inputs.mapping.d2t),
-                         resumed_from=str(resume_from) if resume_from else None)
-    manifest.write()
+                         resumed_from=str(resume_from) if resume_from else None, world_size=rank.world_size,
+                         parallelism=("fsdp" if args.fsdp else "ddp") if rank.distributed else None)
+    if rank.is_main:
+        manifest.write()
 
-    seed_everything(args.seed)
+    seed_everything(args.seed)  # the same on every rank: the same initial drafter
     log.info("reading embed_tokens and lm_head of %s (the verifier itself is not loaded)", args.model_path)
     tensors = read_embedding_tensors(args.model_path)
     compute_dtype = run_config["compute_dtype"]
@@ -359,16 +408,18 @@ def work(args, log, hooks=()):
     # The targets come from the verifier's lm_head; it stays in the compute dtype on the device.
     verifier_lm_head = tensors["lm_head"].to(device=device, dtype=dtype)
     del tensors
-    log.info("drafter: %.1f M trainable parameters, computing in %s on %s",
-             sum(p.numel() for p in model.parameters() if p.requires_grad) / 1e6, compute_dtype, device)
+    log.info("drafter: %.1f M trainable parameters, computing in %s on %s%s",
+             sum(p.numel() for p in model.parameters() if p.requires_grad) / 1e6, compute_dtype, device,
+             f" (rank 0 of {rank.world_size}, {'FSDP' if args.fsdp else 'DDP'})" if rank.distributed else "")
 
     ids = [str(entry["id"]) for entry in inputs.entries]
     train_pos, val_pos = split_train_val(ids, args.val_ratio, args.seed)
     train_set = HiddenStateDataset(inputs.data_dir, [inputs.entries[i] for i in train_pos], args.max_seq_len)
     val_set = HiddenStateDataset(inputs.data_dir, [inputs.entries[i] for i in val_pos], args.max_seq_len)
-    write_json_atomic(output_dir / VAL_SPLIT_FILE, {"seed": args.seed, "val_ratio": args.val_ratio,
-                                                    "train_samples": len(train_pos),
-                                                    "val_ids": [ids[i] for i in val_pos]})
+    if rank.is_main:
+        write_json_atomic(output_dir / VAL_SPLIT_FILE, {"seed": args.seed, "val_ratio": args.val_ratio,
+                                                        "train_samples": len(train_pos),
+                                                        "val_ids": [ids[i] for i in val_pos]})
 
     cfg = TrainConfig(lr=args.lr, scheduler=args.scheduler, warmup_ratio=args.warmup_ratio,
                       max_grad_norm=args.max_grad_norm, grad_accum=args.grad_accum, ttt_steps=args.ttt_steps,
@@ -376,20 +427,28 @@ def work(args, log, hooks=()):
     loop = LoopConfig(epochs=args.epochs, max_tokens=inputs.max_tokens, max_sequences=inputs.max_sequences,
                       num_workers=args.num_workers, seed=args.seed, eval_interval=args.eval_interval,
                       save_interval=args.save_interval, log_interval=args.log_interval)
+    parallel = None
+    if rank.distributed:
+        from common.data_parallel import make_data_parallel
+
+        parallel = make_data_parallel(rank, device, args.fsdp)
     trainer = Trainer(model, verifier_lm_head, cfg, loop, train_set, val_set, output_dir, args.keep_last,
                       run_config,
                       validate_checkpoint=lambda path: check_drafter_dir(path, data_manifest=inputs.data_manifest,
                                                                          verifier_info=inputs.verifier),
-                      hooks=hooks)
+                      is_main=rank.is_main, hooks=hooks, parallel=parallel)
     if resume_from is not None:
         trainer.load_training_state(resume_from)
         log.info("resumed from %s: step %d, epoch %d, %d batches of that epoch done", resume_from,
                  trainer.state.step, trainer.state.epoch + 1, trainer.state.batches_consumed)
     manifest.data["counts"] = {"train_samples": len(train_set), "val_samples": len(val_set),
                                "train_tokens": sum(train_set.lengths()), "optimizer_steps": trainer.total_steps}
-    manifest.write()
+    if rank.is_main:
+        manifest.write()
 
     result = trainer.fit()
+    if not rank.is_main:
+        return
     manifest.data.update(best=result.get("best"), best_val_sim_accept_len=result.get("best_value"),
                          latest=trainer.checkpoints.pointer_target("latest"), last_eval=result.get("last_eval"))
     manifest.complete()

@@ -168,7 +168,8 @@ _ALL_FLAGS: list[Flag] = [
          "--lr-scheduler-type"), choices=("cosine", "linear", "constant"), default="cosine"),
     Flag("--warmup-ratio", "Share of steps spent warming the learning rate up.", aliases=("--warmup",),
          type=_fraction, default=0.02),
-    Flag("--grad-accum", "Gradient accumulation steps.", aliases=("--gradient-accumulation-steps",
+    Flag("--grad-accum", "Gradient accumulation steps, per rank: an optimizer step takes grad-accum x ranks "
+         "micro-batches (1 GPU --grad-accum 2 = 2 GPUs --grad-accum 1).", aliases=("--gradient-accumulation-steps",
          "--accumulation-steps"), type=_positive_int, default=1),
     Flag("--max-grad-norm", "Gradient clipping norm.", aliases=("--clip-grad", "--grad-clip"), type=float,
          default=0.5),
@@ -181,6 +182,9 @@ _ALL_FLAGS: list[Flag] = [
          aliases=("--logging-steps", "--log-steps"), type=_positive_int, default=10),
     Flag("--resume", "Continue the run in --output-dir from its latest checkpoint.", type=None,
          action="store_true"),
+    Flag("--fsdp", "Under torchrun: shard the drafter's parameters, gradients and optimizer state over the ranks "
+         "(FSDP2) instead of replicating them (DDP); for drafters whose optimizer state does not fit one GPU.",
+         type=None, action="store_true"),
     # --- speculative decoding / benchmark ----------------------------------------------------------
     Flag("--mode", "Benchmark mode.", choices=("offline", "server", "eval"), default="offline"),
     Flag("--prompts", "Prompt file: MT-bench JSONL ({turns}), JSONL with prompt, or ShareGPT.",
@@ -226,7 +230,7 @@ STAGE_FLAGS: dict[str, list[str]] = {
                  "--val-ratio", "--scheduler", "--warmup-ratio", "--grad-accum", "--max-grad-norm",
                  "--eval-interval", "--save-interval", "--keep-last", "--resume", "--num-workers",
                  "--seed", "--device", "--dtype", "--log-interval", "--overwrite", "--allow-low-disk",
-                 "--drafter-config"],
+                 "--drafter-config", "--fsdp"],
     "05_benchmark": ["--run-dir", "--model-path", "--trust-remote-code", "--draft-model-path",
                      "--data-dir", "--output-dir", "--mode", "--prompts", "--num-prompts", "--max-new-tokens",
                      "--num-steps", "--topk", "--num-draft-tokens", "--temperature", "--top-p", "--url",

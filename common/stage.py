@@ -30,13 +30,18 @@ def get_logger() -> logging.Logger:
 
 
 def setup_logging(stage: str, log_dir: Path) -> logging.Logger:
+    from common.distributed import rank_info
+
     logger = get_logger()
-    logger.setLevel(logging.INFO)
+    # Under torchrun every rank runs the stage: rank 0 reports, the others only warn and fail (tagged).
+    rank = rank_info()
+    logger.setLevel(logging.INFO if rank.is_main else logging.WARNING)
     logger.propagate = False
     for handler in list(logger.handlers):
         logger.removeHandler(handler)
         handler.close()
-    fmt = logging.Formatter("%(asctime)s %(levelname)s %(message)s", "%Y-%m-%d %H:%M:%S")
+    tag = f"[rank {rank.rank}] " if rank.distributed else ""
+    fmt = logging.Formatter(f"%(asctime)s %(levelname)s {tag}%(message)s", "%Y-%m-%d %H:%M:%S")
     console = logging.StreamHandler(sys.stdout)
     console.setFormatter(fmt)
     logger.addHandler(console)

@@ -24,7 +24,7 @@ import random
 import shutil
 import time
 from contextlib import nullcontext
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Callable, Iterable, Sequence
 
@@ -143,6 +143,25 @@ def plan_batches(lengths: Sequence[int], max_tokens: int, max_sequences: int, se
 
 def steps_in_epoch(num_batches: int, grad_accum: int) -> int:
     return math.ceil(num_batches / grad_accum)
+
+
+def step_shares(num_batches: int, start: int, micro_per_step: int, world_size: int = 1,
+                rank: int = 0) -> list[tuple[int, list[tuple[int, float]]]]:
+    """One rank's part of each optimizer step of an epoch plan, from plan position `start` on.
+
+    A step takes the plan's next `micro_per_step` micro-batches (grad-accum x ranks; fewer at the epoch's
+    end), whatever the number of ranks, so 2 ranks with --grad-accum 1 train on exactly the batches of one
+    process with --grad-accum 2. Rank r takes every world_size-th of them from the r-th, each weighted by
+    its share 1/n of the step's mean loss; a rank left without one (a short last step) gets a stand-in, a
+    batch of that step with weight 0, so that it still takes part in the gradient reduction.
+    Returns [(plan position after the step, [(plan position, weight), ...]), ...].
+    """
+    steps = []
+    for begin in range(start, num_batches, micro_per_step):
+        end = min(begin + micro_per_step, num_batches)
+        share = [(index, 1.0 / (end - begin)) for index in range(begin + rank, end, world_size)]
+        steps.append((end, share or [(end - 1, 0.0)]))
+    return steps
 
 
 class HiddenStateDataset(Dataset):
@@ -272,13 +291,19 @@ def _add_sums(total: dict[str, torch.Tensor] | None, metrics: dict[str, torch.Te
 
 
 def train_step(model: torch.nn.Module, batch: dict | Sequence[dict], optimizer: torch.optim.Optimizer,
-               scheduler, verifier_lm_head: torch.Tensor, cfg: TrainConfig) -> dict[str, Any]:
+               scheduler, verifier_lm_head: torch.Tensor, cfg: TrainConfig, parallel=None,
+               weights: Sequence[float] | None = None) -> dict[str, Any]:
     """One optimizer step over one batch or a list of micro-batches (gradient accumulation).
 
     Returns "loss" (mean over micro-batches of the TTT loss), "grad_norm" (before clipping), "sums" (per
     TTT step loss_sum/correct/count), "tokens" (real tokens) as device tensors, "lr" (the rate this step
     used) and "finite". The finite-gradient check is the step's one device sync: a non-finite gradient
     skips the update (the step still counts, so the schedule stays aligned).
+
+    On several ranks (`parallel`: common.data_parallel), `batch` is this rank's part of the step and
+    `weights[i]` each micro-batch's share of the step's mean loss over all ranks (0 for a stand-in that only
+    takes part in the gradient reduction); "loss", "sums" and "tokens" are then this rank's parts, to be
+    summed over the ranks, and "grad_norm" and "finite" are global.
     """
     from common.drafter import ttt_loss
 
@@ -288,19 +313,35 @@ def train_step(model: torch.nn.Module, batch: dict | Sequence[dict], optimizer: 
     lr = optimizer.param_groups[0]["lr"]
     total_loss = torch.zeros((), device=device)
     sums, tokens = None, torch.zeros((), device=device, dtype=torch.long)
-    for micro in micro_batches:
+    for index, micro in enumerate(micro_batches):
         micro = to_device(micro, device)
-        loss, metrics = ttt_loss(model, micro, verifier_lm_head, cfg.ttt_steps, decay=cfg.ttt_decay,
-                                 noise_std=cfg.noise_std)
-        (loss / len(micro_batches)).backward()
-        total_loss += loss.detach().float() / len(micro_batches)
+        if parallel is None:
+            loss, metrics = ttt_loss(model, micro, verifier_lm_head, cfg.ttt_steps, decay=cfg.ttt_decay,
+                                     noise_std=cfg.noise_std)
+            (loss / len(micro_batches)).backward()
+            total_loss += loss.detach().float() / len(micro_batches)
+        else:
+            weight = weights[index]
+            last = index == len(micro_batches) - 1  # the backward that reduces the gradients over the ranks
+            with nullcontext() if last else parallel.no_sync():
+                loss, metrics = parallel.module(micro, verifier_lm_head, cfg.ttt_steps, cfg.ttt_decay, cfg.noise_std)
+                # DDP and FSDP average over the ranks: scaled so, the result is the step's mean gradient
+                (loss * (weight * parallel.world_size)).backward()
+            if weight == 0:
+                continue
+            total_loss += loss.detach().float() * weight
         sums = _add_sums(sums, metrics)
         tokens += micro["attention_mask"].sum()
-    grad_norm = torch.nn.utils.clip_grad_norm_(trainable_parameters(model), cfg.max_grad_norm)
+    if parallel is None:
+        grad_norm = torch.nn.utils.clip_grad_norm_(trainable_parameters(model), cfg.max_grad_norm)
+    else:
+        grad_norm = parallel.clip_grad_norm(cfg.max_grad_norm)
     finite = bool(torch.isfinite(grad_norm))
     if finite:
         optimizer.step()
     optimizer.zero_grad(set_to_none=True)
+    if parallel is not None:
+        parallel.zero_grad()
     scheduler.step()
     return {"loss": total_loss, "grad_norm": grad_norm.detach(), "sums": sums, "tokens": tokens, "lr": lr,
             "finite": finite}
@@ -350,10 +391,10 @@ def evaluate(model: torch.nn.Module, loader_or_samples: Iterable, verifier_lm_he
     weighted loss, and the simulated acceptance length 1 + sum_k prod_{j<=k} acc_j.
 
     `loader_or_samples`: a DataLoader (or any iterable) of collated batches, or of single samples as
-    load_sample returns them. `reduce` all-reduces the sums in a distributed run. `amp_dtype` runs the
-    forward under torch.autocast, for callers that keep float32 weights (no backward here, so the drafter's
-    fused functions are fine with it); stage 04 validates in the parameters' own dtype instead. Used by
-    stage 04's validation and stage 05's --mode eval.
+    load_sample returns them. `reduce` all-reduces the sums in a distributed run (it gets None from a rank
+    without batches). `amp_dtype` runs the forward under torch.autocast, for callers that keep float32
+    weights (no backward here, so the drafter's fused functions are fine with it); stage 04 validates in
+    the parameters' own dtype instead. Used by stage 04's validation and stage 05's --mode eval.
     """
     from common.drafter import ttt_loss
 
@@ -369,7 +410,7 @@ def evaluate(model: torch.nn.Module, loader_or_samples: Iterable, verifier_lm_he
             sums = _add_sums(sums, metrics)
     finally:
         model.train(was_training)
-    if reduce is not None and sums is not None:
+    if reduce is not None:  # (also on a rank that had no batch: the collective needs every rank)
         sums = reduce(sums)
     return summarize(sums, decay)
 
@@ -628,13 +669,18 @@ class Trainer:
 
     `hooks` are called as hook(trainer) after every optimizer step (after any checkpoint of that step);
     an exception there stops the run as a crash would.
+
+    `parallel` (common.data_parallel, under torchrun): the model is wrapped in DDP or FSDP here, each rank
+    trains on its part of every step (step_shares) and validates on every world_size-th validation batch,
+    metrics are summed over the ranks before they are divided, and checkpoints (written by rank 0) hold
+    the single-process state with the global data position, so a run resumes on any number of ranks.
     """
 
     def __init__(self, model: torch.nn.Module, verifier_lm_head: torch.Tensor, cfg: TrainConfig,
                  loop: LoopConfig, train_set: HiddenStateDataset, val_set: HiddenStateDataset | None,
                  output_dir: str | Path, keep_last: int, run_config: dict[str, Any],
                  validate_checkpoint: Callable[[Path], list[str]] | None = None, is_main: bool = True,
-                 hooks: Sequence[Callable[["Trainer"], None]] = ()):
+                 hooks: Sequence[Callable[["Trainer"], None]] = (), parallel=None):
         self.model, self.verifier_lm_head, self.cfg, self.loop = model, verifier_lm_head, cfg, loop
         self.train_set, self.val_set = train_set, val_set
         self.output_dir = Path(output_dir)
@@ -642,13 +688,19 @@ class Trainer:
         self.is_main = is_main
         self.hooks = list(hooks)
         self.log = get_logger()
+        self.parallel = parallel
+        self.world_size = parallel.world_size if parallel is not None else 1
+        self.rank = parallel.info.rank if parallel is not None else 0
+        if parallel is not None:
+            parallel.wrap(model)
+        self.micro_per_step = cfg.grad_accum * self.world_size
         self.train_lengths = train_set.lengths()
         self.epoch_plans = [plan_batches(self.train_lengths, loop.max_tokens, loop.max_sequences, loop.seed, e)
                             for e in range(loop.epochs)]
-        self.total_steps = sum(steps_in_epoch(len(plan), cfg.grad_accum) for plan in self.epoch_plans)
+        self.total_steps = sum(steps_in_epoch(len(plan), self.micro_per_step) for plan in self.epoch_plans)
         self.val_batches = (plan_batches(val_set.lengths(), loop.max_tokens, loop.max_sequences, loop.seed, 0,
                                          shuffle=False) if val_set is not None and len(val_set) else [])
-        self.optimizer = make_optimizer(model, cfg.lr)
+        self.optimizer = make_optimizer(model, cfg.lr) if parallel is None else parallel.make_optimizer(cfg.lr)
         self.scheduler = make_scheduler(self.optimizer, self.total_steps, cfg.warmup_ratio, cfg.scheduler)
         self.state = LoopState()
         self.checkpoints = CheckpointManager(self.output_dir, keep_last, is_main, validate_checkpoint)
@@ -660,7 +712,8 @@ class Trainer:
         return {
             "format": STATE_FORMAT,
             "loop_state": asdict(self.state),
-            "optimizer": self.optimizer.state_dict(),
+            "optimizer": (self.optimizer.state_dict() if self.parallel is None
+                          else self.parallel.optimizer_state(self.optimizer)),  # whole tensors, also under FSDP
             "scheduler": self.scheduler.state_dict(),
             "rng": capture_rng_state(),
             "run_config": self.run_config,
@@ -670,8 +723,12 @@ class Trainer:
         state = torch.load(folder / TRAINING_STATE, map_location="cpu", weights_only=True)
         if state.get("format") != STATE_FORMAT:
             raise ValueError(f"{folder / TRAINING_STATE}: unknown format {state.get('format')!r}")
-        load_weights_exactly(self.model, folder)
-        load_optimizer_state(self.optimizer, state["optimizer"])
+        if self.parallel is None:
+            load_weights_exactly(self.model, folder)
+            load_optimizer_state(self.optimizer, state["optimizer"])
+        else:
+            self.parallel.load_weights(folder)
+            self.parallel.load_optimizer_state(self.optimizer, state["optimizer"])
         self.scheduler.load_state_dict(state["scheduler"])
         self.state = LoopState(**state["loop_state"])
         restore_rng_state(state["rng"])
@@ -680,7 +737,7 @@ class Trainer:
     def summary(self, **extra) -> dict[str, Any]:
         """What trainer_state.json, latest.json and best.json say about the current state."""
         return {"step": self.state.step, "epoch": self.state.epoch, "batches_consumed": self.state.batches_consumed,
-                "total_steps": self.total_steps, **extra}
+                "total_steps": self.total_steps, "world_size": self.world_size, **extra}
 
     # --- the loop -------------------------------------------------------------------------------------
     def fit(self) -> dict[str, Any]:
@@ -689,26 +746,33 @@ class Trainer:
             self.log.info("training already finished at step %d (%d epochs)", state.step, loop.epochs)
             return self.summary(best=state.best_checkpoint)
         self.log.info("training: %d samples, %d validation; %d optimizer steps over %d epochs "
-                      "(%d micro-batches of at most %d padded tokens and %s sequences, grad-accum %d)",
-                      len(self.train_set), len(self.val_set or []), self.total_steps, loop.epochs,
+                      "(%d micro-batches of at most %d padded tokens and %s sequences, %d a step: grad-accum %d "
+                      "x %d rank(s))", len(self.train_set), len(self.val_set or []), self.total_steps, loop.epochs,
                       sum(len(p) for p in self.epoch_plans), loop.max_tokens,
                       loop.max_sequences if loop.max_sequences < (1 << 30) else "any number of",
-                      cfg.grad_accum)
+                      self.micro_per_step, cfg.grad_accum, self.world_size)
         window = _Window()
         with Progress(self.total_steps, "04_train", unit="step", initial=state.step) as progress:
             for epoch in range(state.epoch, loop.epochs):
                 plan = self.epoch_plans[epoch]
                 start = state.batches_consumed if epoch == state.epoch else 0
                 state.epoch, state.batches_consumed = epoch, start
-                loader = make_loader(self.train_set, plan[start:], loop.num_workers, cfg.device,
-                                     loop.seed * 1000 + epoch)
-                for group in _groups(loader, cfg.grad_accum):
-                    out = train_step(self.model, group, self.optimizer, self.scheduler, self.verifier_lm_head, cfg)
+                steps = step_shares(len(plan), start, self.micro_per_step, self.world_size, self.rank)
+                loader = make_loader(self.train_set, [plan[i] for _, share in steps for i, _ in share],
+                                     loop.num_workers, cfg.device, loop.seed * 1000 + epoch)
+                batches = iter(loader)
+                for end, share in steps:
+                    group = [next(batches) for _ in share]
+                    if self.parallel is not None and cfg.noise_std > 0:
+                        # each rank its own noise, drawn alike when a run with the same ranks is resumed
+                        torch.manual_seed((loop.seed * 1_000_003 + state.step) * 1_009 + self.rank)
+                    out = train_step(self.model, group, self.optimizer, self.scheduler, self.verifier_lm_head, cfg,
+                                     parallel=self.parallel, weights=[weight for _, weight in share])
                     self._check_finite(out)
                     state.step += 1
-                    state.batches_consumed += len(group)
+                    state.batches_consumed = end  # global: the plan position, whatever the number of ranks
                     window.add(out)
-                    epoch_end = state.batches_consumed == len(plan)
+                    epoch_end = end == len(plan)
                     if epoch_end:  # a checkpoint taken now resumes at the start of the next epoch
                         state.epoch, state.batches_consumed = epoch + 1, 0
                     self._after_step(window, progress, epoch + 1, epoch_end)
@@ -735,7 +799,9 @@ class Trainer:
         # The window is also closed at every checkpoint, so that a run resumed from it writes the very
         # lines the uninterrupted run wrote.
         if step % loop.log_interval == 0 or save_due:
-            self.metrics.write({"kind": "train", "step": step, "epoch": epoch, **window.flush(self.cfg.ttt_decay)})
+            reduce = self._reduce_window if self.parallel is not None else None
+            self.metrics.write({"kind": "train", "step": step, "epoch": epoch,
+                                **window.flush(self.cfg.ttt_decay, reduce)})
         evaluated = None
         if step % loop.eval_interval == 0 or epoch_end:
             evaluated = self.validate(epoch)
@@ -745,9 +811,12 @@ class Trainer:
     def validate(self, epoch: int) -> dict[str, Any] | None:
         if not self.val_batches:
             return None
-        loader = make_loader(self.val_set, self.val_batches, self.loop.num_workers, self.cfg.device, self.loop.seed)
+        mine = self.val_batches[self.rank::self.world_size]
+        loader = make_loader(self.val_set, mine, self.loop.num_workers, self.cfg.device, self.loop.seed)
         started = time.time()
-        result = evaluate(self.model, loader, self.verifier_lm_head, self.cfg.ttt_steps, decay=self.cfg.ttt_decay)
+        with self.parallel.full_parameters() if self.parallel is not None else nullcontext():
+            result = evaluate(self.model, loader, self.verifier_lm_head, self.cfg.ttt_steps, decay=self.cfg.ttt_decay,
+                              reduce=self._reduce_sums if self.parallel is not None else None)
         result = {"kind": "eval", "step": self.state.step, "epoch": epoch, **result,
                   "seconds": round(time.time() - started, 3)}
         self.metrics.write(result)
@@ -756,6 +825,24 @@ class Trainer:
                       "length %.3f (%d tokens)", self.state.step, result["loss"],
                       [round(a, 3) for a in result["acc_per_step"]], result["sim_accept_len"], result["tokens"])
         return result
+
+    # --- sums over the ranks --------------------------------------------------------------------------
+    def _zero_sums(self) -> dict[str, torch.Tensor]:
+        device = model_device(self.model)
+        return {key: torch.zeros(self.cfg.ttt_steps, dtype=torch.float64, device=device)
+                for key in ("loss_sum", "correct", "count")}
+
+    def _reduce_sums(self, sums: dict[str, torch.Tensor] | None) -> dict[str, torch.Tensor]:
+        return self.parallel.reduce_sums(sums if sums is not None else self._zero_sums())
+
+    def _reduce_window(self, sums, loss, tokens):
+        """A metrics window's (sums, loss, tokens) summed over the ranks (train_step gives each rank's part)."""
+        device = model_device(self.model)
+        parts = dict(sums if sums is not None else self._zero_sums())
+        parts["loss"] = torch.as_tensor(loss, dtype=torch.float64, device=device)
+        parts["tokens"] = torch.as_tensor(tokens, dtype=torch.float64, device=device)
+        out = self.parallel.reduce_sums(parts)
+        return {key: out[key] for key in ("loss_sum", "correct", "count")}, out["loss"], out["tokens"]
 
     def _update_best(self, name: str, evaluated: dict[str, Any] | None, epoch_end: bool) -> str | None:
         """The reason `name` becomes `best`, or None. Best is the highest validation simulated acceptance
@@ -780,7 +867,9 @@ class Trainer:
                                val_sim_accept_len=evaluated["sim_accept_len"] if evaluated else None,
                                val_acc_per_step=evaluated["acc_per_step"] if evaluated else None,
                                run_config=self.run_config)
-        path = self.checkpoints.save(name, self.model, self.training_state(), summary)
+        # (under FSDP both gather whole tensors: every rank takes part, rank 0 writes)
+        model = self.model if self.parallel is None else self.parallel.export_model()
+        path = self.checkpoints.save(name, model, self.training_state(), summary)
         if reason is not None:
             self.checkpoints.point(BEST, name, {**summary, "metric": reason})
         removed = self.checkpoints.prune()
@@ -836,7 +925,8 @@ class _Window:
         self.tokens, self.lr, self.started = 0, 0.0, time.time()
 
     def add(self, out: dict[str, Any]) -> None:
-        self.sums = _add_sums(self.sums, out["sums"])
+        if out["sums"] is not None:  # (None: a rank that only ran a stand-in this step)
+            self.sums = _add_sums(self.sums, out["sums"])
         self.loss = self.loss + out["loss"]
         self.grad_norm = self.grad_norm + out["grad_norm"].float()
         self.tokens = self.tokens + out["tokens"]
@@ -848,12 +938,16 @@ class _Window:
             return f"epoch {epoch}/{epochs}"
         return f"epoch {epoch}/{epochs}, loss {self.last_loss:.4f}, {self.tokens_per_s:.0f} tok/s"
 
-    def flush(self, decay: float) -> dict[str, Any]:
+    def flush(self, decay: float, reduce: Callable | None = None) -> dict[str, Any]:
+        """The window's metrics line; `reduce(sums, loss, tokens)` sums them over the ranks first."""
         elapsed = max(time.time() - self.started, 1e-9)
-        summary = summarize(self.sums, decay)
-        tokens = int(self.tokens)
+        sums, loss, tokens = self.sums, self.loss, self.tokens
+        if reduce is not None:
+            sums, loss, tokens = reduce(sums, loss, tokens)
+        summary = summarize(sums, decay)
+        tokens = int(tokens)
         record = {
-            "loss": float(self.loss) / max(self.steps, 1),
+            "loss": float(loss) / max(self.steps, 1),
             "loss_per_step": summary["loss_per_step"],
             "acc_per_step": summary["acc_per_step"],
             "sim_accept_len": summary["sim_accept_len"],
@@ -865,15 +959,3 @@ class _Window:
         self.tokens_per_s, self.last_loss = record["tokens_per_s"], record["loss"]
         self._reset()
         return record
-
-
-def _groups(loader: Iterable[dict], size: int) -> Iterable[list[dict]]:
-    """Consecutive micro-batches of one optimizer step; the last group of an epoch may be shorter."""
-    group: list[dict] = []
-    for batch in loader:
-        group.append(batch)
-        if len(group) == size:
-            yield group
-            group = []
-    if group:
-        yield group
