@@ -6,8 +6,12 @@ over); `concurrency` threads run at once. Acceptance length comes, in order of p
      its /v1/chat/completions returns the same dict as choices[i].meta_info when the request asks for
      "return_meta_info": true. Accept length = sum(completion_tokens) / sum(spec_verify_ct).
   2. the per-request spec_accept_length in that metadata (newer SGLang), averaged.
-  3. GET /get_server_info -> avg_spec_accept_length (flat in older SGLang, under internal_states[0] in
-     newer ones): the server's running average since it started, so it includes earlier traffic.
+  3. GET /server_info (older SGLang: /get_server_info, deprecated in 0.5.23) -> avg_spec_accept_length (flat in
+     older SGLang, under internal_states[i] per data-parallel rank in newer ones): the server's running average
+     since it started, so it includes earlier traffic.
+Checked against SGLang 0.5.23 (the release patches/ pins): tokenizer_manager.py puts completion_tokens in every
+meta_info and spec_verify_ct / spec_accept_length only when the request was verified at least once;
+serving_chat.py returns choices[i].meta_info with "return_meta_info": true (not with streaming).
 Only the standard library is used (urllib), with retries and exponential backoff for transient errors.
 """
 from __future__ import annotations
@@ -27,7 +31,7 @@ from common.flags import UsageError
 from common.prompts import BenchPrompt
 
 RETRY_STATUS = (429, 500, 502, 503, 504)
-SERVER_INFO_PATHS = ("/get_server_info", "/server_info")
+SERVER_INFO_PATHS = ("/server_info", "/get_server_info")  # current route first, then the older one
 
 
 class ServerError(RuntimeError):
@@ -212,7 +216,7 @@ def accept_length_of(turns: Sequence[TurnResult], info_value: float | None) -> t
     if reported:
         return sum(reported) / len(reported), f"per-request meta_info spec_accept_length over {len(reported)} requests"
     if info_value is not None:
-        return info_value, "GET /get_server_info avg_spec_accept_length (running average since server start)"
+        return info_value, "GET /server_info avg_spec_accept_length (running average since server start)"
     return None, None
 
 

@@ -1,0 +1,190 @@
+"""The exact SGLang launch command that serves a drafter folder with its verifier, checked against the rules of
+the pinned SGLang release (patches.SUPPORTED_SGLANG_VERSION, 0.5.23).
+
+What the command contains, and why:
+  * EAGLE-3 chain drafting, 3 steps / top-1 / 4 draft tokens by default (the common Kimi setting; with top-1,
+    SGLang itself forces num_draft_tokens = num_steps + 1).
+  * `--speculative-draft-model-quantization unquant` when the verifier's config has a quantization_config
+    (Kimi-K2.5 int4 is compressed-tensors): otherwise SGLang gives the drafter the verifier's quantization
+    (arg_groups/serving_hook.py: the draft quantization defaults to the target's) and the bf16 drafter fails to
+    load.
+  * explicit `--attention-backend` and `--speculative-draft-attention-backend`. The deployment's GPUs are SM120
+    (RTX PRO 6000 Blackwell, ~100 KB shared memory per block). In the pinned SGLang, trtllm_mla (SM100 kernels;
+    on SM120 it fails with "Unsupported architecture", sglang#24633), fa3 and flashmla (Hopper) and fa4 /
+    cutedsl_mla (SM100) are not usable there; its default for MLA models on SM120 is triton
+    (arg_groups/model_override_base.py get_default_attn_backend), whose extend/decode kernels carry SM120 block
+    sizes for the small shared memory (kernels/ops/attention/extend_attention.py). The drafter is a plain
+    GQA Llama layer: left alone it inherits the verifier's backend (an MLA backend such as trtllm_mla cannot run
+    it, sglang#23490), so it is named too: triton by default, flashinfer being the other SM120-capable choice.
+  * the layer ids: SGLang reads `eagle_config.eagle_aux_hidden_state_layer_ids` of the drafter and captures,
+    for Llama verifiers, the inputs of layers id+1; for the DeepSeek-V2/V3 family (Kimi-K2.5 included) it adds
+    one only when the first id is 1 and takes the ids as written otherwise (models/deepseek_v2.py
+    set_eagle3_layers_to_capture). The command is refused when that would capture other layers than the
+    drafter was trained on, naming the ids that would be right.
+"""
+from __future__ import annotations
+
+import json
+import os
+import shlex
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from common.drafter import aux_layers_from_eagle_config, eagle_config_layer_ids
+from common.flags import UsageError
+
+DEFAULT_NUM_STEPS, DEFAULT_TOPK, DEFAULT_NUM_DRAFT_TOKENS = 3, 1, 4
+SM120_ATTENTION_BACKEND = "triton"
+SM120_DRAFT_ATTENTION_BACKEND = "triton"
+NOT_ON_SM120 = {"trtllm_mla": "SM100-only kernels", "fa3": "Hopper only", "flashmla": "Hopper/SM100 only",
+                "fa4": "SM100 only", "cutedsl_mla": "SM100 only", "hpc_ops": "Hopper only"}
+DRAFTER_ARCHITECTURE = "LlamaForCausalLMEagle3"
+PIPELINE_METADATA = "eagle3_pipeline"  # our provenance block in the drafter's config.json
+
+
+def captured_layers(architecture: str, eagle_ids: list[int] | None, num_layers: int) -> list[int]:
+    """The layers whose INPUT (HF output_hidden_states index) the pinned SGLang captures for these ids."""
+    if not eagle_ids:
+        return [2, num_layers // 2, num_layers - 3]
+    return aux_layers_from_eagle_config(eagle_ids, architecture)
+
+
+def eagle_ids_for(architecture: str, layers: list[int]) -> list[int] | None:
+    """eagle_config ids that make the pinned SGLang capture the inputs of `layers` (None: no ids can)."""
+    try:
+        return eagle_config_layer_ids(layers, architecture)
+    except ValueError:
+        return None
+
+
+def verifier_quantization(raw_config: dict) -> str | None:
+    """quant_method of the verifier's quantization_config (top level or its text config), None when dense."""
+    for config in (raw_config, raw_config.get("text_config") or {}):
+        quant = config.get("quantization_config") if isinstance(config, dict) else None
+        if quant:
+            return str(quant.get("quant_method") or quant.get("quant_algo") or "quantized")
+    return None
+
+
+@dataclass
+class LaunchCommand:
+    argv: list[str]
+    notes: list[str] = field(default_factory=list)
+    problems: list[str] = field(default_factory=list)
+
+    def shell(self) -> str:
+        """The command as one shell line per flag."""
+        parts, lines = [shlex.quote(a) for a in self.argv], []
+        head = next(i for i, a in enumerate(self.argv) if a.startswith("--"))
+        lines.append(" ".join(parts[:head]))
+        i = head
+        while i < len(parts):
+            takes_value = i + 1 < len(parts) and not self.argv[i + 1].startswith("--")
+            lines.append("    " + " ".join(parts[i:i + (2 if takes_value else 1)]))
+            i += 2 if takes_value else 1
+        return " \\\n".join(lines)
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"argv": self.argv, "command": self.shell(), "notes": self.notes, "problems": self.problems}
+
+
+def read_drafter_config(drafter_dir: str | Path) -> dict:
+    path = Path(drafter_dir) / "config.json"
+    if not path.is_file():
+        raise UsageError(f"{drafter_dir}: no config.json; give a drafter folder such as RUN_DIR/checkpoints/best")
+    try:
+        config = json.loads(path.read_text())
+    except json.JSONDecodeError as err:
+        raise UsageError(f"{path} is not valid JSON ({err})")
+    if DRAFTER_ARCHITECTURE not in (config.get("architectures") or []):
+        raise UsageError(f"{path}: architectures {config.get('architectures')} do not include {DRAFTER_ARCHITECTURE}")
+    if not (Path(drafter_dir) / "model.safetensors").is_file():
+        raise UsageError(f"{drafter_dir}: no model.safetensors next to config.json")
+    return config
+
+
+def trained_layers(config: dict) -> list[int] | None:
+    """The layers the drafter's training data came from (HF output_hidden_states indices), when recorded."""
+    recorded = (config.get(PIPELINE_METADATA) or {}).get("aux_layers")
+    if recorded:
+        return [int(x) for x in recorded]
+    vllm_ids = config.get("eagle_aux_hidden_state_layer_ids")  # top level: vLLM's convention, the layers as such
+    return [int(x) for x in vllm_ids] if vllm_ids else None
+
+
+def build_launch_command(drafter_dir: str | Path, model_path: str, tp_size: int = 8,
+                         num_steps: int = DEFAULT_NUM_STEPS, topk: int = DEFAULT_TOPK,
+                         num_draft_tokens: int | None = DEFAULT_NUM_DRAFT_TOKENS,
+                         attention_backend: str = SM120_ATTENTION_BACKEND,
+                         draft_attention_backend: str = SM120_DRAFT_ATTENTION_BACKEND,
+                         trust_remote_code: bool | None = None, port: int | None = None) -> LaunchCommand:
+    """`python -m sglang.launch_server ...` for this drafter and verifier, with notes and problems."""
+    from common.verifier import read_raw_config, read_verifier_info, resolve_model_path
+
+    config = read_drafter_config(drafter_dir)
+    folder, gguf_file = resolve_model_path(model_path)
+    if gguf_file is not None:
+        raise UsageError(f"--model-path {model_path}: SGLang serves a Hugging Face folder, not a GGUF file")
+    raw = read_raw_config(model_path, bool(trust_remote_code))
+    info = read_verifier_info(model_path, bool(trust_remote_code), with_tokenizer_hash=False)
+    notes, problems = [], []
+
+    if topk == 1:
+        wanted = num_steps + 1
+        if num_draft_tokens not in (None, wanted):
+            problems.append(f"--num-draft-tokens {num_draft_tokens}: with top-1 (chain) drafting SGLang uses "
+                            f"num_steps + 1 = {wanted}")
+        num_draft_tokens = wanted
+    elif num_draft_tokens is None:
+        raise UsageError("--topk > 1 (tree drafting) needs --num-draft-tokens")
+
+    for flag, backend in (("--attention-backend", attention_backend),
+                          ("--draft-attention-backend", draft_attention_backend)):
+        if backend in NOT_ON_SM120:
+            notes.append(f"{flag} {backend}: does not run on SM120 GPUs ({NOT_ON_SM120[backend]}); fine elsewhere")
+
+    argv = ["python", "-m", "sglang.launch_server", "--model-path", folder, "--tp-size", str(tp_size)]
+    remote = trust_remote_code if trust_remote_code is not None else bool(raw.get("auto_map"))
+    if remote:
+        argv.append("--trust-remote-code")
+        if trust_remote_code is None:
+            notes.append("--trust-remote-code: the verifier's config.json has an auto_map (its own config/tokenizer "
+                         "code, as Kimi-K2.5's tiktoken tokenizer)")
+    argv += ["--speculative-algorithm", "EAGLE3", "--speculative-draft-model-path", os.path.abspath(drafter_dir),
+             "--speculative-num-steps", str(num_steps), "--speculative-eagle-topk", str(topk),
+             "--speculative-num-draft-tokens", str(num_draft_tokens)]
+    quant = verifier_quantization(raw)
+    if quant:
+        argv += ["--speculative-draft-model-quantization", "unquant"]
+        notes.append(f"the verifier is quantized ({quant}): the bf16 drafter is loaded unquantized (by default SGLang "
+                     f"would give it the verifier's quantization)")
+    argv += ["--attention-backend", attention_backend, "--speculative-draft-attention-backend",
+             draft_attention_backend]
+    if port is not None:
+        argv += ["--port", str(port)]
+
+    eagle_ids = (config.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids")
+    captured = captured_layers(info.architecture, eagle_ids, info.num_layers)
+    trained = trained_layers(config)
+    ids_text = f"eagle_config ids {eagle_ids}" if eagle_ids else "no eagle_config ids (SGLang's default)"
+    if trained is None:
+        notes.append(f"{ids_text}: SGLang will capture the inputs of layers {captured}; the drafter records no "
+                     f"training layers, so this could not be checked")
+    elif captured != trained:
+        right = eagle_ids_for(info.architecture, trained)
+        fix = (f"set eagle_config.eagle_aux_hidden_state_layer_ids to {right} in {Path(drafter_dir) / 'config.json'}"
+               if right is not None else "no eagle_config ids make this SGLang capture them: retrain on layers "
+               "whose first is not 1")
+        problems.append(f"{ids_text}: SGLang would capture the inputs of layers {captured} of this "
+                        f"{info.architecture}, but the drafter was trained on layers {trained}; {fix}")
+    else:
+        notes.append(f"{ids_text}: SGLang captures the inputs of layers {captured} of this {info.architecture}, the "
+                     f"layers the drafter was trained on")
+    if config.get("vocab_size") not in (None, info.vocab_size):
+        problems.append(f"the drafter's vocab_size {config.get('vocab_size')} is not the verifier's {info.vocab_size}")
+    target_hidden = config.get("target_hidden_size") or config.get("hidden_size")
+    if target_hidden not in (None, info.hidden_size):
+        problems.append(f"the drafter expects hidden states of width {target_hidden}, the verifier's are "
+                        f"{info.hidden_size}")
+    return LaunchCommand(argv, notes, problems)

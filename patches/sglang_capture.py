@@ -1,0 +1,468 @@
+"""Capture hooks for stage 02's SGLang backend: the aux residual streams and the final hidden state of every
+prompt token, written as the same sample folders as the hf backend.
+
+What is hooked, in SGLang 0.5.23 (patches.SUPPORTED_SGLANG_VERSION; tests/test_sglang.py checks each target in
+that release's source): the text models `LlamaModel` (sglang/srt/models/llama.py) and `DeepseekV2Model`
+(sglang/srt/models/deepseek_v2.py, the decoder stack of DeepseekV2/V3ForCausalLM and of Kimi-K2.5's
+`KimiK25ForConditionalGeneration.language_model`). Their `forward(input_ids, positions, forward_batch, ...)`
+returns the final-norm output of every token [T, H]; while `self.layers_to_capture` lists layer indices it returns
+`(hidden_states, aux)` instead, with aux = the residual stream ENTERING each listed layer (the value SGLang's own
+EAGLE-3 capture hands the drafter: at layer i the layer's input boundary completes `hidden + residual`, the
+embedding output at layer 0). So `layers_to_capture = [l_0, l_1, l_2]` yields exactly transformers'
+`output_hidden_states[l_k]`, with no +1 shift (the shift lives only in `set_eagle3_layers_to_capture`, which is
+not used here). Using SGLang's own capture path, rather than hooks on the layers, is deliberate: in 0.5.23 the
+residual travels in `forward_batch.residual_stream`, not through the layers' arguments, and the capture path
+completes pending all-reduces and gathers rows the way the served drafter will see them.
+
+The wrapper sets `layers_to_capture` only for prefill forwards that hold stage-02 requests (request id
+"eagle3-<sample position>"), restores it afterwards, strips the aux from the result, and hands the tensors to a
+sink. Every TP rank runs the same capture path (it may involve collectives); only the first rank writes. After a
+TP all-reduce the hidden states are the same on every rank; data-parallel attention, which splits the rows over
+ranks, is refused by the engine settings (common/sglang_backend.py) and by the row-count check here.
+
+The capture logic works on any class with that text-model contract; tests/test_sglang.py runs it on CPU on a
+Hugging Face model arranged in SGLang's calling convention, because SGLang's model code does not import without
+its GPU packages.
+"""
+from __future__ import annotations
+
+import functools
+import importlib
+import json
+import os
+import threading
+import traceback
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any, Callable, Sequence
+
+import torch
+
+PLAN_ENV = "EAGLE3_SGLANG_CAPTURE_PLAN"  # path of the capture plan; set by stage 02 for SGLang's processes
+RID_PREFIX = "eagle3-"
+PLAN_FILE = ".sglang_capture_plan.json"
+JOURNAL_FILE = ".sglang_written.txt"  # one sample position per line, appended once the sample folder is in place
+ERROR_FILE = ".sglang_capture_error.txt"
+ACTIVE_FILE = ".sglang_hooks_active.json"
+PENDING_BATCHES = 3  # captured batches held in host memory while writers save them; more blocks the forward
+
+# The text-model classes the hooks wrap, by module (the DeepSeek-V2/V3 family, Kimi-K2.5's language model, Llama).
+HOOKED_TEXT_MODELS = (("sglang.srt.models.llama", "LlamaModel"),
+                      ("sglang.srt.models.deepseek_v2", "DeepseekV2Model"))
+# What the capture relies on in those classes (their layer loop, final norm and capture list) and the ForwardBatch
+# fields it reads; tests/test_sglang.py checks each against the pinned source.
+TEXT_MODEL_ATTRIBUTES = ("layers", "norm", "layers_to_capture")
+FORWARD_BATCH_FIELDS = ("forward_mode", "rids", "input_ids", "extend_seq_lens_cpu", "extend_prefix_lens_cpu")
+CAPTURE_MODE = "EXTEND"  # ForwardMode member of a plain prefill forward
+
+
+class CaptureError(RuntimeError):
+    """The engine runs in a way that cannot give one exact row per prompt token; says which setting to change."""
+
+
+def sample_rid(position: int) -> str:
+    return f"{RID_PREFIX}{position}"
+
+
+def rid_position(rid: Any) -> int | None:
+    """The sample position of a stage-02 request id, None for any other request (warm-up, health checks)."""
+    if not isinstance(rid, str) or not rid.startswith(RID_PREFIX):
+        return None
+    tail = rid[len(RID_PREFIX):]
+    return int(tail) if tail.isdigit() else None
+
+
+# --- which rows of a forward belong to which sample ---------------------------------------------------------
+
+@dataclass(frozen=True)
+class RequestRows:
+    position: int  # the sample's line position in the prepared data
+    start: int  # its first row in the forward's [T, H] tensors
+    length: int
+
+
+def requests_of(forward_batch: Any) -> tuple[list[RequestRows], int] | None:
+    """(stage-02 requests of this forward with their rows, rows in the forward), or None when it holds none.
+
+    A prefill forward lays its requests' new tokens one after another, in request order; with the prefix
+    cache and chunked prefill off each request's new tokens are the whole prompt.
+    """
+    rids = list(getattr(forward_batch, "rids", None) or [])
+    positions = [rid_position(rid) for rid in rids]
+    if all(position is None for position in positions):
+        return None
+    mode = getattr(forward_batch.forward_mode, "name", str(forward_batch.forward_mode))
+    if mode != CAPTURE_MODE:
+        raise CaptureError(f"a {mode} forward holds stage-02 requests; only plain prefill ({CAPTURE_MODE}) forwards "
+                           f"give one row per prompt token: run with enable_mixed_chunk=False, no speculative "
+                           f"decoding, and max_new_tokens=0")
+    lengths = forward_batch.extend_seq_lens_cpu
+    prefixes = forward_batch.extend_prefix_lens_cpu
+    if lengths is None or len(lengths) != len(rids):
+        raise CaptureError(f"the prefill forward has {len(rids)} requests but extend_seq_lens_cpu={lengths!r}")
+    found, start = [], 0
+    for rid, position, length, prefix in zip(rids, positions, lengths, prefixes or [0] * len(rids)):
+        if position is not None:
+            if prefix:
+                raise CaptureError(f"request {rid}: {prefix} of its tokens were not recomputed (prefix cache or "
+                                   f"chunked prefill); run with disable_radix_cache=True and chunked_prefill_size=-1")
+            found.append(RequestRows(position, start, int(length)))
+        start += int(length)
+    return found, start
+
+
+def split_aux(aux: Any, count: int, hidden_size: int) -> list[torch.Tensor]:
+    """The captured layers as [T, H] tensors, from a list (Llama) or one packed [T, count*H] tensor (DeepSeek)."""
+    if torch.is_tensor(aux):
+        if aux.shape[-1] != count * hidden_size:
+            raise CaptureError(f"packed aux hidden states of width {aux.shape[-1]}, expected {count} x {hidden_size}")
+        return list(aux.split(hidden_size, dim=-1))
+    parts = list(aux)
+    if len(parts) != count:
+        raise CaptureError(f"{len(parts)} aux hidden states captured, expected {count}")
+    return parts
+
+
+@dataclass
+class CapturedBatch:
+    requests: list[RequestRows]
+    input_ids: torch.Tensor  # [T] every token id of the forward
+    tensors: list[torch.Tensor]  # aux_0, aux_1, aux_2 then final: [T, H] each, on the model's device
+
+
+# --- the hooks ----------------------------------------------------------------------------------------------
+
+def _forward_batch_of(args: tuple, kwargs: dict) -> Any:
+    return kwargs["forward_batch"] if "forward_batch" in kwargs else (args[2] if len(args) > 2 else None)
+
+
+class CaptureHooks:
+    """Wraps `forward` of text-model classes with SGLang's contract (see the module docstring).
+
+    `sink()` returns the object that receives each CapturedBatch (created on first use, so only the writing
+    rank reads the prepared data); `is_writer()` says whether this process writes; `on_error(message)` records
+    a failure before it propagates (the engine then stops); `on_first_batch(module)` runs once per process.
+    """
+
+    def __init__(self, layer_ids: Sequence[int], sink: Callable[[], Any], is_writer: Callable[[], bool] = lambda: True,
+                 on_error: Callable[[str], None] | None = None, on_first_batch: Callable[[Any], None] | None = None):
+        self.layer_ids = [int(layer) for layer in layer_ids]
+        if sorted(set(self.layer_ids)) != self.layer_ids:
+            raise ValueError(f"layer ids must be distinct and ascending, got {self.layer_ids}")
+        self._sink_factory, self._sink = sink, None
+        self.is_writer = is_writer
+        self.on_error = on_error
+        self.on_first_batch = on_first_batch
+        self._patched: list[tuple[type, Callable]] = []
+        self.batches = 0
+
+    def install(self, *classes: type) -> "CaptureHooks":
+        for cls in classes:
+            original = cls.__dict__.get("forward")
+            if original is None:
+                raise TypeError(f"{cls.__name__} defines no forward of its own to wrap")
+            if getattr(original, "__eagle3_capture__", False):
+                raise RuntimeError(f"{cls.__name__}.forward already carries stage-02 capture hooks")
+            cls.forward = self._wrap(original)
+            self._patched.append((cls, original))
+        return self
+
+    def remove(self) -> None:
+        for cls, original in reversed(self._patched):
+            cls.forward = original
+        self._patched = []
+
+    def _wrap(self, original: Callable) -> Callable:
+        hooks = self
+
+        @functools.wraps(original)
+        def forward(module, *args, **kwargs):
+            forward_batch = _forward_batch_of(args, kwargs)
+            try:
+                found = requests_of(forward_batch) if forward_batch is not None else None
+            except CaptureError as err:
+                hooks._report(err)
+                raise
+            if not found:
+                return original(module, *args, **kwargs)
+            return hooks._capture(original, module, args, kwargs, forward_batch, *found)
+
+        forward.__eagle3_capture__ = True
+        return forward
+
+    def _capture(self, original, module, args, kwargs, forward_batch, requests: list[RequestRows], rows: int):
+        previous = module.layers_to_capture
+        if previous and list(previous) != self.layer_ids:
+            error = CaptureError(f"{type(module).__name__}.layers_to_capture is already {list(previous)} (speculative "
+                                 f"decoding?); stage 02 runs the engine without a drafter")
+            self._report(error)
+            raise error
+        module.layers_to_capture = list(self.layer_ids)
+        try:
+            out = original(module, *args, **kwargs)
+        finally:
+            module.layers_to_capture = previous
+        try:
+            if not (isinstance(out, tuple) and len(out) == 2 and torch.is_tensor(out[0])):
+                raise CaptureError(f"{type(module).__name__}.forward returned {type(out).__name__}, not (hidden states, "
+                                   f"aux); pipeline parallelism (pp_size > 1) is not supported")
+            hidden, aux = out
+            if self.is_writer():
+                tensors = split_aux(aux, len(self.layer_ids), hidden.shape[-1]) + [hidden]
+                for tensor in tensors:
+                    if tensor.shape[0] != rows:
+                        raise CaptureError(f"the forward has {tensor.shape[0]} rows for {rows} prompt tokens: rows are "
+                                           f"split or padded across ranks (data-parallel attention, scattered "
+                                           f"attention input); run with attn_dp_size=1 and "
+                                           f"enable_attn_tp_input_scattered=False")
+                if self.batches == 0 and self.on_first_batch is not None:
+                    self.on_first_batch(module)
+                if self._sink is None:
+                    self._sink = self._sink_factory()
+                self._sink.write_batch(CapturedBatch(requests, forward_batch.input_ids, tensors))
+                self.batches += 1
+        except Exception as err:
+            self._report(err)
+            raise
+        return hidden
+
+    def _report(self, err: BaseException) -> None:
+        if self.on_error is not None:
+            self.on_error("".join(traceback.format_exception(err)))
+
+
+# --- the sink: sample folders on disk ------------------------------------------------------------------------
+
+def _disable_save_crc() -> None:
+    """torch.save's per-record CRC32 costs ~1.5 GB/s of one core and torch.load never checks it."""
+    try:
+        import torch.utils.serialization as serialization
+
+        serialization.config.save.compute_crc32 = False
+    except (ImportError, AttributeError):
+        pass
+
+
+class SampleFileWriter:
+    """Writes captured requests as stage-02 sample folders (common.extraction.write_samples), off the forward.
+
+    Each batch is gathered on the device (the requests' rows, in the stored dtype) and copied to the host once,
+    into one of PENDING_BATCHES reusable buffers (page-locked on a GPU); writer threads save the samples from
+    there while the engine computes the next batch. When every buffer is still being written, the forward waits:
+    the disk is then the limit. `journal(position)` is called once a sample folder is complete on disk.
+    """
+
+    def __init__(self, output_dir: str | os.PathLike, samples: Sequence[Any], store_dtype: torch.dtype,
+                 num_workers: int, journal: Callable[[int], None] | None = None,
+                 on_error: Callable[[str], None] | None = None, pending_batches: int = PENDING_BATCHES):
+        from common.extraction import write_samples
+
+        self._write_samples = write_samples
+        self.num_workers = max(1, num_workers)
+        self.output_dir = Path(output_dir)
+        self.samples = samples
+        self.store_dtype = store_dtype
+        self.journal = journal
+        self.on_error = on_error
+        self._pool = ThreadPoolExecutor(self.num_workers, thread_name_prefix="eagle3-writer")
+        self._free: list[torch.Tensor] = []
+        self._slots = threading.Semaphore(pending_batches)
+        self._lock = threading.Lock()
+        self._taken: set[int] = set()  # samples accepted (a re-run prefill of the same request is written once)
+        self._error: str | None = None
+        self.samples_written = 0
+        self.bytes_written = 0
+        _disable_save_crc()
+
+    def check(self) -> None:
+        if self._error is not None:
+            raise RuntimeError(f"writing a sample failed:\n{self._error}")
+
+    def _checked(self, batch: CapturedBatch) -> list[RequestRows]:
+        """The batch's requests still to write, after checking each is the sample its id names."""
+        todo = []
+        input_ids = batch.input_ids.to("cpu", torch.int64)  # one small copy for all the requests
+        for request in batch.requests:
+            if request.position in self._taken:
+                continue
+            if not 0 <= request.position < len(self.samples):
+                raise CaptureError(f"request {sample_rid(request.position)} names no sample of the prepared data")
+            sample = self.samples[request.position]
+            if request.length != sample.num_tokens:
+                raise CaptureError(f"sample {sample.id!r}: {request.length} tokens in the forward, {sample.num_tokens} "
+                                   f"in the prepared data")
+            if not torch.equal(input_ids[request.start:request.start + request.length], sample.input_ids):
+                raise CaptureError(f"sample {sample.id!r}: the forward's token ids differ from the prepared data's")
+            todo.append(request)
+        return todo
+
+    def _buffer(self, count: int, rows: int, width: int, device: torch.device) -> torch.Tensor:
+        """A host buffer of at least [count, rows, width] (reused; page-locked when the tensors are on a GPU)."""
+        with self._lock:
+            for index, buffer in enumerate(self._free):
+                if buffer.shape[0] == count and buffer.shape[1] >= rows and buffer.shape[2] == width:
+                    return self._free.pop(index)
+            if self._free:
+                self._free.pop(0)  # too small: replaced by a larger one
+        return torch.empty((count, max(rows, 1), width), dtype=self.store_dtype, pin_memory=device.type == "cuda")
+
+    def write_batch(self, batch: CapturedBatch) -> None:
+        self.check()
+        todo = self._checked(batch)
+        if not todo:
+            return
+        device = batch.tensors[0].device
+        index = torch.cat([torch.arange(r.start, r.start + r.length) for r in todo]).to(device)
+        gathered = [tensor.index_select(0, index).to(self.store_dtype) for tensor in batch.tensors]
+        self._slots.acquire()  # back-pressure: wait for a buffer the writers have finished with
+        try:
+            buffer = self._buffer(len(gathered), index.numel(), gathered[0].shape[-1], device)
+            for k, tensor in enumerate(gathered):
+                buffer[k, :tensor.shape[0]].copy_(tensor)  # device-to-host; waits for the forward's kernels
+        except BaseException:
+            self._slots.release()
+            raise
+        del gathered
+        rows, offset = [], 0  # each request's first row in the buffer
+        for request in todo:
+            rows.append(offset)
+            offset += request.length
+        with self._lock:
+            self._taken.update(r.position for r in todo)
+        # One chunk per writer: write_samples makes a chunk durable with one file-system sync, then renames its
+        # samples into place.
+        work = list(zip(todo, rows))
+        chunks = [work[i::self.num_workers] for i in range(self.num_workers) if work[i::self.num_workers]]
+        remaining = [len(chunks)]
+        for chunk in chunks:
+            self._pool.submit(self._write_chunk, chunk, buffer, remaining)
+
+    def _write_chunk(self, chunk: list[tuple[RequestRows, int]], buffer: torch.Tensor, remaining: list[int]) -> None:
+        try:
+            if self._error is None:
+                samples = [self.samples[request.position] for request, _ in chunk]
+                views = [[buffer[k, row:row + request.length] for k in range(buffer.shape[0])]
+                         for request, row in chunk]
+                written = self._write_samples(self.output_dir, samples, views)
+                with self._lock:
+                    self.samples_written += len(chunk)
+                    self.bytes_written += written
+                if self.journal is not None:
+                    for request, _ in chunk:
+                        self.journal(request.position)
+        except BaseException:  # noqa: BLE001 - recorded; the next batch raises it in the engine
+            ids = ", ".join(repr(self.samples[request.position].id) for request, _ in chunk[:5])
+            message = f"samples {ids}:\n{traceback.format_exc()}"
+            with self._lock:
+                self._error = self._error or message
+            if self.on_error is not None:
+                self.on_error(message)
+        finally:
+            with self._lock:
+                remaining[0] -= 1
+                done = remaining[0] == 0
+                if done:
+                    self._free.append(buffer)
+            if done:
+                self._slots.release()
+
+    def close(self) -> None:
+        """Wait until every accepted sample is on disk (or failed), then stop the writers."""
+        self._pool.shutdown(wait=True)
+        self.check()
+
+
+# --- the plan stage 02 hands to SGLang's processes ----------------------------------------------------------
+
+@dataclass
+class CapturePlan:
+    """What the hooks in SGLang's processes need: written by stage 02 as OUTPUT_DIR/.sglang_capture_plan.json."""
+    output_dir: str
+    prepared_data: str
+    vocab_size: int
+    max_seq_len: int
+    aux_layers: list[int]
+    dtype: str
+    num_workers: int
+    sglang_version: str
+
+    @property
+    def folder(self) -> Path:
+        return Path(self.output_dir)
+
+    @property
+    def path(self) -> Path:
+        return self.folder / PLAN_FILE
+
+    def write(self) -> Path:
+        from common.artifacts import write_text_atomic
+
+        write_text_atomic(self.path, json.dumps(asdict(self), indent=2) + "\n")
+        return self.path
+
+    @classmethod
+    def read(cls, path: str | os.PathLike) -> "CapturePlan":
+        return cls(**json.loads(Path(path).read_text()))
+
+    def clear_reports(self) -> None:
+        for name in (JOURNAL_FILE, ERROR_FILE, ACTIVE_FILE):
+            (self.folder / name).unlink(missing_ok=True)
+
+    def record_error(self, message: str) -> None:
+        """Keep the first failure where stage 02 (and the user) will find it: the engine dies right after."""
+        path = self.folder / ERROR_FILE
+        if not path.exists():
+            path.write_text(message)
+
+    def mark_active(self, module: Any) -> None:
+        from patches import installed_sglang_version
+
+        record = {"pid": os.getpid(), "text_model": type(module).__name__, "layers": self.aux_layers,
+                  "sglang_version": installed_sglang_version()}
+        (self.folder / ACTIVE_FILE).write_text(json.dumps(record) + "\n")
+
+    def open_writer(self) -> SampleFileWriter:
+        """The sink in the writing SGLang process: the prepared data read the same way stage 02 read it."""
+        from common.extraction import read_prepared_data
+
+        samples, _ = read_prepared_data(self.prepared_data, self.vocab_size, self.max_seq_len)
+        journal_path = self.folder / JOURNAL_FILE
+        handle = open(journal_path, "a", buffering=1)  # line-buffered: stage 02 follows it for progress
+        lock = threading.Lock()
+
+        def journal(position: int) -> None:
+            with lock:
+                handle.write(f"{position}\n")
+
+        return SampleFileWriter(self.folder, samples, getattr(torch, self.dtype), self.num_workers, journal,
+                                on_error=self.record_error)
+
+
+def is_first_rank() -> bool:
+    """True in TP rank 0's process (the global rank 0 with pipeline and data parallelism off), or alone."""
+    import torch.distributed as dist
+
+    return not (dist.is_available() and dist.is_initialized()) or dist.get_rank() == 0
+
+
+def install_from_environment() -> CaptureHooks | None:
+    """In SGLang's processes: wrap the text models when stage 02 left a capture plan in the environment."""
+    plan_path = os.environ.get(PLAN_ENV)
+    if not plan_path:
+        return None
+    from patches import installed_sglang_version, sglang_version_problem
+
+    plan = CapturePlan.read(plan_path)
+    problem = sglang_version_problem(installed_sglang_version())
+    if problem is not None:
+        plan.record_error(problem)
+        raise ImportError(problem)
+    classes = [getattr(importlib.import_module(module), name) for module, name in HOOKED_TEXT_MODELS]
+    return CaptureHooks(plan.aux_layers, plan.open_writer, is_first_rank, plan.record_error,
+                        plan.mark_active).install(*classes)
+
+
+# SGLang imports this module in each of its processes (patches/__init__.py says how); outside a stage-02 run
+# (no plan in the environment) importing it changes nothing.
+INSTALLED_HOOKS = install_from_environment()

@@ -1,0 +1,66 @@
+#!/usr/bin/env python3
+"""Print the SGLang command that serves a drafter folder with its verifier (EAGLE-3), for the pinned SGLang.
+
+  python scripts/sglang_launch_command.py RUN_DIR/checkpoints/best --model-path VERIFIER [--tp-size 8]
+
+Defaults: 3 steps / top-1 / 4 draft tokens, triton attention for the verifier and the drafter (what works on the
+SM120 GPUs of the Kimi-K2.5 deployment; common/sglang_launch.py says why), `--speculative-draft-model-quantization
+unquant` when the verifier is quantized. The drafter's layer ids are checked against what SGLang will capture.
+Exit 0 with the command; 1 when the command would serve the drafter wrongly (the problems are printed, and the
+command is still shown); 2 for bad arguments or unreadable folders.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+if str(REPO) not in sys.path:
+    sys.path.insert(0, str(REPO))
+
+
+def main(argv=None) -> int:
+    from common import sglang_launch as launch
+
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0], epilog=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("drafter", help="drafter folder (config.json + model.safetensors)")
+    parser.add_argument("--model-path", required=True, help="the verifier's folder, as SGLang will load it")
+    parser.add_argument("--tp-size", type=int, default=8)
+    parser.add_argument("--num-steps", type=int, default=launch.DEFAULT_NUM_STEPS)
+    parser.add_argument("--topk", type=int, default=launch.DEFAULT_TOPK)
+    parser.add_argument("--num-draft-tokens", type=int, default=launch.DEFAULT_NUM_DRAFT_TOKENS)
+    parser.add_argument("--attention-backend", default=launch.SM120_ATTENTION_BACKEND)
+    parser.add_argument("--draft-attention-backend", default=launch.SM120_DRAFT_ATTENTION_BACKEND)
+    parser.add_argument("--trust-remote-code", action=argparse.BooleanOptionalAction, default=None,
+                        help="default: when the verifier's config.json has an auto_map")
+    parser.add_argument("--port", type=int)
+    parser.add_argument("--json", action="store_true", help="print {argv, command, notes, problems} as JSON")
+    args = parser.parse_args(argv)
+
+    from common.flags import UsageError
+
+    try:
+        command = launch.build_launch_command(
+            args.drafter, args.model_path, tp_size=args.tp_size, num_steps=args.num_steps, topk=args.topk,
+            num_draft_tokens=args.num_draft_tokens, attention_backend=args.attention_backend,
+            draft_attention_backend=args.draft_attention_backend, trust_remote_code=args.trust_remote_code,
+            port=args.port)
+    except UsageError as err:
+        print(str(err), file=sys.stderr)
+        return 2
+    if args.json:
+        print(json.dumps(command.as_dict(), indent=2))
+    else:
+        for note in command.notes:
+            print(f"# {note}")
+        for problem in command.problems:
+            print(f"# PROBLEM: {problem}")
+        print(command.shell())
+    return 1 if command.problems else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,86 @@
+"""A Hugging Face decoder stack arranged in SGLang's text-model calling convention, for testing the capture hooks
+on CPU (SGLang 0.5.23's model code does not import here: it needs tvm_ffi, triton, sgl_kernel/flashinfer and its
+distributed runtime).
+
+What is SGLang's (sglang/srt/models/llama.py and deepseek_v2.py, checked in tests/test_sglang.py):
+  * `forward(input_ids, positions, forward_batch, input_embeds=None, pp_proxy_tensors=None)` over the flat
+    [T] tokens of several requests laid one after another (a prefill forward, no padding);
+  * the residual stream is carried apart from the layers' output, and each layer's input boundary first
+    completes `hidden + residual` (fused add + RMSNorm); for a layer i in `self.layers_to_capture` that completed
+    residual stream is captured (at layer 0: the embedding output);
+  * the final norm over `hidden + residual` is the return value, and `(hidden, aux list)` is returned while
+    `layers_to_capture` is not empty.
+What is a stand-in: the layers, norms and weights are transformers' (real models: stories260K, a tiny random
+DeepSeek-V3), attention runs per request over that request's rows (as SGLang's ragged attention kernels do), and
+`StandinForwardBatch` carries only the ForwardBatch fields the hooks read, under SGLang's names.
+"""
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+
+import torch
+
+
+class StandinForwardMode(enum.IntEnum):  # the members of sglang's ForwardMode the hooks tell apart
+    EXTEND = 1
+    DECODE = 2
+    MIXED = 3
+
+
+@dataclass
+class StandinForwardBatch:
+    forward_mode: StandinForwardMode
+    rids: list[str]
+    input_ids: torch.Tensor  # [T]
+    extend_seq_lens_cpu: list[int] | None
+    extend_prefix_lens_cpu: list[int] | None
+
+
+def pack(requests: list[tuple[str, torch.Tensor]], mode: StandinForwardMode = StandinForwardMode.EXTEND,
+         prefixes: list[int] | None = None):
+    """(input_ids [T], positions [T], forward batch) of requests laid one after another, as a prefill forward."""
+    ids = torch.cat([tokens for _, tokens in requests])
+    positions = torch.cat([torch.arange(len(tokens)) for _, tokens in requests])
+    lengths = [len(tokens) for _, tokens in requests]
+    batch = StandinForwardBatch(mode, [rid for rid, _ in requests], ids, lengths, prefixes or [0] * len(requests))
+    return ids, positions, batch
+
+
+class SGLangStyleTextModel(torch.nn.Module):
+    """A transformers base model (LlamaModel, DeepseekV3Model) run the way SGLang's text models run."""
+
+    def __init__(self, hf_base: torch.nn.Module):
+        super().__init__()
+        self.embed_tokens = hf_base.embed_tokens
+        self.layers = hf_base.layers
+        self.norm = hf_base.norm
+        self.rotary_emb = hf_base.rotary_emb
+        self.layers_to_capture: list[int] = []
+
+    def _attention(self, layer, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, lengths: list[int]):
+        out, start = [], 0
+        for length in lengths:
+            rows = slice(start, start + length)
+            attended, _ = layer.self_attn(hidden_states=x[rows][None], position_embeddings=(cos[:, rows], sin[:, rows]),
+                                          attention_mask=None)
+            out.append(attended[0])
+            start += length
+        return torch.cat(out)
+
+    def forward(self, input_ids, positions, forward_batch, input_embeds=None, pp_proxy_tensors=None):
+        hidden = self.embed_tokens(input_ids) if input_embeds is None else input_embeds
+        cos, sin = self.rotary_emb(hidden[None], positions[None])
+        lengths = list(forward_batch.extend_seq_lens_cpu)
+        aux, residual = [], None
+        for i, layer in enumerate(self.layers):
+            # the layer's input boundary: complete the residual stream, normalise it (capture sees it first)
+            residual = hidden if residual is None else hidden + residual
+            if i in self.layers_to_capture:
+                aux.append(residual.clone())
+            x = layer.input_layernorm(residual)
+            x = self._attention(layer, x, cos, sin, lengths)
+            residual = x + residual
+            hidden = layer.mlp(layer.post_attention_layernorm(residual)[None])[0]
+        out = self.norm(hidden + residual)
+        return (out, aux) if self.layers_to_capture else out

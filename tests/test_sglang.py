@@ -1,0 +1,448 @@
+"""Stage 02's SGLang backend (patches/sglang_capture.py, common/sglang_backend.py), without a GPU.
+
+Three kinds of checks:
+  * the pinned SGLang release's own source, read with ast from the installed wheel (installed with --no-deps,
+    nothing of it imported): every module, class, method, attribute, signature and ForwardBatch field the hooks
+    rely on, the route by which SGLang's processes load the hooks, the engine settings, the layer-id rules the
+    launch command follows, and what the server benchmark reads from responses;
+  * the capture logic on CPU, on Hugging Face models (stories260K and a tiny random DeepSeek-V3) run in SGLang's
+    text-model calling convention (tests/sglang_standin.py), because SGLang's model code does not import without
+    its GPU packages: the files written through the hooks equal transformers' output_hidden_states[l] and the
+    final-norm state (exactly for a forward of one request; to float rounding for packed forwards);
+  * stage 02's preflight with --backend sglang: clear refusals before any engine starts.
+The SGLang engine itself runs only on a GPU machine; nothing here starts it.
+"""
+from __future__ import annotations
+
+import ast
+import json
+import re
+from argparse import Namespace
+from pathlib import Path
+
+import pytest
+import torch
+
+import sglang_source as src
+from conftest import REPO
+from sglang_standin import SGLangStyleTextModel, StandinForwardMode, pack
+from common.flags import UsageError
+from patches import SUPPORTED_SGLANG_VERSION, installed_sglang_version, sglang_version_problem
+from patches.sglang_capture import (ACTIVE_FILE, CAPTURE_MODE, ERROR_FILE, FORWARD_BATCH_FIELDS, HOOKED_TEXT_MODELS,
+                                    JOURNAL_FILE, TEXT_MODEL_ATTRIBUTES, CaptureError, CaptureHooks, CapturePlan,
+                                    sample_rid)
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_intra_op_thread():
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+@pytest.fixture(scope="module")
+def pinned_sglang():
+    """The installed SGLang, which must be the pinned release (CI installs it from requirements-test.txt)."""
+    root = src.sglang_root()
+    installed = installed_sglang_version()
+    assert installed == SUPPORTED_SGLANG_VERSION, (
+        f"SGLang {installed} is installed at {root}; these tests read the source of the pinned "
+        f"{SUPPORTED_SGLANG_VERSION}: pip install --no-deps sglang=={SUPPORTED_SGLANG_VERSION}")
+    return root
+
+
+# --- the pin ----------------------------------------------------------------------------------------------------
+
+def test_the_pinned_version_is_the_one_installed_by_setup_env():
+    requirements = (REPO / "requirements-test.txt").read_text()
+    assert re.search(rf"^sglang=={re.escape(SUPPORTED_SGLANG_VERSION)}\s*(;.*)?$", requirements, re.M), requirements
+    assert "--no-deps -r requirements-test.txt" in (REPO / "scripts" / "setup_env.sh").read_text()
+    # Any other mention of a pinned sglang in the repository names the same release.
+    for path in list(REPO.glob("*.md")) + list(REPO.glob("*.txt")) + list(REPO.glob("scripts/*")) + \
+            list(REPO.glob("common/*.py")) + list(REPO.glob("patches/*.py")):
+        for version in re.findall(r"sglang==([0-9][0-9A-Za-z.]*)", path.read_text()):
+            assert version == SUPPORTED_SGLANG_VERSION, f"{path} names sglang=={version}"
+
+
+def test_version_problems_name_the_supported_release():
+    assert sglang_version_problem(SUPPORTED_SGLANG_VERSION) is None
+    missing = sglang_version_problem(None)
+    assert "not installed" in missing and f"sglang=={SUPPORTED_SGLANG_VERSION}" in missing
+    other = sglang_version_problem("0.5.22")
+    assert "0.5.22" in other and f"sglang=={SUPPORTED_SGLANG_VERSION}" in other and "--backend hf" in other
+
+
+# --- the hook targets in the pinned source -----------------------------------------------------------------------
+
+def _names_in(node: ast.AST) -> set[str]:
+    return {n.id for n in ast.walk(node) if isinstance(n, ast.Name)} | \
+        {n.attr for n in ast.walk(node) if isinstance(n, ast.Attribute)}
+
+
+def _assigned_self_attributes(function: ast.FunctionDef) -> set[str]:
+    found = set(src.self_attributes_assigned(function))
+    for node in ast.walk(function):  # self.layers, self.start_layer, self.end_layer = make_pp_layers(...)
+        if isinstance(node, ast.Assign):
+            for target in node.targets:
+                if isinstance(target, ast.Tuple):
+                    found.update(e.attr for e in target.elts if isinstance(e, ast.Attribute)
+                                 and isinstance(e.value, ast.Name) and e.value.id == "self")
+    return found
+
+
+def _captures_when_listed(function: ast.FunctionDef) -> list[ast.keyword]:
+    """Keyword arguments of the form `<kw>=<collector> if i in self.layers_to_capture else None`."""
+    found = []
+    for call in (n for n in ast.walk(function) if isinstance(n, ast.Call)):
+        for keyword in call.keywords:
+            value = keyword.value
+            if isinstance(value, ast.IfExp) and isinstance(value.test, ast.Compare) \
+                    and isinstance(value.test.ops[0], ast.In) and "layers_to_capture" in _names_in(value.test):
+                found.append(keyword)
+    return found
+
+
+@pytest.mark.parametrize("module,class_name", HOOKED_TEXT_MODELS)
+def test_hooked_text_models_have_what_the_hooks_use(pinned_sglang, module, class_name):
+    forward = src.find_method(module, class_name, "forward")
+    assert src.parameter_names(forward)[:4] == ["self", "input_ids", "positions", "forward_batch"]
+    assigned = _assigned_self_attributes(src.find_method(module, class_name, "__init__"))
+    assert set(TEXT_MODEL_ATTRIBUTES) <= assigned, (class_name, set(TEXT_MODEL_ATTRIBUTES) - assigned)
+    # The layer loop hands a capture collector to layer i exactly when i is listed: the layer's INPUT.
+    [keyword] = _captures_when_listed(forward)
+    assert keyword.arg in ("capture_output", "captured_last_layer_outputs")
+    # It returns (hidden states, aux) while layers are listed, and the hidden states are the final norm's.
+    returns = [n for n in ast.walk(forward) if isinstance(n, ast.Return) and isinstance(n.value, ast.Tuple)]
+    assert any(len(r.value.elts) == 2 for r in returns), src.source_of(forward)
+    assert "norm" in _names_in(forward) and "final_norm" in _names_in(forward)
+
+
+@pytest.mark.parametrize("module,layer_class,keyword", [
+    ("sglang.srt.models.llama", "LlamaDecoderLayer", "capture"),
+    ("sglang.srt.models.deepseek_v2", "DeepseekV2DecoderLayer", "capture_gathered")])
+def test_decoder_layers_capture_their_input_before_attention(pinned_sglang, module, layer_class, keyword):
+    forward = src.find_method(module, layer_class, "forward")
+    calls = [n for n in ast.walk(forward) if isinstance(n, ast.Call) and isinstance(n.func, ast.Attribute)]
+    prepare = [c for c in calls if c.func.attr == "prepare" and any(k.arg == keyword for k in c.keywords)]
+    attention = [c for c in calls if c.func.attr == "self_attn"]
+    assert prepare and attention
+    assert prepare[0].lineno < attention[0].lineno  # the residual stream as it enters the layer, not after
+    # ... where the input boundary completes the residual stream and hands it to the collector.
+    body = src.source_of(src.find_method("sglang.srt.layers.layer_boundary.stage", "StageBoundary",
+                                         "_prepare_attention"))
+    assert "stream.residual" in body and "capture(" in body and "capture_gathered.capture(" in body
+
+
+def test_the_verifier_classes_run_the_hooked_text_models(pinned_sglang):
+    from common.sglang_backend import SUPPORTED_ARCHITECTURES
+
+    models = "sglang.srt.models."
+    deepseek = src.self_attributes_assigned(src.find_method(models + "deepseek_v2", "DeepseekV2ForCausalLM",
+                                                            "__init__"))
+    assert src.source_of(deepseek["model"]).startswith("DeepseekV2Model(")
+    assert [b.id for b in src.find_class(models + "deepseek_v2", "DeepseekV3ForCausalLM").bases] == \
+        ["DeepseekV2ForCausalLM"]
+    kimi = src.self_attributes_assigned(src.find_method(models + "kimi_k25", "KimiK25ForConditionalGeneration",
+                                                        "__init__"))
+    assert src.source_of(kimi["language_model"]).startswith("DeepseekV3ForCausalLM(")
+    assert "language_model=self.language_model" in src.source_of(
+        src.find_method(models + "kimi_k25", "KimiK25ForConditionalGeneration", "forward"))
+    llama_init = src.source_of(src.find_method(models + "llama", "LlamaForCausalLM", "_init_model"))
+    assert "LlamaModel(" in llama_init
+    entry = {}
+    for module in ("llama", "deepseek_v2", "kimi_k25"):
+        for node in src.parse(models + module).body:
+            if isinstance(node, ast.Assign) and any(getattr(t, "id", None) == "EntryClass" for t in node.targets):
+                entry.update({e.id: module for e in node.value.elts if isinstance(e, ast.Name)})
+    assert set(SUPPORTED_ARCHITECTURES) <= set(entry), set(SUPPORTED_ARCHITECTURES) - set(entry)
+
+
+def test_forward_batch_has_the_fields_the_hooks_read(pinned_sglang):
+    module = "sglang.srt.model_executor.forward_batch_info"
+    assert set(FORWARD_BATCH_FIELDS) <= src.class_fields(module, "ForwardBatch")
+    assert {CAPTURE_MODE, "MIXED", "DECODE", "TARGET_VERIFY"} <= src.class_fields(module, "ForwardMode")
+    assert {m.name for m in StandinForwardMode} <= src.class_fields(module, "ForwardMode")
+    init_new = src.source_of(src.find_method(module, "ForwardBatch", "init_new"))
+    assert "rids=[req.rid for req in batch.reqs]" in init_new  # the request ids stage 02 sends, in row order
+
+
+def test_sglang_processes_import_the_hooks_through_the_model_package_variable(pinned_sglang):
+    import pkgutil
+
+    import patches
+    from patches import SGLANG_PACKAGE_ENV
+
+    registry = src.source_of(src.parse("sglang.srt.models.registry"))
+    assert f"envs.{SGLANG_PACKAGE_ENV}.get()" in registry and "import_model_classes(external_pkg)" in registry
+    importer = src.source_of(src.find_function("sglang.srt.models.registry", "import_model_classes"))
+    assert "pkgutil.iter_modules(package.__path__" in importer and "importlib.import_module(name)" in importer
+    assert SGLANG_PACKAGE_ENV in src.class_fields("sglang.srt.environ", "Envs")
+    # The scheduler processes are spawned (fresh interpreters): a patch made in the stage's process would not reach
+    # them, which is why the hooks travel this way.
+    assert 'mp.set_start_method("spawn", force=True)' in src.source_of(src.parse("sglang.srt.entrypoints.engine"))
+    # SGLang imports every module of the package: the hooks' module is one, and none registers a model class.
+    names = {m.name for m in pkgutil.iter_modules(patches.__path__)}
+    assert "sglang_capture" in names
+    for name in names:
+        tree = ast.parse((Path(patches.__path__[0]) / f"{name}.py").read_text())
+        assert not any(isinstance(n, ast.Name) and n.id == "EntryClass" for n in ast.walk(tree)), name
+    # Imported without a plan in the environment (any process but stage 02's engine), it changes nothing.
+    import patches.sglang_capture as capture
+
+    assert capture.INSTALLED_HOOKS is None
+
+
+def test_engine_settings_and_calls_exist_in_the_pinned_engine(pinned_sglang):
+    from common.sglang_backend import CAPTURE_SETTINGS, engine_kwargs
+
+    args = Namespace(tp_size=8, dtype="bfloat16", trust_remote_code=True, gpu_memory_utilization=0.85)
+    kwargs = engine_kwargs(args, "/models/kimi", 64, 32768)
+    fields = src.server_args_fields()
+    assert set(kwargs) <= set(fields), set(kwargs) - set(fields)
+    assert kwargs["chunked_prefill_size"] == -1 and kwargs["disable_radix_cache"] is True
+    assert set(CAPTURE_SETTINGS) <= set(kwargs)
+    engine = "sglang.srt.entrypoints.engine"
+    assert src.find_method(engine, "Engine", "__init__").args.kwarg.arg == "kwargs"
+    assert {"input_ids", "sampling_params", "rid"} <= set(src.parameter_names(src.find_method(engine, "Engine",
+                                                                                              "generate")))
+    src.find_method(engine, "Engine", "shutdown")
+    # max_new_tokens=0 is a prefill-only request (no token is sampled)
+    prefill_only = src.source_of(src.find_method("sglang.srt.managers.schedule_batch", "Req", "is_prefill_only"))
+    assert "max_new_tokens == 0" in prefill_only
+    # A CUDA graph would replay kernels without running the hooks: both phases' graphs are turned off.
+    hook = src.source_of(src.parse("sglang.srt.arg_groups.cuda_graph_hook"))
+    assert "if cfg.disable_prefill_cuda_graph:" in hook and "if cfg.disable_decode_cuda_graph:" in hook
+    assert kwargs["disable_prefill_cuda_graph"] is True and kwargs["disable_decode_cuda_graph"] is True
+
+
+def test_layer_id_rules_of_the_pinned_release(pinned_sglang):
+    """What common/sglang_launch.captured_layers encodes, as written in the pinned source."""
+    models = "sglang.srt.models."
+    llama = src.source_of(src.find_method(models + "llama", "LlamaForCausalLM", "set_eagle3_layers_to_capture"))
+    assert "[2, num_layers // 2, num_layers - 3]" in llama and "[val + 1 for val in layer_ids]" in llama
+    deepseek = src.source_of(src.find_method(models + "deepseek_v2", "DeepseekV2ForCausalLM",
+                                             "set_eagle3_layers_to_capture"))
+    assert "if layer_ids and layer_ids[0] == 1:" in deepseek and "list(layer_ids)" in deepseek
+    kimi = src.source_of(src.find_method(models + "kimi_k25", "KimiK25ForConditionalGeneration",
+                                         "set_eagle3_layers_to_capture"))
+    assert "self.language_model.set_eagle3_layers_to_capture(layer_ids)" in kimi
+
+    from common.sglang_launch import captured_layers, eagle_ids_for
+
+    assert captured_layers("LlamaForCausalLM", [1, 14, 26], 30) == [2, 15, 27]
+    assert captured_layers("KimiK25ForConditionalGeneration", [1, 29, 57], 61) == [2, 30, 58]
+    assert captured_layers("DeepseekV3ForCausalLM", [2, 30, 58], 61) == [2, 30, 58]
+    assert captured_layers("DeepseekV3ForCausalLM", None, 61) == [2, 30, 58]
+    for arch in ("LlamaForCausalLM", "KimiK25ForConditionalGeneration"):
+        for layers in ([2, 30, 58], [3, 31, 59], [5, 20, 40]):
+            assert captured_layers(arch, eagle_ids_for(arch, layers), 61) == layers
+    assert eagle_ids_for("DeepseekV3ForCausalLM", [1, 30, 58]) is None
+
+
+def test_server_benchmark_reads_what_the_pinned_server_returns(pinned_sglang):
+    from common.server_bench import SERVER_INFO_PATHS
+
+    manager = src.source_of(src.parse("sglang.srt.managers.tokenizer_manager"))
+    for key in ("spec_verify_ct", "spec_accept_length"):
+        assert f'meta_info["{key}"]' in manager
+    assert '"completion_tokens": recv_obj.completion_tokens[i]' in manager
+    server = src.parse("sglang.srt.entrypoints.http_server")
+    routes = {d.args[0].value for f in ast.walk(server) if isinstance(f, (ast.FunctionDef, ast.AsyncFunctionDef))
+              for d in f.decorator_list if isinstance(d, ast.Call) and d.args and isinstance(d.args[0], ast.Constant)}
+    assert set(SERVER_INFO_PATHS) <= routes
+    assert '"internal_states": internal_states' in src.source_of(src.find_function(
+        "sglang.srt.entrypoints.http_server", "server_info"))
+    assert 'state["avg_spec_accept_length"]' in src.source_of(src.parse(
+        "sglang.srt.managers.scheduler_components.internal_state"))
+    protocol = "sglang.srt.entrypoints.openai.protocol"
+    assert "return_meta_info" in src.class_fields(protocol, "ChatCompletionRequest")
+    assert "meta_info" in src.class_fields(protocol, "ChatCompletionResponseChoice")
+
+
+# --- the capture logic on CPU ---------------------------------------------------------------------------------------
+
+def _tiny_deepseek(folder: Path) -> Path:
+    from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
+
+    config = DeepseekV3Config(
+        vocab_size=512, hidden_size=64, intermediate_size=128, moe_intermediate_size=32, num_hidden_layers=5,
+        num_attention_heads=4, num_key_value_heads=4, n_shared_experts=1, n_routed_experts=8,
+        num_experts_per_tok=2, n_group=2, topk_group=1, first_k_dense_replace=1, kv_lora_rank=16,
+        q_lora_rank=32, qk_rope_head_dim=8, qk_nope_head_dim=16, v_head_dim=16, max_position_embeddings=512,
+        pad_token_id=0, bos_token_id=1, eos_token_id=2, tie_word_embeddings=False)
+    torch.manual_seed(0)
+    DeepseekV3ForCausalLM(config).save_pretrained(folder)
+    return folder
+
+
+@pytest.fixture(scope="module")
+def verifiers(stories260k, tmp_path_factory):
+    return {"stories": stories260k, "deepseek": _tiny_deepseek(tmp_path_factory.mktemp("deepseek_v3_tiny"))}
+
+
+def _prepared(folder: Path, lengths: list[int], seed: int = 0) -> Path:
+    generator = torch.Generator().manual_seed(seed)
+    folder.mkdir(parents=True, exist_ok=True)
+    path = folder / "tokenized_data.jsonl"
+    with open(path, "w") as handle:
+        for i, length in enumerate(lengths):
+            ids = torch.randint(3, 512, (length,), generator=generator).tolist()
+            handle.write(json.dumps({"id": f"s{i}", "input_ids": ids, "loss_mask": [i % 2] * length}) + "\n")
+    return path
+
+
+def _setup(model_dir: Path, tmp_path: Path, layers: list[int], lengths: list[int]):
+    from common.extraction import find_text_model, read_prepared_data
+    from common.verifier import load_verifier_model
+
+    data = _prepared(tmp_path / "data", lengths)
+    samples, _ = read_prepared_data(data, 512, 2048)
+    model = load_verifier_model(str(model_dir), "cpu", "float32")
+    text = SGLangStyleTextModel(find_text_model(model).base)
+    out = tmp_path / "hidden_states"
+    out.mkdir()
+    plan = CapturePlan(output_dir=str(out), prepared_data=str(data), vocab_size=512, max_seq_len=2048,
+                       aux_layers=layers, dtype="float32", num_workers=2, sglang_version=SUPPORTED_SGLANG_VERSION)
+    plan.write()
+    return model, text, samples, plan
+
+
+@pytest.mark.parametrize("which", ["stories", "deepseek"])
+def test_capture_hooks_on_hf_models_in_sglang_calling_convention(which, verifiers, tmp_path):
+    """Forwards as SGLang runs them: one request alone (exact), several packed with a request that is not stage
+    02's in between, a decode forward (untouched), and a prefill of an already written sample (written once)."""
+    from common.extraction import AUX_FILES, FINAL_FILE, META_FILE, SAMPLE_FILES, scan_output
+
+    layers = [0, 2, 4]  # the embedding output, a middle layer's input, the last layer's input
+    lengths = [13, 9, 21, 1, 16, 7]
+    model, text, samples, plan = _setup(verifiers[which], tmp_path, layers, lengths)
+    hooks = CaptureHooks(layers, plan.open_writer, on_error=plan.record_error,
+                         on_first_batch=plan.mark_active).install(SGLangStyleTextModel)
+    foreign = torch.randint(3, 512, (5,), generator=torch.Generator().manual_seed(9))
+    forwards = [[0], [1, "warmup", 2, 3], [4, 5], [0]]
+    try:
+        with torch.no_grad():
+            for group in forwards:
+                requests = [("warmup-request", foreign) if i == "warmup" else (sample_rid(i), samples[i].input_ids)
+                            for i in group]
+                out = text(*pack(requests))
+                assert torch.is_tensor(out) and out.shape[0] == sum(len(tokens) for _, tokens in requests)
+                assert text.layers_to_capture == []  # restored after each forward
+            decode = text(*pack([("eagle3-x", foreign[:1])], StandinForwardMode.DECODE))  # not a stage-02 id
+            assert torch.is_tensor(decode)
+    finally:
+        hooks.remove()
+    assert not hasattr(SGLangStyleTextModel.forward, "__eagle3_capture__")
+    hooks._sink.close()
+
+    out = plan.folder
+    assert scan_output(out, samples, clean=False) == set(range(len(samples)))
+    assert sorted(int(x) for x in (out / JOURNAL_FILE).read_text().split()) == list(range(len(samples)))
+    assert json.loads((out / ACTIVE_FILE).read_text())["text_model"] == "SGLangStyleTextModel"
+    assert not (out / ERROR_FILE).exists()
+    for sample in samples:
+        with torch.no_grad():
+            reference = model(input_ids=sample.input_ids[None], output_hidden_states=True)
+        hidden, logits = [h[0] for h in reference.hidden_states], reference.logits[0]
+        files = {name: torch.load(out / sample.rel_path / name, weights_only=True) for name in SAMPLE_FILES}
+        alone = sample.position == 0  # the only sample whose forward held it alone
+        for k, layer in enumerate(layers):
+            if alone:
+                assert torch.equal(files[AUX_FILES[k]], hidden[layer]), (which, layer)
+            else:
+                torch.testing.assert_close(files[AUX_FILES[k]], hidden[layer], rtol=1e-5, atol=1e-5)
+        final = files[FINAL_FILE]
+        if alone:
+            assert torch.equal(final, hidden[-1])
+        torch.testing.assert_close(model.lm_head(final), logits, rtol=1e-4, atol=1e-4)
+        assert torch.equal(files[META_FILE]["input_ids"], sample.input_ids)
+        assert torch.equal(files[META_FILE]["loss_mask"], sample.loss_mask)
+
+
+def test_capture_refuses_forwards_that_are_not_one_row_per_prompt_token(verifiers, tmp_path):
+    model, text, samples, plan = _setup(verifiers["stories"], tmp_path, [1, 2, 3], [8, 8, 5])
+    hooks = CaptureHooks([1, 2, 3], plan.open_writer, on_error=plan.record_error).install(SGLangStyleTextModel)
+    error_file = plan.folder / ERROR_FILE
+    try:
+        with torch.no_grad():
+            # part of the prompt from the prefix cache (or a later chunk of chunked prefill)
+            with pytest.raises(CaptureError, match="disable_radix_cache=True and chunked_prefill_size=-1"):
+                text(*pack([(sample_rid(0), samples[0].input_ids)], prefixes=[3]))
+            assert "prefix cache" in error_file.read_text()
+            # decode tokens mixed into a prefill forward
+            with pytest.raises(CaptureError, match="enable_mixed_chunk=False"):
+                text(*pack([(sample_rid(0), samples[0].input_ids)], StandinForwardMode.MIXED))
+            # a request whose id names another sample (same length, other tokens)
+            with pytest.raises(CaptureError, match="token ids differ"):
+                text(*pack([(sample_rid(1), samples[0].input_ids)]))
+            with pytest.raises(CaptureError, match="5 in the prepared data"):
+                text(*pack([(sample_rid(2), samples[0].input_ids)]))
+            # the capture list already in use (a drafter's)
+            text.layers_to_capture = [4]
+            with pytest.raises(CaptureError, match="speculative"):
+                text(*pack([(sample_rid(0), samples[0].input_ids)]))
+            text.layers_to_capture = []
+            # forwards without stage-02 requests run untouched, whatever their mode
+            text(*pack([("other", samples[0].input_ids)], StandinForwardMode.MIXED))
+    finally:
+        hooks.remove()
+        if hooks._sink is not None:
+            hooks._sink.close()
+    with pytest.raises(ValueError, match="ascending"):
+        CaptureHooks([3, 1, 2], plan.open_writer)
+
+
+def test_journal_follower_and_request_order(tmp_path):
+    from common.extraction import Sample
+    from common.sglang_backend import JournalFollower, request_chunks
+
+    path = tmp_path / JOURNAL_FILE
+    follower = JournalFollower(path)
+    assert follower.poll() == []
+    path.write_text("3\n1\n4")  # the last line is still being written
+    assert follower.poll() == [3, 1]
+    with open(path, "a") as handle:
+        handle.write("\n1\n5\n")
+    assert follower.poll() == [4, 5] and follower.done == {1, 3, 4, 5}
+    samples = [Sample(i, f"s{i}", torch.zeros(n, dtype=torch.int64), torch.zeros(n, dtype=torch.uint8))
+               for i, n in enumerate([5, 30, 12, 30, 1, 8])]
+    chunks = request_chunks(samples, [0, 1, 2, 3, 5], batch_size=1)
+    assert [i for chunk in chunks for i in chunk] == [1, 3, 2, 5, 0]  # longest first, ties in data order
+    assert all(len(chunk) <= 8 for chunk in chunks)
+
+
+# --- stage 02's preflight -------------------------------------------------------------------------------------------
+
+def test_stage02_backend_sglang_refuses_before_any_engine_starts(stories260k, tmp_path):
+    """Whatever SGLang is installed here (the pinned one, none, another), the stage stops with exit code 2 and a
+    message naming the fix, before reading the data or starting an engine."""
+    import importlib.util
+
+    from common.sglang_backend import check_sglang_verifier
+    from common.verifier import read_verifier_info
+
+    spec = importlib.util.spec_from_file_location("stage02_sglang", REPO / "02_extract_hidden_states.py")
+    stage02 = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(stage02)
+    base = ["--model-path", str(stories260k), "--prepared-data", str(tmp_path / "none.jsonl"), "--backend", "sglang"]
+
+    def refused(out: Path, *extra: str) -> str:
+        assert stage02.main(base + ["--output-dir", str(out), *extra]) == 2
+        log = (out / "logs" / "02_extract_hidden_states.log").read_text()
+        assert "starting SGLang" not in log
+        return log
+
+    installed = installed_sglang_version()
+    if installed != SUPPORTED_SGLANG_VERSION:
+        assert sglang_version_problem(installed) in refused(tmp_path / "o0")
+    else:
+        assert "leave --device at auto" in refused(tmp_path / "o1", "--device", "cpu")
+        if not torch.cuda.is_available():
+            assert "--tp-size 8 needs 8 GPUs, 0 visible" in refused(tmp_path / "o2", "--tp-size", "8")
+    # The verifier's architecture must be one whose text model the hooks cover.
+    info = read_verifier_info(str(stories260k), with_tokenizer_hash=False)
+    check_sglang_verifier(Namespace(model_path=str(stories260k)), info)
+    info.architecture = "Qwen2ForCausalLM"
+    with pytest.raises(UsageError, match="KimiK25ForConditionalGeneration.*Qwen2ForCausalLM"):
+        check_sglang_verifier(Namespace(model_path="qwen"), info)
