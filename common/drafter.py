@@ -769,6 +769,10 @@ def _causal_forward(backend: str, q: Tensor, k: Tensor, v: Tensor, scale: float)
     if backend == "flash_cpu":
         out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, True, scale=scale)
         return out, lse, ()
+    if backend == "cudnn_cuda":  # opt-in (EAGLE3_TTT_ATTENTION) until measured against flash_cuda
+        res = torch.ops.aten._scaled_dot_product_cudnn_attention(q, k, v, None, True, 0.0, True, False, scale=scale)
+        lse = res[1]  # [B,nh,S] or [B,nh,S,1] depending on the cuDNN frontend
+        return res[0], lse.reshape(q.shape[:3]), (res[2], res[3], res[4], res[5], res[6], res[7], tuple(lse.shape))
     if backend == "efficient_cuda":  # its log-sum-exp is padded to a multiple of 32 positions
         out, lse, seed, offset = torch.ops.aten._scaled_dot_product_efficient_attention(
             q, k, v, None, True, 0.0, True, scale=scale)
@@ -786,6 +790,12 @@ def _causal_backward(backend: str, grad_out: Tensor, q: Tensor, k: Tensor, v: Te
     if backend == "flash_cpu":
         return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
             grad_out, q, k, v, out, lse, 0.0, True, scale=scale)
+    if backend == "cudnn_cuda":
+        cum_q, cum_k, max_q, max_k, seed, offset, lse_shape = saved
+        no_bias = torch.empty(0, device=q.device, dtype=q.dtype)
+        return torch.ops.aten._scaled_dot_product_cudnn_attention_backward(
+            grad_out, q, k, v, out, lse.reshape(lse_shape), seed, offset, no_bias, cum_q, cum_k, max_q, max_k, 0.0,
+            True, scale=scale)
     if backend == "efficient_cuda":
         seed, offset, padded = saved
         lse_padded = lse.new_zeros(*lse.shape[:-1], padded)
@@ -907,7 +917,8 @@ def _pick_backend(q: Tensor) -> str:
 
     Each private aten op is checked once per (device type, dtype, head_dim) against `math` on a small
     problem (values and gradients); an error or a mismatch moves on to the next candidate with a warning.
-    EAGLE3_TTT_ATTENTION=math|flash_cuda|efficient_cuda|flash_cpu forces one.
+    EAGLE3_TTT_ATTENTION=math|flash_cuda|efficient_cuda|cudnn_cuda|flash_cpu forces one (cudnn_cuda is only
+    used when forced: it is the candidate to measure against flash_cuda on Hopper).
     """
     forced = os.environ.get("EAGLE3_TTT_ATTENTION")
     if forced:

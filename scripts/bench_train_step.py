@@ -263,7 +263,7 @@ def run_one(args) -> dict:
             rec["memory_vs_peer"] = round(rec["peak_mem_gib"] / peer[1], 3)
             rec["meets_target"] = rec["speedup_vs_peer"] >= 1.3 and rec["memory_vs_peer"] <= 0.7
     from common.drafter import _BACKEND_CACHE
-    rec["ttt_attention_backend"] = sorted(set(_BACKEND_CACHE.values())) or None
+    rec["ttt_attention_backend"] = os.environ.get("EAGLE3_TTT_ATTENTION") or sorted(set(_BACKEND_CACHE.values())) or None
     rec["loss_first"], rec["loss_last"] = losses[0], losses[-1]
     rec["status"] = "ok" if all(x == x and abs(x) != float("inf") for x in losses) else "nonfinite_loss"
     return rec
@@ -321,7 +321,7 @@ def emit(rec: dict) -> None:
 def child_argv(args, shape: str, seq_len: int) -> list[str]:
     argv = [sys.executable, os.path.abspath(__file__), "--_child", "--shapes", shape, "--seq-lens", str(seq_len)]
     for name in ("batch_size", "ttt_steps", "draft_vocab", "steps", "warmup", "device", "dtype", "optimizer",
-                 "mlp_recompute", "ce_grad", "offload_embedding", "lr", "seed"):
+                 "mlp_recompute", "ce_grad", "offload_embedding", "ttt_attention", "lr", "seed"):
         argv += ["--" + name.replace("_", "-"), str(getattr(args, name))]
     if args.shape_json:
         argv += ["--shape-json", args.shape_json]
@@ -353,6 +353,10 @@ def main(argv=None) -> int:
                         "store_ce_gradients)")
     p.add_argument("--offload-embedding", choices=("auto", "on", "off"), default="auto",
                    help="keep the frozen [V,H] embedding in pinned CPU memory (auto: on CUDA when >= 256 MiB)")
+    p.add_argument("--ttt-attention", default="auto",
+                   choices=("auto", "flash_cuda", "efficient_cuda", "cudnn_cuda", "math"),
+                   help="causal kernel of the TTT attention (auto: the drafter's own choice; the others force "
+                        "EAGLE3_TTT_ATTENTION, e.g. to compare cudnn_cuda with flash_cuda)")
     p.add_argument("--lr", type=float, default=1e-4)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--shape-json", default=None, help="JSON overrides of the shape, e.g. for a CPU smoke test")
@@ -367,6 +371,8 @@ def main(argv=None) -> int:
     if unknown:
         p.error(f"unknown shape(s) {unknown}; choose from {sorted(SHAPES)}")
     seq_lens = [int(x) for x in args.seq_lens.split(",") if x]
+    if args.ttt_attention != "auto":  # read by common.drafter at every TTT attention call
+        os.environ["EAGLE3_TTT_ATTENTION"] = args.ttt_attention
     if args._child:
         args.shape, args.seq_len = shapes[0], seq_lens[0]
         print(RESULT_MARKER + json.dumps(run_guarded(args), default=str), flush=True)
