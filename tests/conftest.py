@@ -68,3 +68,19 @@ def run_script(script: str, *args: str, timeout: float = 600, env: dict | None =
     full_env.update(env or {})
     return subprocess.run([sys.executable, str(REPO / script), *args], capture_output=True, text=True,
                           timeout=timeout, env=full_env, cwd=str(REPO))
+
+
+def save_tiny_deepseek_v3(folder: Path, num_hidden_layers: int) -> Path:
+    """A tiny random DeepSeek-V3 (MoE + MLA, vocabulary 512 like stories260K) saved in `folder`, seed 0."""
+    import torch
+    from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
+
+    config = DeepseekV3Config(
+        vocab_size=512, hidden_size=64, intermediate_size=128, moe_intermediate_size=32,
+        num_hidden_layers=num_hidden_layers, num_attention_heads=4, num_key_value_heads=4, n_shared_experts=1,
+        n_routed_experts=8, num_experts_per_tok=2, n_group=2, topk_group=1, first_k_dense_replace=1,
+        kv_lora_rank=16, q_lora_rank=32, qk_rope_head_dim=8, qk_nope_head_dim=16, v_head_dim=16,
+        max_position_embeddings=512, pad_token_id=0, bos_token_id=1, eos_token_id=2, tie_word_embeddings=False)
+    torch.manual_seed(0)
+    DeepseekV3ForCausalLM(config).save_pretrained(folder)
+    return folder

@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import REPO, run_script
+from conftest import REPO, run_script, save_tiny_deepseek_v3
 from common.artifacts import Manifest, read_json, write_json_atomic
 from common.extraction import (AUX_FILES, CRASH_ENV, Extractor, FINAL_FILE, LAYER_CONVENTION, META_FILE,
                                SAMPLE_FILES, TMP_PREFIX, find_text_model, load_sample, open_hidden_states,
@@ -117,18 +117,7 @@ def reference_states(model, input_ids: torch.Tensor):
 @pytest.fixture(scope="module")
 def deepseek_dir(tmp_path_factory, stories260k) -> Path:
     """A tiny random DeepSeek-V3 (MoE + MLA) with stories260K's tokenizer (vocabulary 512)."""
-    from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
-
-    config = DeepseekV3Config(
-        vocab_size=512, hidden_size=64, intermediate_size=128, moe_intermediate_size=32, num_hidden_layers=6,
-        num_attention_heads=4, num_key_value_heads=4, n_shared_experts=1, n_routed_experts=8,
-        num_experts_per_tok=2, n_group=2, topk_group=1, first_k_dense_replace=1, kv_lora_rank=16,
-        q_lora_rank=32, qk_rope_head_dim=8, qk_nope_head_dim=16, v_head_dim=16, max_position_embeddings=512,
-        pad_token_id=0, bos_token_id=1, eos_token_id=2, tie_word_embeddings=False)
-    torch.manual_seed(0)
-    model = DeepseekV3ForCausalLM(config)
-    folder = tmp_path_factory.mktemp("deepseek_v3_tiny")
-    model.save_pretrained(folder)
+    folder = save_tiny_deepseek_v3(tmp_path_factory.mktemp("deepseek_v3_tiny"), num_hidden_layers=6)
     for name in TOKENIZER_FILES:
         shutil.copy(stories260k / name, folder / name)
     return folder

@@ -24,7 +24,7 @@ import pytest
 import torch
 
 import sglang_source as src
-from conftest import REPO
+from conftest import REPO, save_tiny_deepseek_v3
 from sglang_standin import SGLangStyleTextModel, StandinForwardMode, pack
 from common.flags import UsageError
 from patches import SUPPORTED_SGLANG_VERSION, installed_sglang_version, sglang_version_problem
@@ -262,23 +262,9 @@ def test_server_benchmark_reads_what_the_pinned_server_returns(pinned_sglang):
 
 # --- the capture logic on CPU ---------------------------------------------------------------------------------------
 
-def _tiny_deepseek(folder: Path) -> Path:
-    from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
-
-    config = DeepseekV3Config(
-        vocab_size=512, hidden_size=64, intermediate_size=128, moe_intermediate_size=32, num_hidden_layers=5,
-        num_attention_heads=4, num_key_value_heads=4, n_shared_experts=1, n_routed_experts=8,
-        num_experts_per_tok=2, n_group=2, topk_group=1, first_k_dense_replace=1, kv_lora_rank=16,
-        q_lora_rank=32, qk_rope_head_dim=8, qk_nope_head_dim=16, v_head_dim=16, max_position_embeddings=512,
-        pad_token_id=0, bos_token_id=1, eos_token_id=2, tie_word_embeddings=False)
-    torch.manual_seed(0)
-    DeepseekV3ForCausalLM(config).save_pretrained(folder)
-    return folder
-
-
 @pytest.fixture(scope="module")
 def verifiers(stories260k, tmp_path_factory):
-    return {"stories": stories260k, "deepseek": _tiny_deepseek(tmp_path_factory.mktemp("deepseek_v3_tiny"))}
+    return {"stories": stories260k, "deepseek": save_tiny_deepseek_v3(tmp_path_factory.mktemp("deepseek_v3_tiny"), 5)}
 
 
 def _prepared(folder: Path, lengths: list[int], seed: int = 0) -> Path:
