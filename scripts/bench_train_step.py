@@ -239,8 +239,8 @@ def run_one(args) -> dict:
             loss = step()
             times.append((time.perf_counter() - h0) * 1e3)
         losses.append(float(loss))
-    if args.profile and device.type == "cuda":
-        write_profile(torch, step, args, sync)
+    if args.profile:
+        write_profile(torch, step, args, sync, device.type == "cuda")
     med = statistics.median(times)
     rec["timer"] = "cuda_events" if device.type == "cuda" else "host_perf_counter"
     rec["step_time_ms_median"] = round(med, 3)
@@ -269,22 +269,28 @@ def run_one(args) -> dict:
     return rec
 
 
-def write_profile(torch, step, args, sync) -> None:
-    """Where a step's GPU time goes: torch.profiler's kernel table for 3 steps, to $OUT (or stderr)."""
+def write_profile(torch, step, args, sync, cuda: bool) -> None:
+    """Where a step's time goes: torch.profiler's tables for 3 steps (by op, then by op and input shapes, which
+    finds the large copies and casts), to $OUT/profile_SHAPE_SEQ.txt, or stderr. GPU time on a GPU, else CPU."""
     from torch.profiler import ProfilerActivity, profile
 
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    sort_by = "self_cuda_time_total" if cuda else "self_cpu_time_total"
     sync()
-    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+    with profile(activities=activities, record_shapes=True) as prof:
         for _ in range(3):
             step()
         sync()
-    table = prof.key_averages().table(sort_by="cuda_time_total", row_limit=45, max_name_column_width=70)
+    tables = [prof.key_averages().table(sort_by=sort_by, row_limit=45, max_name_column_width=70),
+              prof.key_averages(group_by_input_shape=True).table(sort_by=sort_by, row_limit=45,
+                                                                  max_name_column_width=40, max_shapes_column_width=90)]
+    text = "\n\n".join(tables)
     out = os.environ.get("OUT")
     if out:
         with open(os.path.join(out, f"profile_{args.shape}_{args.seq_len}.txt"), "w") as handle:
-            handle.write(table)
+            handle.write(text)
     else:
-        log(table)
+        log(text)
 
 
 def run_guarded(args) -> dict:
