@@ -7,6 +7,8 @@ rasteriser (bars and numbers only), so a report never depends on an optional pac
 """
 from __future__ import annotations
 
+import hashlib
+import json
 import math
 import re
 import struct
@@ -31,13 +33,8 @@ class BaselineCache:
     """
 
     def __init__(self, path: str | Path, context: dict[str, Any]):
-        import hashlib
-        import json
-
         self.path = Path(path)
-        self._json = json
         self._context = json.dumps(context, sort_keys=True)
-        self._hash = hashlib.sha256
         self.entries: dict[str, dict] = {}
         self.hits = 0
         if self.path.is_file():
@@ -49,8 +46,8 @@ class BaselineCache:
                     continue  # a line cut by a crash: that prompt is measured again
 
     def key(self, ids: Sequence[int], **settings: Any) -> str:
-        text = self._json.dumps([self._context, list(ids), settings], sort_keys=True)
-        return self._hash(text.encode()).hexdigest()
+        text = json.dumps([self._context, list(ids), settings], sort_keys=True)
+        return hashlib.sha256(text.encode()).hexdigest()
 
     def get(self, key: str) -> dict | None:
         entry = self.entries.get(key)
@@ -63,7 +60,7 @@ class BaselineCache:
         self.entries[key] = entry
         self.path.parent.mkdir(parents=True, exist_ok=True)
         with open(self.path, "a") as handle:
-            handle.write(self._json.dumps(entry) + "\n")
+            handle.write(json.dumps(entry) + "\n")
 
 
 # --- metrics -----------------------------------------------------------------------------------------

@@ -29,6 +29,19 @@ STORIES_TEMPLATE = (
     "{%- if add_generation_prompt -%}<s>Answer:{%- endif -%}")
 
 
+@pytest.fixture(scope="module")
+def one_intra_op_thread():
+    """One torch intra-op thread for a test module (`pytestmark = pytest.mark.usefixtures(...)`): its models
+    are tiny, and on a shared 2-core machine two OpenMP threads spin against other processes (measured:
+    2.8 s a training step with 2 threads, 0.17 s with 1)."""
+    import torch
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
 @pytest.fixture(scope="session")
 def stories260k() -> Path:
     if not (STORIES260K / "config.json").exists():

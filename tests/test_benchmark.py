@@ -24,6 +24,8 @@ import torch
 
 from conftest import REPO, STORIES_TEMPLATE
 
+pytestmark = pytest.mark.usefixtures("one_intra_op_thread")
+
 STARTS = ["Once upon a time", "The little dog", "Tom and Sue went", "One day, a big", "Lily wanted", "The sun was"]
 DRAFT_VOCAB = 320
 
@@ -34,16 +36,6 @@ def _load_module(name: str, file: str):
     sys.modules[name] = module
     spec.loader.exec_module(module)
     return module
-
-
-@pytest.fixture(autouse=True)
-def one_thread():
-    """One intra-op thread: these models are tiny, and on a shared 2-core machine two OpenMP threads spin
-    against other processes."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 @pytest.fixture(scope="module")

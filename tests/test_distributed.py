@@ -28,6 +28,8 @@ from conftest import REPO
 from test_extract import write_prepared_data as write_token_data  # noqa: E402  (random ids, stage 01's format)
 from test_train import _load_module, crash_at, write_prepared_data as write_story_data  # noqa: E402
 
+pytestmark = pytest.mark.usefixtures("one_intra_op_thread")
+
 ONE_THREAD = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
 CRASH_ENV = "EAGLE3_TEST_CRASH_AFTER_SAMPLES"
 
@@ -38,14 +40,6 @@ def torchrun(script: str, *args: str, nproc: int = 2, env: dict | None = None, t
     return subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node",
                            str(nproc), str(REPO / script), *args], capture_output=True, text=True,
                           timeout=timeout, env=full_env, cwd=str(REPO))
-
-
-@pytest.fixture(autouse=True)
-def one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 # --- the splits -------------------------------------------------------------------------------------------

@@ -24,6 +24,8 @@ from common.extraction import (AUX_FILES, CRASH_ENV, Extractor, FINAL_FILE, LAYE
                                plan_batches, read_prepared_data, sample_dir_name)
 from common.verifier import load_verifier_model, read_verifier_info
 
+pytestmark = pytest.mark.usefixtures("one_intra_op_thread")
+
 STAGE_SCRIPT = "02_extract_hidden_states.py"
 _spec = importlib.util.spec_from_file_location("stage02", REPO / STAGE_SCRIPT)
 stage02 = importlib.util.module_from_spec(_spec)
@@ -32,14 +34,6 @@ _spec.loader.exec_module(stage02)
 TOKENIZER_FILES = ("tokenizer.model", "tokenizer_config.json")
 # The models here are tiny: one intra-op thread avoids OpenMP barriers stalling on a busy 2-core machine.
 ONE_THREAD = {"OMP_NUM_THREADS": "1"}
-
-
-@pytest.fixture(autouse=True, scope="module")
-def one_intra_op_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 # --- helpers -------------------------------------------------------------------------------------------

@@ -32,13 +32,7 @@ from patches.sglang_capture import (ACTIVE_FILE, CAPTURE_MODE, ERROR_FILE, FORWA
                                     JOURNAL_FILE, TEXT_MODEL_ATTRIBUTES, CaptureError, CaptureHooks, CapturePlan,
                                     sample_rid)
 
-
-@pytest.fixture(autouse=True, scope="module")
-def one_intra_op_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_intra_op_thread")
 
 
 @pytest.fixture(scope="module")

@@ -23,6 +23,8 @@ from common.artifacts import MANIFEST, Manifest, read_json, write_json_atomic
 from common.verifier import read_verifier_info
 from conftest import REPO, run_script
 
+pytestmark = pytest.mark.usefixtures("one_intra_op_thread")
+
 NUM_SAMPLES = 72
 DRAFT_VOCAB = 256
 TTT = 3
@@ -119,16 +121,6 @@ def make_nested_sharded_verifier(stories260k: Path, target: Path) -> Path:
 @pytest.fixture(scope="module")
 def run_a(stories260k, tmp_path_factory) -> Path:
     return build_run(stories260k, tmp_path_factory.mktemp("run_a"), seed=0)
-
-
-@pytest.fixture(autouse=True)
-def one_thread():
-    """One intra-op thread: the drafter's ops here are tiny, and on a shared 2-core machine two OpenMP
-    threads spin against other processes (measured: 2.8 s a step with 2 threads, 0.17 s with 1)."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 @pytest.fixture(scope="module")
