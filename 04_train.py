@@ -350,6 +350,17 @@ def rank_device(args, rank) -> str:
     return f"cuda:{rank.local_rank}"
 
 
+def check_fp8(args, device: str) -> None:
+    if not args.fp8:
+        return
+    import torch
+    from common.kernels import fp8_available
+
+    if not fp8_available(torch.device(device)):
+        raise UsageError(f"--fp8 needs FP8 tensor cores (compute capability 8.9+: Ada, Hopper, Blackwell), "
+                         f"and {device} has none: drop --fp8")
+
+
 def work(args, log, hooks=()):
     from common import distributed
 
@@ -360,6 +371,7 @@ def work(args, log, hooks=()):
     resume_from, clear_first = check_output(args, run_config, log)
     check_disk(args, count_parameters(inputs), log)
     device = rank_device(args, rank)
+    check_fp8(args, device)
     if args.fsdp and not rank.distributed:
         log.warning("--fsdp shards over the ranks of a torchrun launch; this single process trains as usual")
     with distributed.process_group("cuda" if device.startswith("cuda") else "cpu") as rank:
@@ -400,6 +412,10 @@ def train(args, log, inputs: Inputs, run_config: dict, resume_from: Path | None,
     dtype = getattr(torch, compute_dtype)
     model = build_drafter(args, inputs, tensors, device, dtype)
     report_vocab_of_finetuned(args, model, inputs, log)
+    if args.fp8:
+        model.use_fp8()
+        log.info("--fp8: the drafter's GEMMs run on FP8 tensor cores (parameters and optimizer stay %s)",
+                 compute_dtype)
     if device.startswith("cuda") and model.embed_tokens.weight.numel() * 2 >= OFFLOAD_EMBEDDING_BYTES:
         # The frozen [V, H] embedding (2.3 GB for Kimi) stays in pinned CPU memory; lookups copy rows over.
         model.offload_embedding()
@@ -423,7 +439,8 @@ def train(args, log, inputs: Inputs, run_config: dict, resume_from: Path | None,
 
     cfg = TrainConfig(lr=args.lr, scheduler=args.scheduler, warmup_ratio=args.warmup_ratio,
                       max_grad_norm=args.max_grad_norm, grad_accum=args.grad_accum, ttt_steps=args.ttt_steps,
-                      ttt_decay=args.ttt_decay, noise_std=args.noise_std, device=device, dtype=compute_dtype)
+                      ttt_decay=args.ttt_decay, noise_std=args.noise_std, device=device, dtype=compute_dtype,
+                      fp8=args.fp8)
     loop = LoopConfig(epochs=args.epochs, max_tokens=inputs.max_tokens, max_sequences=inputs.max_sequences,
                       num_workers=args.num_workers, seed=args.seed, eval_interval=args.eval_interval,
                       save_interval=args.save_interval, log_interval=args.log_interval)

@@ -56,6 +56,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from common.kernels import Bf16Gemms, CompiledOnCuda, Fp8Gemms, fp8_available, linear
+
 ARCHITECTURE = "LlamaForCausalLMEagle3"
 CONFIG_FILE = "config.json"
 WEIGHTS_FILE = "model.safetensors"
@@ -311,42 +313,6 @@ def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
 
 
 # =====================================================================================================
-# Compiled elementwise pieces
-# =====================================================================================================
-
-class _CompiledOnCuda:
-    """`fn` through torch.compile on CUDA tensors, the same Python `fn` run eagerly everywhere else.
-
-    The functions wrapped here are chains of elementwise ops and row reductions that eager PyTorch runs as
-    many kernels, each reading and writing whole [rows, width] tensors (often upcast to fp32); compiled they
-    become one or two fused kernels that read the bf16 inputs once and keep the fp32 intermediates in
-    registers. The maths is the same Python code either way. Compilation happens on the first CUDA call;
-    if it fails (no Triton, an unsupported op) the eager function is used from then on, with a warning.
-    EAGLE3_COMPILE=0 turns compilation off.
-    """
-
-    def __init__(self, fn):
-        self.fn = fn
-        self.compiled = None
-        self.failed = os.environ.get("EAGLE3_COMPILE", "1") == "0"
-
-    def __call__(self, *args):
-        if self.failed or not args[0].is_cuda:
-            return self.fn(*args)
-        if self.compiled is None:
-            self.compiled = torch.compile(self.fn, dynamic=True, fullgraph=True)
-        try:
-            return self.compiled(*args)
-        except torch.OutOfMemoryError:
-            raise
-        except Exception as err:  # noqa: BLE001 - any compile failure means: eager ops from now on
-            warnings.warn(f"torch.compile of {self.fn.__name__} failed ({type(err).__name__}: {err}); "
-                          "using eager ops")
-            self.failed = True
-            return self.fn(*args)
-
-
-# =====================================================================================================
 # Modules
 # =====================================================================================================
 
@@ -388,8 +354,9 @@ def _swiglu_grads_(gate: Tensor, up: Tensor, grad_act: Tensor) -> Tensor:
     return grad_up
 
 
-_SILU_MUL = _CompiledOnCuda(_silu_mul)
-_SWIGLU_GRADS = _CompiledOnCuda(_swiglu_grads_)
+_BF16 = Bf16Gemms()
+_SILU_MUL = CompiledOnCuda(_silu_mul)
+_SWIGLU_GRADS = CompiledOnCuda(_swiglu_grads_)
 
 
 class _SwiGLU(torch.autograd.Function):
@@ -398,41 +365,43 @@ class _SwiGLU(torch.autograd.Function):
     Autograd would also keep silu(gate)*up ([tokens, intermediate], the biggest activation of the layer)
     for every TTT step; it is one cheap elementwise op to recompute. With recompute_gate_up the two
     projections are recomputed as well (more FLOPs, least memory). The elementwise parts are one fused
-    kernel each way on CUDA (_CompiledOnCuda).
+    kernel each way on CUDA (common.kernels.CompiledOnCuda); the GEMMs go through `gemms` (bf16 or FP8).
     """
 
     @staticmethod
-    def forward(ctx, x, w_gate, w_up, w_down, recompute_gate_up: bool):
-        gate = F.linear(x, w_gate)
-        up = F.linear(x, w_up)
-        out = F.linear(_SILU_MUL(gate, up), w_down)
+    def forward(ctx, x, w_gate, w_up, w_down, recompute_gate_up: bool, gemms: Bf16Gemms):
+        x2 = x.reshape(-1, x.shape[-1])
+        gate, up = gemms.linear(x2, w_gate), gemms.linear(x2, w_up)
+        out = gemms.linear(_SILU_MUL(gate, up), w_down)
         ctx.recompute_gate_up = recompute_gate_up
+        ctx.gemms = gemms
         if recompute_gate_up:
             ctx.save_for_backward(x, w_gate, w_up, w_down)
         else:
             ctx.save_for_backward(x, w_gate, w_up, w_down, gate, up)
-        return out
+        return out.view(*x.shape[:-1], w_down.shape[0])
 
     @staticmethod
     def backward(ctx, grad_out):
+        gemms = ctx.gemms
         if ctx.recompute_gate_up:
             x, w_gate, w_up, w_down = ctx.saved_tensors
-            gate, up = F.linear(x, w_gate), F.linear(x, w_up)
+            x2 = x.reshape(-1, x.shape[-1])
+            gate, up = gemms.linear(x2, w_gate), gemms.linear(x2, w_up)
         else:
             x, w_gate, w_up, w_down, gate, up = ctx.saved_tensors
+            x2 = x.reshape(-1, x.shape[-1])
         # ordered so that at most two [tokens, intermediate] temporaries are alive besides gate and up
-        x2 = x.reshape(-1, x.shape[-1])
-        inter = gate.shape[-1]
         grad_out2 = grad_out.reshape(-1, grad_out.shape[-1])
-        grad_w_down = grad_out2.t().mm(_SILU_MUL(gate, up).reshape(-1, inter))
-        grad_act = grad_out2.mm(w_down)  # becomes the gradient w.r.t. gate below
-        grad_up = _SWIGLU_GRADS(gate.reshape(-1, inter), up.reshape(-1, inter), grad_act)
-        grad_w_up = grad_up.t().mm(x2)
-        grad_x = grad_up.mm(w_up)
+        grad_w_down = gemms.grad_weight(grad_out2, _SILU_MUL(gate, up))
+        grad_act = gemms.grad_input(grad_out2, w_down)  # becomes the gradient w.r.t. gate below
+        grad_up = _SWIGLU_GRADS(gate, up, grad_act)
+        grad_w_up = gemms.grad_weight(grad_up, x2)
+        grad_x = gemms.grad_input(grad_up, w_up)
         del grad_up
-        grad_w_gate = grad_act.t().mm(x2)
-        grad_x = torch.addmm(grad_x, grad_act, w_gate)
-        return grad_x.reshape(x.shape), grad_w_gate, grad_w_up, grad_w_down, None
+        grad_w_gate = gemms.grad_weight(grad_act, x2)
+        grad_x = gemms.grad_input_add(grad_x, grad_act, w_gate)
+        return grad_x.view(x.shape), grad_w_gate, grad_w_up, grad_w_down, None, None
 
 
 class DrafterMLP(nn.Module):
@@ -443,11 +412,11 @@ class DrafterMLP(nn.Module):
         self.down_proj = nn.Linear(intermediate, hidden, bias=False)
         self.recompute = "act"  # "act" (keep gate/up), "gate_up" (keep only the input), "none" (autograd)
 
-    def forward(self, x: Tensor) -> Tensor:
+    def forward(self, x: Tensor, gemms: Bf16Gemms | None = None) -> Tensor:
         if not torch.is_grad_enabled() or self.recompute == "none":
             return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
         return _SwiGLU.apply(x, self.gate_proj.weight, self.up_proj.weight, self.down_proj.weight,
-                             self.recompute == "gate_up")
+                             self.recompute == "gate_up", gemms or _BF16)
 
 
 class DrafterAttention(nn.Module):
@@ -461,12 +430,13 @@ class DrafterAttention(nn.Module):
         self.v_proj = nn.Linear(2 * cfg.hidden_size, self.num_kv_heads * self.head_dim, bias=False)
         self.o_proj = nn.Linear(self.num_heads * self.head_dim, cfg.hidden_size, bias=False)
 
-    def qkv(self, a: Tensor, cos: Tensor, sin: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    def qkv(self, a: Tensor, cos: Tensor, sin: Tensor,
+            gemms: Bf16Gemms | None = None) -> tuple[Tensor, Tensor, Tensor]:
         """q [B,T,nh,D], k/v [B,T,nkv,D] (RoPE applied to q and k)."""
         B, T, _ = a.shape
-        q = self.q_proj(a).view(B, T, self.num_heads, self.head_dim)
-        k = self.k_proj(a).view(B, T, self.num_kv_heads, self.head_dim)
-        v = self.v_proj(a).view(B, T, self.num_kv_heads, self.head_dim)
+        q = linear(a, self.q_proj.weight, gemms).view(B, T, self.num_heads, self.head_dim)
+        k = linear(a, self.k_proj.weight, gemms).view(B, T, self.num_kv_heads, self.head_dim)
+        v = linear(a, self.v_proj.weight, gemms).view(B, T, self.num_kv_heads, self.head_dim)
         return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
 
 
@@ -534,6 +504,7 @@ class Eagle3Drafter(nn.Module):
         self.rope_scale = scale
         self._embed_offloaded = False
         self.ce_grad = "auto"  # see set_memory_policy
+        self.gemms: Bf16Gemms = _BF16  # training GEMMs; see use_fp8
 
     # ---- setup ------------------------------------------------------------------------------------
 
@@ -612,7 +583,7 @@ class Eagle3Drafter(nn.Module):
 
     def fuse(self, aux: Tensor) -> Tensor:
         """[B,T,3H] aux hidden states of the verifier -> [B,T,H]."""
-        return self.fc(aux.to(self.compute_dtype))
+        return linear(aux.to(self.compute_dtype), self.fc.weight, self.gemms)
 
     def rope(self, position_ids: Tensor) -> tuple[Tensor, Tensor]:
         """cos/sin [B or 1, T, 1, D] in the compute dtype for position ids [B or 1, T]."""
@@ -624,8 +595,8 @@ class Eagle3Drafter(nn.Module):
 
     def _after_attention(self, hidden: Tensor, attn_out: Tensor) -> Tensor:
         layer = self.midlayer
-        h1 = hidden + layer.self_attn.o_proj(attn_out)
-        return h1 + layer.mlp(layer.post_attention_layernorm(h1))
+        h1 = hidden + linear(attn_out, layer.self_attn.o_proj.weight, self.gemms)
+        return h1 + layer.mlp(layer.post_attention_layernorm(h1), self.gemms)
 
     def logits(self, prenorm: Tensor) -> Tensor:
         return self.lm_head(self.norm(prenorm))
@@ -687,6 +658,15 @@ class Eagle3Drafter(nn.Module):
         self.midlayer.mlp.recompute = mlp_recompute
         self.ce_grad = ce_grad
 
+    def use_fp8(self, enabled: bool = True) -> None:
+        """Run the training step's GEMMs (fc, q/k/v/o, MLP, lm_head; forward and backward) on FP8 tensor
+        cores (common.kernels.Fp8Gemms). Parameters, gradients, optimizer and inference keep the model's
+        dtype."""
+        if enabled and not fp8_available(self.fc.weight.device):
+            raise RuntimeError(f"--fp8 needs a GPU with FP8 tensor cores (compute capability 8.9+: Ada, "
+                               f"Hopper, Blackwell); {self.fc.weight.device} has none. Drop --fp8.")
+        self.gemms = Fp8Gemms() if enabled else _BF16
+
     def ttt_hidden_states(self, input_ids: Tensor, aux: Tensor, ttt_steps: int, noise_std: float = 0.0,
                           attention_backend: str | None = None):
         """Yield (j, prenorm_out_j [B,S,H]) for the TTT unroll (see module docstring)."""
@@ -711,7 +691,7 @@ class Eagle3Drafter(nn.Module):
         for j in range(ttt_steps):
             a = torch.cat([emb[:, j + 1:j + 1 + S] * layer.input_layernorm.weight, layer.hidden_norm(hidden)],
                           dim=-1)
-            q, k, v = attn.qkv(a, cos, sin)
+            q, k, v = attn.qkv(a, cos, sin, self.gemms)
             if j == 0:
                 k0, v0 = _expand_heads(k, rep), _expand_heads(v, rep)
                 out = causal_attention(q, k0, v0, scale)
@@ -1043,8 +1023,8 @@ def _soft_ce_grad_rows(lg: Tensor, p: Tensor, lse: Tensor, row_w: Tensor) -> Ten
     return lg
 
 
-_SOFT_CE_ROWS = _CompiledOnCuda(_soft_ce_rows)
-_SOFT_CE_GRAD_ROWS = _CompiledOnCuda(_soft_ce_grad_rows)
+_SOFT_CE_ROWS = CompiledOnCuda(_soft_ce_rows)
+_SOFT_CE_GRAD_ROWS = CompiledOnCuda(_soft_ce_grad_rows)
 
 
 def _ce_rows_per_pass(x: Tensor, draft_vocab: int) -> int:
@@ -1058,33 +1038,37 @@ def _ce_rows_per_pass(x: Tensor, draft_vocab: int) -> int:
 class _DraftSoftCE(torch.autograd.Function):
     """sum over rows of w * soft-CE(target probs, softmax(lm_head(x))), plus the hit count.
 
-    The logits of all target rows come from one GEMM (bf16 output, fp32 accumulation, as F.linear); the
-    statistics and the logits' gradient (softmax - p) * w come from one elementwise pass over them
-    (`_soft_ce_rows`, compiled on CUDA), which writes the gradient over the logits. Backward is then two
-    GEMMs: grad_x = G @ W and grad_W = G^T @ x, scaled by the incoming gradient.
+    x has S rows per sequence, the targets T <= S: rows from T on get no loss and no gradient. The logits
+    of all S rows come from one GEMM (bf16 output, fp32 accumulation, as F.linear; or FP8 through `gemms`,
+    which wants whole aligned row counts, hence all S rows); the statistics and the logits' gradient
+    (softmax - p) * w come from one elementwise pass over them (`_soft_ce_rows`, compiled on CUDA), which
+    writes the gradient over the logits. Backward is then two GEMMs: grad_x = G @ W and grad_W = G^T @ x,
+    scaled by the incoming gradient.
     store=True keeps G ([rows, Vd] in x's dtype) from forward to backward; store=False keeps nothing of
     that size and recomputes it in backward (one more GEMM and elementwise pass, less memory).
     Also returns the (non-differentiable) weighted count of rows whose argmax equals the target's argmax.
     """
 
     @staticmethod
-    def forward(ctx, x, weight, tgt_probs, tgt_argmax, row_w, store, need_grad):
-        B, T = tgt_probs.shape[:2]  # x may have more rows than targets: they get no loss and no gradient
-        Vd = weight.shape[0]
+    def forward(ctx, x, weight, tgt_probs, tgt_argmax, row_w, store, need_grad, gemms):
+        B, S, H = x.shape
+        T = tgt_probs.shape[1]
         acc = _up(x[:0]).dtype
         q_lse = torch.empty(B, T, dtype=acc, device=x.device)
         ce = torch.empty(B, T, dtype=acc, device=x.device)
         hit = torch.empty(B, T, dtype=torch.bool, device=x.device)
-        logits = F.linear(x[:, :T], weight)  # [B,T,Vd]
+        logits = gemms.linear(x.reshape(B * S, H), weight).view(B, S, -1)
         keep = bool(need_grad and store)
-        chunk = _ce_rows_per_pass(x, Vd)
+        chunk = _ce_rows_per_pass(x, weight.shape[0])
         for b in range(B):
             for r0 in range(0, T, chunk):
                 r1 = min(T, r0 + chunk)
                 ce[b, r0:r1], q_lse[b, r0:r1], hit[b, r0:r1] = _SOFT_CE_ROWS(
                     logits[b, r0:r1], tgt_probs[b, r0:r1], tgt_argmax[b, r0:r1], row_w[b, r0:r1], keep)
         ctx.stored = keep
+        ctx.gemms = gemms
         if keep:
+            logits[:, T:] = 0  # rows without a target: no gradient
             ctx.save_for_backward(x, weight, logits)
         else:
             del logits
@@ -1094,26 +1078,27 @@ class _DraftSoftCE(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_loss, _grad_hit):
+        gemms = ctx.gemms
         if ctx.stored:
             x, weight, grad_logits = ctx.saved_tensors
-            B, T = grad_logits.shape[:2]
         else:
             x, weight, tgt_probs, row_w, q_lse = ctx.saved_tensors
-            B, T = tgt_probs.shape[:2]
-            grad_logits = F.linear(x[:, :T], weight)
+            B, S, H = x.shape
+            T = tgt_probs.shape[1]
+            grad_logits = gemms.linear(x.reshape(B * S, H), weight).view(B, S, -1)
             chunk = _ce_rows_per_pass(x, weight.shape[0])
             for b in range(B):
                 for r0 in range(0, T, chunk):
                     r1 = min(T, r0 + chunk)
                     _SOFT_CE_GRAD_ROWS(grad_logits[b, r0:r1], tgt_probs[b, r0:r1], q_lse[b, r0:r1],
                                        row_w[b, r0:r1])
+            grad_logits[:, T:] = 0
+        B, S, H = x.shape
         grad_loss = grad_loss.to(x.dtype)
-        grad_x = torch.empty_like(x)
-        grad_x[:, T:] = 0
-        grad_x[:, :T] = torch.matmul(grad_logits, weight).mul_(grad_loss)
-        rows_x = x[:, :T].reshape(B * T, x.shape[-1])
-        grad_w = grad_logits.reshape(B * T, -1).t().mm(rows_x).mul_(grad_loss)
-        return grad_x, grad_w.to(weight.dtype), None, None, None, None, None
+        grad_rows = grad_logits.view(B * S, -1)
+        grad_x = gemms.grad_input(grad_rows, weight).mul_(grad_loss).view(B, S, H)
+        grad_w = gemms.grad_weight(grad_rows, x.reshape(B * S, H)).mul_(grad_loss)
+        return grad_x, grad_w.to(weight.dtype), None, None, None, None, None, None
 
 
 def _ce_chunk_rows(draft_vocab: int, budget_elems: int = 1 << 25) -> int:
@@ -1172,7 +1157,7 @@ def ttt_loss(model: Eagle3Drafter, batch: dict, verifier_lm_head: Tensor, ttt_st
             normed = model.norm(prenorm)  # all S rows: the CE reads the first `rows` (no slice gradient)
             ce_sum, hit = _DraftSoftCE.apply(
                 normed, model.lm_head.weight, targets["probs"][:, 1 + j:1 + j + rows],
-                targets["argmax"][:, 1 + j:1 + j + rows], row_w, store, need_grad)
+                targets["argmax"][:, 1 + j:1 + j + rows], row_w, store, need_grad, model.gemms)
             count = row_w.sum()
             loss = loss + (decay ** j) * ce_sum / count.clamp(min=1.0)
             loss_sums.append(ce_sum.detach()), corrects.append(hit.detach()), counts.append(count)

@@ -182,6 +182,10 @@ _ALL_FLAGS: list[Flag] = [
          aliases=("--logging-steps", "--log-steps"), type=_positive_int, default=10),
     Flag("--resume", "Continue the run in --output-dir from its latest checkpoint.", type=None,
          action="store_true"),
+    Flag("--fp8", "Run the drafter's matrix multiplications (fc, attention projections, MLP, lm_head; forward "
+         "and backward) on FP8 tensor cores, with per-tensor scales: about 1.3x faster steps on Hopper/Blackwell "
+         "GPUs, SM120 included. Parameters, gradients, optimizer and checkpoints stay bf16/fp32. Needs compute "
+         "capability 8.9+.", type=None, action="store_true"),
     Flag("--fsdp", "Under torchrun: shard the drafter's parameters, gradients and optimizer state over the ranks "
          "(FSDP2) instead of replicating them (DDP); for drafters whose optimizer state does not fit one GPU.",
          type=None, action="store_true"),
@@ -230,7 +234,7 @@ STAGE_FLAGS: dict[str, list[str]] = {
                  "--val-ratio", "--scheduler", "--warmup-ratio", "--grad-accum", "--max-grad-norm",
                  "--eval-interval", "--save-interval", "--keep-last", "--resume", "--num-workers",
                  "--seed", "--device", "--dtype", "--log-interval", "--overwrite", "--allow-low-disk",
-                 "--drafter-config", "--fsdp"],
+                 "--drafter-config", "--fsdp", "--fp8"],
     "05_benchmark": ["--run-dir", "--model-path", "--trust-remote-code", "--draft-model-path",
                      "--data-dir", "--output-dir", "--mode", "--prompts", "--num-prompts", "--max-new-tokens",
                      "--num-steps", "--topk", "--num-draft-tokens", "--temperature", "--top-p", "--url",

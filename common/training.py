@@ -17,6 +17,7 @@ can all-reduce them before dividing.
 """
 from __future__ import annotations
 
+import functools
 import json
 import math
 import os
@@ -33,6 +34,7 @@ import torch
 from torch.utils.data import DataLoader, Dataset
 
 from common.artifacts import read_json, write_json_atomic, write_text_atomic
+from common.kernels import FP8_ALIGN
 from common.stage import Progress, get_logger
 
 TRAINING_STATE = "training_state.pt"
@@ -64,6 +66,7 @@ class TrainConfig:
     noise_std: float = 0.0
     device: str = "cpu"
     dtype: str = "float32"  # the drafter's parameters and computation (bfloat16 on GPU)
+    fp8: bool = False  # GEMMs on FP8 tensor cores (Eagle3Drafter.use_fp8); batches padded to FP8_ALIGN
 
 
 def compute_dtype_for(device: str, dtype: str) -> str:
@@ -185,9 +188,11 @@ class HiddenStateDataset(Dataset):
         return {key: sample[key][: self.max_seq_len] for key in ("input_ids", "loss_mask", "aux", "final")}
 
 
-def collate(samples: Sequence[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
-    """Right-pad a list of samples into the batch ttt_loss takes; attention_mask is 1 on real tokens."""
+def collate(samples: Sequence[dict[str, torch.Tensor]], pad_to: int = 1) -> dict[str, torch.Tensor]:
+    """Right-pad a list of samples into the batch ttt_loss takes; attention_mask is 1 on real tokens.
+    The length is rounded up to a multiple of `pad_to` (FP8 GEMMs need multiples of 16)."""
     longest = max(int(s["input_ids"].shape[0]) for s in samples)
+    longest = -(-longest // pad_to) * pad_to
     count = len(samples)
     first = samples[0]
     batch = {
@@ -209,12 +214,13 @@ def collate(samples: Sequence[dict[str, torch.Tensor]]) -> dict[str, torch.Tenso
 
 
 def make_loader(dataset: Dataset, batches: Sequence[list[int]], num_workers: int, device: str,
-                seed: int) -> DataLoader:
+                seed: int, pad_to: int = 1) -> DataLoader:
     """A DataLoader over a fixed batch plan. Its own generator keeps it from drawing on the global RNG,
     which would otherwise make a resumed run's noise differ from an uninterrupted one."""
     generator = torch.Generator()
     generator.manual_seed(seed)
-    return DataLoader(dataset, batch_sampler=list(batches), collate_fn=collate, num_workers=num_workers,
+    return DataLoader(dataset, batch_sampler=list(batches), collate_fn=functools.partial(collate, pad_to=pad_to),
+                      num_workers=num_workers,
                       pin_memory=str(device).startswith("cuda"), generator=generator,
                       prefetch_factor=4 if num_workers > 0 else None)
 
@@ -759,7 +765,8 @@ class Trainer:
                 state.epoch, state.batches_consumed = epoch, start
                 steps = step_shares(len(plan), start, self.micro_per_step, self.world_size, self.rank)
                 loader = make_loader(self.train_set, [plan[i] for _, share in steps for i, _ in share],
-                                     loop.num_workers, cfg.device, loop.seed * 1000 + epoch)
+                                     loop.num_workers, cfg.device, loop.seed * 1000 + epoch,
+                                     pad_to=FP8_ALIGN if cfg.fp8 else 1)
                 batches = iter(loader)
                 for end, share in steps:
                     group = [next(batches) for _ in share]

@@ -169,8 +169,11 @@ def run_one(args) -> dict:
         model.offload_embedding()
     mlp = args.mlp_recompute
     model.set_memory_policy(mlp, ce_grad=args.ce_grad)
+    if args.fp8:
+        model.use_fp8()
     trainable = D.trainable_parameter_count(model)
     rec.update(params_trainable=trainable, embedding_offloaded=offload, mlp_recompute=mlp, ce_grad=args.ce_grad,
+               gemms="fp8 (e4m3/e5m2, per-tensor scales)" if args.fp8 else "bf16",
                ce_grad_stored=D.store_ce_gradients(cfg, args.ce_grad))
 
     # ---- optimizer + scheduler + step: stage 04's
@@ -192,7 +195,7 @@ def run_one(args) -> dict:
     if TR is not None:
         scheduler = TR.make_scheduler(optimizer, total_steps=100_000, warmup_ratio=0.015, kind="cosine")
         train_cfg = TR.TrainConfig(lr=args.lr, max_grad_norm=0.5, ttt_steps=T, ttt_decay=0.8,
-                                   device=str(device), dtype=str(dtype).replace("torch.", ""))
+                                   device=str(device), dtype=str(dtype).replace("torch.", ""), fp8=args.fp8)
 
         def step():
             return TR.train_step(model, batch, optimizer, scheduler, lm_head, train_cfg)["loss"]
@@ -333,6 +336,8 @@ def child_argv(args, shape: str, seq_len: int) -> list[str]:
         argv += ["--shape-json", args.shape_json]
     if args.profile:
         argv.append("--profile")
+    if args.fp8:
+        argv.append("--fp8")
     return argv
 
 
@@ -363,6 +368,8 @@ def main(argv=None) -> int:
                    choices=("auto", "flash_cuda", "efficient_cuda", "cudnn_cuda", "math"),
                    help="causal kernel of the TTT attention (auto: the drafter's own choice; the others force "
                         "EAGLE3_TTT_ATTENTION, e.g. to compare cudnn_cuda with flash_cuda)")
+    p.add_argument("--fp8", action="store_true",
+                   help="stage 04's --fp8: the drafter's GEMMs on FP8 tensor cores (common.kernels.Fp8Gemms)")
     p.add_argument("--lr", type=float, default=1e-4)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--shape-json", default=None, help="JSON overrides of the shape, e.g. for a CPU smoke test")

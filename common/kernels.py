@@ -1,0 +1,214 @@
+"""GPU kernels the drafter trains with: fused elementwise code and FP8 matrix multiplications.
+
+`CompiledOnCuda` runs a chain of elementwise ops as one or two fused kernels on CUDA (torch.compile) and
+as plain eager PyTorch elsewhere.
+
+`Fp8Gemms` does the three matrix products of a linear layer's training step (forward, gradient of the
+input, gradient of the weight) on FP8 tensor cores with `torch._scaled_mm`, at about twice the bf16 rate on
+Hopper, Ada and Blackwell GPUs (SM120 included). Stage 04 uses it with `--fp8`:
+  * operands are scaled per tensor so that their largest magnitude maps to the FP8 format's largest value;
+    weights and activations use e4m3 (more mantissa), gradients e5m2 (more range), as FP8 training usually
+    does; products accumulate in fp32 and come out in bf16 (fp32 for fp32 models);
+  * weights are quantized once per optimizer step and reused by all TTT steps (they only change in
+    `optimizer.step`, which bumps their version counter);
+  * the parameters, their gradients and the optimizer stay in the model's dtype: only the GEMM inputs
+    are FP8. Anything whose dimensions cuBLAS's FP8 kernels cannot take (not multiples of 16) falls back
+    to the model's dtype.
+`Bf16Gemms` is the same interface in the model's own dtype, so code written against it runs both ways.
+"""
+from __future__ import annotations
+
+import os
+import warnings
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+from torch.utils.weak import WeakIdKeyDictionary
+
+E4M3 = torch.float8_e4m3fn  # weights and activations
+E5M2 = torch.float8_e5m2  # gradients
+FP8_ALIGN = 16  # cuBLAS FP8 GEMMs need every dimension to be a multiple of 16
+
+
+class CompiledOnCuda:
+    """`fn` through torch.compile on CUDA tensors, the same Python `fn` run eagerly everywhere else.
+
+    The functions wrapped here are chains of elementwise ops and row reductions that eager PyTorch runs as
+    many kernels, each reading and writing whole [rows, width] tensors (often upcast to fp32); compiled they
+    become one or two fused kernels that read the bf16 inputs once and keep the fp32 intermediates in
+    registers. The maths is the same Python code either way. Compilation happens on the first CUDA call;
+    if it fails (no Triton, an unsupported op) the eager function is used from then on, with a warning.
+    EAGLE3_COMPILE=0 turns compilation off.
+    """
+
+    def __init__(self, fn):
+        self.fn = fn
+        self.compiled = None
+        self.failed = os.environ.get("EAGLE3_COMPILE", "1") == "0"
+
+    def __call__(self, *args):
+        if self.failed or not args[0].is_cuda:
+            return self.fn(*args)
+        if self.compiled is None:
+            self.compiled = torch.compile(self.fn, dynamic=True, fullgraph=True)
+        try:
+            return self.compiled(*args)
+        except torch.OutOfMemoryError:
+            raise
+        except Exception as err:  # noqa: BLE001 - any compile failure means: eager ops from now on
+            warnings.warn(f"torch.compile of {self.fn.__name__} failed ({type(err).__name__}: {err}); "
+                          "using eager ops")
+            self.failed = True
+            return self.fn(*args)
+
+
+# =====================================================================================================
+# FP8
+# =====================================================================================================
+
+def _scaled_to(x: Tensor, dtype: torch.dtype, transpose: bool) -> tuple[Tensor, Tensor]:
+    """x (2-D) as `dtype` scaled so its largest |value| is the format's largest, and the inverse scale
+    (x ~= result * inv_scale). transpose=True returns x.T contiguous (for the operands cuBLAS wants
+    column-major)."""
+    top = torch.finfo(dtype).max
+    amax = x.abs().amax().float().clamp(min=1e-12)
+    scale = top / amax
+    q = (x.float() * scale).clamp(-top, top).to(dtype)
+    return (q.t() if transpose else q).contiguous(), scale.reciprocal()
+
+
+def _e4m3(x: Tensor) -> tuple[Tensor, Tensor]:
+    return _scaled_to(x, E4M3, False)
+
+
+def _e4m3_t(x: Tensor) -> tuple[Tensor, Tensor]:
+    return _scaled_to(x, E4M3, True)
+
+
+def _e5m2(x: Tensor) -> tuple[Tensor, Tensor]:
+    return _scaled_to(x, E5M2, False)
+
+
+def _e5m2_t(x: Tensor) -> tuple[Tensor, Tensor]:
+    return _scaled_to(x, E5M2, True)
+
+
+_QUANTIZE = {(E4M3, False): CompiledOnCuda(_e4m3), (E4M3, True): CompiledOnCuda(_e4m3_t),
+             (E5M2, False): CompiledOnCuda(_e5m2), (E5M2, True): CompiledOnCuda(_e5m2_t)}
+
+
+def quantize(x: Tensor, dtype: torch.dtype, transpose: bool = False) -> tuple[Tensor, Tensor]:
+    return _QUANTIZE[(dtype, transpose)](x)
+
+
+def _scaled_mm(a: Tensor, a_inv: Tensor, b: Tensor, b_inv: Tensor, out_dtype: torch.dtype,
+               fast_accum: bool = False) -> Tensor:
+    """(a * a_inv) @ (b * b_inv); a row-major [M,K], b column-major [K,N] (cuBLAS's FP8 layout).
+    fast_accum lets Hopper's tensor cores skip the periodic promotion of partial sums to fp32: faster, a
+    little less exact, so it is used for forward products only (as torchao's float8 training does)."""
+    return torch._scaled_mm(a, b, scale_a=a_inv, scale_b=b_inv, out_dtype=out_dtype, use_fast_accum=fast_accum)
+
+
+class Bf16Gemms:
+    """A linear layer's three training GEMMs in the model's dtype (x: [M,K], w: [N,K], g: [M,N])."""
+
+    fp8 = False
+
+    def linear(self, x: Tensor, w: Tensor) -> Tensor:
+        return F.linear(x, w)
+
+    def grad_input(self, g: Tensor, w: Tensor) -> Tensor:
+        return g.mm(w)
+
+    def grad_weight(self, g: Tensor, x: Tensor) -> Tensor:
+        return g.t().mm(x)
+
+    def grad_input_add(self, acc: Tensor, g: Tensor, w: Tensor) -> Tensor:
+        """acc + g @ w (one fused GEMM in bf16)."""
+        return torch.addmm(acc, g, w)
+
+
+class Fp8Gemms(Bf16Gemms):
+    """The same three GEMMs on FP8 tensor cores (see the module docstring); shapes that are not multiples
+    of 16 use the parent's."""
+
+    fp8 = True
+
+    def __init__(self):
+        # weight -> (version, w_e4m3 [N,K], w_e4m3.T contiguous [K,N], inverse scale); weak, so a dropped
+        # model takes its FP8 copies with it
+        self._weights = WeakIdKeyDictionary()
+
+    def weight(self, w: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        cached = self._weights.get(w)
+        if cached is None or cached[0] != w._version:
+            with torch.no_grad():
+                q, inv = quantize(w.detach(), E4M3)
+                cached = (w._version, q, q.t().contiguous(), inv)
+            self._weights[w] = cached
+        return cached[1:]
+
+    @staticmethod
+    def _aligned(*tensors: Tensor) -> bool:
+        return all(size % FP8_ALIGN == 0 for t in tensors for size in t.shape)
+
+    def linear(self, x: Tensor, w: Tensor) -> Tensor:
+        if not self._aligned(x, w):
+            return super().linear(x, w)
+        xq, x_inv = quantize(x, E4M3)
+        wq, _, w_inv = self.weight(w)
+        return _scaled_mm(xq, x_inv, wq.t(), w_inv, x.dtype, fast_accum=True)
+
+    def grad_input(self, g: Tensor, w: Tensor) -> Tensor:
+        if not self._aligned(g, w):
+            return super().grad_input(g, w)
+        gq, g_inv = quantize(g, E5M2)
+        _, wq_t, w_inv = self.weight(w)
+        return _scaled_mm(gq, g_inv, wq_t.t(), w_inv, g.dtype)
+
+    def grad_weight(self, g: Tensor, x: Tensor) -> Tensor:
+        if not self._aligned(g, x):
+            return super().grad_weight(g, x)
+        gq_t, g_inv = quantize(g, E5M2, transpose=True)  # g.T row-major [N,M]
+        xq_t, x_inv = quantize(x, E4M3, transpose=True)  # x column-major: x.T contiguous, viewed back
+        return _scaled_mm(gq_t, g_inv, xq_t.t(), x_inv, x.dtype)
+
+    def grad_input_add(self, acc: Tensor, g: Tensor, w: Tensor) -> Tensor:
+        return acc.add_(self.grad_input(g, w))
+
+
+class _Linear(torch.autograd.Function):
+    """x @ w.T with all three GEMMs through `gemms` (weight gradient only; no bias)."""
+
+    @staticmethod
+    def forward(ctx, x, w, gemms):
+        ctx.gemms = gemms
+        ctx.save_for_backward(x, w)
+        x2 = x.reshape(-1, x.shape[-1])
+        return gemms.linear(x2, w).view(*x.shape[:-1], w.shape[0])
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        x, w = ctx.saved_tensors
+        g2 = grad_out.reshape(-1, grad_out.shape[-1])
+        grad_x = None
+        if ctx.needs_input_grad[0]:
+            grad_x = ctx.gemms.grad_input(g2, w).view(x.shape)
+        grad_w = ctx.gemms.grad_weight(g2, x.reshape(-1, x.shape[-1])) if ctx.needs_input_grad[1] else None
+        return grad_x, grad_w, None
+
+
+def linear(x: Tensor, weight: Tensor, gemms: Bf16Gemms | None) -> Tensor:
+    """x @ weight.T: through `gemms` when it is FP8 and autograd records, else F.linear (inference and
+    evaluation always run in the model's dtype)."""
+    if gemms is None or not gemms.fp8 or not torch.is_grad_enabled():
+        return F.linear(x, weight)
+    return _Linear.apply(x, weight, gemms)
+
+
+def fp8_available(device: torch.device) -> bool:
+    """FP8 tensor cores: compute capability 8.9 (Ada) or newer; the CPU also runs FP8 GEMMs (slowly),
+    which the tests use."""
+    if device.type == "cuda":
+        return torch.cuda.get_device_capability(device) >= (8, 9)
+    return device.type == "cpu"
