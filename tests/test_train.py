@@ -299,6 +299,27 @@ def test_training_learns_and_writes_sglang_ready_checkpoints(trained, run_a, nes
     assert "the verifier itself is not loaded" in log_text(trained)
 
 
+@pytest.mark.slow
+def test_fp8_training_learns_like_bf16_and_exports_the_same_format(trained, run_a, stories260k, tmp_path):
+    """Stage 04 --fp8 on the same data (CPU FP8 GEMMs; the intermediate size made a multiple of 16 so every
+    GEMM runs in FP8): the validation agreement rises as in the full-precision run and checkpoints pass."""
+    from common.drafter import check_drafter_dir
+    from common.extraction import open_hidden_states
+
+    out = tmp_path / "fp8"
+    done = run_script("04_train.py", *train_argv(run_a, out, stories260k, epochs=EPOCHS, eval_interval=1000,
+                                                 save_interval=1000, keep_last=1, fp8=True,
+                                                 drafter_config='{"intermediate_size": 176}'), env=ONE_THREAD)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    assert "--fp8: the drafter's GEMMs run on FP8 tensor cores" in log_text(out)
+    fp8_evals, full_evals = records(out, "eval"), records(trained, "eval")
+    assert fp8_evals[-1]["sim_accept_len"] > fp8_evals[0]["sim_accept_len"] + 0.2
+    # as good as full precision, within what a different intermediate size and FP8 rounding can explain
+    assert fp8_evals[-1]["sim_accept_len"] > full_evals[-1]["sim_accept_len"] - 0.15, (fp8_evals[-1], full_evals[-1])
+    data_manifest, _ = open_hidden_states(run_a / "hidden_states")
+    assert check_drafter_dir(out / "best", data_manifest=data_manifest) == []
+
+
 def test_embedding_and_lm_head_are_the_only_tensors_read(nested_verifier, stories260k, monkeypatch):
     """A spy (not a mock: the real safe_open reads the real files) records every shard opened and tensor read."""
     import safetensors
