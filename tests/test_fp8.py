@@ -10,9 +10,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from common.drafter import make_optimizer, ttt_loss
+from common.drafter import ttt_loss
 from common.kernels import Bf16Gemms, Fp8Gemms, linear
-from tests.test_drafter import random_batch, tiny_model
+from tests.test_drafter import assert_overfits_a_fixed_batch, random_batch, tiny_model
 
 pytestmark = pytest.mark.usefixtures("one_intra_op_thread")
 
@@ -105,16 +105,4 @@ def test_a_drafter_learns_as_well_with_fp8():
     """The overfitting check of test_drafter, with every GEMM in FP8."""
     model, lm_head = tiny_model(dtype=torch.float32, intermediate_size=32)
     model.use_fp8()
-    batch = random_batch(B=2, S=16, dtype=torch.float32, pad=2)
-    optimizer = make_optimizer(model, lr=1e-2)
-    losses = []
-    for _ in range(60):
-        loss, metrics = ttt_loss(model, batch, lm_head.float(), 3, noise_std=0.01)
-        optimizer.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_([p for p in model.parameters() if p.requires_grad], 0.5)
-        optimizer.step()
-        losses.append(loss.item())
-    assert losses[-1] < 0.5 * losses[0], losses[::10]
-    acc = (metrics["correct"] / metrics["count"]).tolist()
-    assert min(acc) > 0.8, acc
+    assert_overfits_a_fixed_batch(model, lm_head)
