@@ -393,14 +393,12 @@ class _SwiGLU(torch.autograd.Function):
             x2 = x.reshape(-1, x.shape[-1])
         # ordered so that at most two [tokens, intermediate] temporaries are alive besides gate and up
         grad_out2 = grad_out.reshape(-1, grad_out.shape[-1])
-        grad_w_down = gemms.grad_weight(grad_out2, _SILU_MUL(gate, up))
-        grad_act = gemms.grad_input(grad_out2, w_down)  # becomes the gradient w.r.t. gate below
+        _, grad_w_down = gemms.backward(grad_out2, w_down, _SILU_MUL(gate, up), need_input=False)
+        grad_act, _ = gemms.backward(grad_out2, w_down, None, need_weight=False)  # -> grad w.r.t. gate below
         grad_up = _SWIGLU_GRADS(gate, up, grad_act)
-        grad_w_up = gemms.grad_weight(grad_up, x2)
-        grad_x = gemms.grad_input(grad_up, w_up)
+        grad_x, grad_w_up = gemms.backward(grad_up, w_up, x2)
         del grad_up
-        grad_w_gate = gemms.grad_weight(grad_act, x2)
-        grad_x = gemms.grad_input_add(grad_x, grad_act, w_gate)
+        grad_x, grad_w_gate = gemms.backward(grad_act, w_gate, x2, add_input_to=grad_x)
         return grad_x.view(x.shape), grad_w_gate, grad_w_up, grad_w_down, None, None
 
 
@@ -1096,8 +1094,8 @@ class _DraftSoftCE(torch.autograd.Function):
         B, S, H = x.shape
         grad_loss = grad_loss.to(x.dtype)
         grad_rows = grad_logits.view(B * S, -1)
-        grad_x = gemms.grad_input(grad_rows, weight).mul_(grad_loss).view(B, S, H)
-        grad_w = gemms.grad_weight(grad_rows, x.reshape(B * S, H)).mul_(grad_loss)
+        grad_x, grad_w = gemms.backward(grad_rows, weight, x.reshape(B * S, H))
+        grad_x, grad_w = grad_x.mul_(grad_loss).view(B, S, H), grad_w.mul_(grad_loss)
         return grad_x, grad_w.to(weight.dtype), None, None, None, None, None, None
 
 

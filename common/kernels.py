@@ -66,39 +66,37 @@ class CompiledOnCuda:
 # FP8
 # =====================================================================================================
 
-def _scaled_to(x: Tensor, dtype: torch.dtype, transpose: bool) -> tuple[Tensor, Tensor]:
-    """x (2-D) as `dtype` scaled so its largest |value| is the format's largest, and the inverse scale
-    (x ~= result * inv_scale). transpose=True returns x.T contiguous (for the operands cuBLAS wants
-    column-major)."""
+def amax(x: Tensor) -> Tensor:
+    """max |x| in fp32: one eager multi-block reduction (compiled with dynamic shapes, a reduction over a
+    whole tensor may end up in a single program, far slower than the GEMM it prepares)."""
+    return torch.linalg.vector_norm(x, float("inf"), dtype=torch.float32)
+
+
+def _scaled_cast(x: Tensor, x_amax: Tensor, dtype: torch.dtype, rows: bool, cols: bool):
+    """x (2-D) in `dtype`, scaled so that its largest |value| is the format's largest: as is (rows) and/or
+    transposed and contiguous (cols, for operands cuBLAS wants column-major), from one read of x; and the
+    inverse scale (x ~= result * inv_scale)."""
     top = torch.finfo(dtype).max
-    amax = x.abs().amax().float().clamp(min=1e-12)
-    scale = top / amax
+    scale = top / x_amax.clamp(min=1e-12)
     q = (x.float() * scale).clamp(-top, top).to(dtype)
-    return (q.t() if transpose else q).contiguous(), scale.reciprocal()
+    return (q.contiguous() if rows else None), (q.t().contiguous() if cols else None), scale.reciprocal()
 
 
-def _e4m3(x: Tensor) -> tuple[Tensor, Tensor]:
-    return _scaled_to(x, E4M3, False)
+def _compiled_cast(dtype: torch.dtype, rows: bool, cols: bool) -> CompiledOnCuda:
+    def cast(x: Tensor, x_amax: Tensor):
+        return _scaled_cast(x, x_amax, dtype, rows, cols)
+
+    cast.__name__ = f"cast_to_{str(dtype).split('.')[-1]}{'_rows' if rows else ''}{'_cols' if cols else ''}"
+    return CompiledOnCuda(cast)
 
 
-def _e4m3_t(x: Tensor) -> tuple[Tensor, Tensor]:
-    return _scaled_to(x, E4M3, True)
+_CASTS = {(dtype, rows, cols): _compiled_cast(dtype, rows, cols)
+          for dtype in (E4M3, E5M2) for rows, cols in ((True, False), (False, True), (True, True))}
 
 
-def _e5m2(x: Tensor) -> tuple[Tensor, Tensor]:
-    return _scaled_to(x, E5M2, False)
-
-
-def _e5m2_t(x: Tensor) -> tuple[Tensor, Tensor]:
-    return _scaled_to(x, E5M2, True)
-
-
-_QUANTIZE = {(E4M3, False): CompiledOnCuda(_e4m3), (E4M3, True): CompiledOnCuda(_e4m3_t),
-             (E5M2, False): CompiledOnCuda(_e5m2), (E5M2, True): CompiledOnCuda(_e5m2_t)}
-
-
-def quantize(x: Tensor, dtype: torch.dtype, transpose: bool = False) -> tuple[Tensor, Tensor]:
-    return _QUANTIZE[(dtype, transpose)](x)
+def quantize(x: Tensor, dtype: torch.dtype, rows: bool = True, cols: bool = False):
+    """(x as `dtype` row-major or None, x.T contiguous as `dtype` or None, inverse scale); see _scaled_cast."""
+    return _CASTS[(dtype, rows, cols)](x, amax(x))
 
 
 def _scaled_mm(a: Tensor, a_inv: Tensor, b: Tensor, b_inv: Tensor, out_dtype: torch.dtype,
@@ -110,27 +108,30 @@ def _scaled_mm(a: Tensor, a_inv: Tensor, b: Tensor, b_inv: Tensor, out_dtype: to
 
 
 class Bf16Gemms:
-    """A linear layer's three training GEMMs in the model's dtype (x: [M,K], w: [N,K], g: [M,N])."""
+    """A linear layer's training GEMMs in the model's dtype: linear(x, w) = x @ w.T and
+    backward(g, w, x) = (g @ w, g.T @ x), the gradients of the input and of the weight (either can be
+    skipped; x is only needed for the weight's). x: [M,K], w: [N,K], g: [M,N]. add_input_to: a tensor the
+    input's gradient is added to (and returned), instead of a new one."""
 
     fp8 = False
 
     def linear(self, x: Tensor, w: Tensor) -> Tensor:
         return F.linear(x, w)
 
-    def grad_input(self, g: Tensor, w: Tensor) -> Tensor:
-        return g.mm(w)
-
-    def grad_weight(self, g: Tensor, x: Tensor) -> Tensor:
-        return g.t().mm(x)
-
-    def grad_input_add(self, acc: Tensor, g: Tensor, w: Tensor) -> Tensor:
-        """acc + g @ w (one fused GEMM in bf16)."""
-        return torch.addmm(acc, g, w)
+    def backward(self, g: Tensor, w: Tensor, x: Tensor | None, need_input: bool = True,
+                 need_weight: bool = True, add_input_to: Tensor | None = None):
+        grad_x = grad_w = None
+        if need_input:
+            grad_x = g.mm(w) if add_input_to is None else torch.addmm(add_input_to, g, w)
+        if need_weight:
+            grad_w = g.t().mm(x)
+        return grad_x, grad_w
 
 
 class Fp8Gemms(Bf16Gemms):
-    """The same three GEMMs on FP8 tensor cores (see the module docstring); shapes that are not multiples
-    of 16 use the parent's."""
+    """The same GEMMs on FP8 tensor cores (see the module docstring); each operand is quantized once per
+    use (a gradient once for both of its products), weights once per optimizer step. Shapes that are not
+    multiples of 16 use the parent's."""
 
     fp8 = True
 
@@ -143,38 +144,36 @@ class Fp8Gemms(Bf16Gemms):
         cached = self._weights.get(w)
         if cached is None or cached[0] != w._version:
             with torch.no_grad():
-                q, inv = quantize(w.detach(), E4M3)
-                cached = (w._version, q, q.t().contiguous(), inv)
+                cached = (w._version, *quantize(w.detach(), E4M3, rows=True, cols=True))
             self._weights[w] = cached
         return cached[1:]
 
     @staticmethod
-    def _aligned(*tensors: Tensor) -> bool:
-        return all(size % FP8_ALIGN == 0 for t in tensors for size in t.shape)
+    def _aligned(*tensors: Tensor | None) -> bool:
+        return all(size % FP8_ALIGN == 0 for t in tensors if t is not None for size in t.shape)
 
     def linear(self, x: Tensor, w: Tensor) -> Tensor:
         if not self._aligned(x, w):
             return super().linear(x, w)
-        xq, x_inv = quantize(x, E4M3)
+        xq, _, x_inv = quantize(x, E4M3)
         wq, _, w_inv = self.weight(w)
         return _scaled_mm(xq, x_inv, wq.t(), w_inv, x.dtype, fast_accum=True)
 
-    def grad_input(self, g: Tensor, w: Tensor) -> Tensor:
-        if not self._aligned(g, w):
-            return super().grad_input(g, w)
-        gq, g_inv = quantize(g, E5M2)
-        _, wq_t, w_inv = self.weight(w)
-        return _scaled_mm(gq, g_inv, wq_t.t(), w_inv, g.dtype)
-
-    def grad_weight(self, g: Tensor, x: Tensor) -> Tensor:
-        if not self._aligned(g, x):
-            return super().grad_weight(g, x)
-        gq_t, g_inv = quantize(g, E5M2, transpose=True)  # g.T row-major [N,M]
-        xq_t, x_inv = quantize(x, E4M3, transpose=True)  # x column-major: x.T contiguous, viewed back
-        return _scaled_mm(gq_t, g_inv, xq_t.t(), x_inv, x.dtype)
-
-    def grad_input_add(self, acc: Tensor, g: Tensor, w: Tensor) -> Tensor:
-        return acc.add_(self.grad_input(g, w))
+    def backward(self, g: Tensor, w: Tensor, x: Tensor | None, need_input: bool = True,
+                 need_weight: bool = True, add_input_to: Tensor | None = None):
+        if not self._aligned(g, w, x):
+            return super().backward(g, w, x, need_input, need_weight, add_input_to)
+        gq, gq_t, g_inv = quantize(g, E5M2, rows=need_input, cols=need_weight)
+        grad_x = grad_w = None
+        if need_input:  # g [M,N] @ w [N,K]: w column-major is the cached w.T, viewed back
+            _, wq_t, w_inv = self.weight(w)
+            grad_x = _scaled_mm(gq, g_inv, wq_t.t(), w_inv, g.dtype)
+            if add_input_to is not None:
+                grad_x = add_input_to.add_(grad_x)
+        if need_weight:  # g.T [N,M] @ x [M,K]: x column-major is x.T contiguous, viewed back
+            _, xq_t, x_inv = quantize(x, E4M3, rows=False, cols=True)
+            grad_w = _scaled_mm(gq_t, g_inv, xq_t.t(), x_inv, x.dtype)
+        return grad_x, grad_w
 
 
 class _Linear(torch.autograd.Function):
@@ -191,11 +190,8 @@ class _Linear(torch.autograd.Function):
     def backward(ctx, grad_out):
         x, w = ctx.saved_tensors
         g2 = grad_out.reshape(-1, grad_out.shape[-1])
-        grad_x = None
-        if ctx.needs_input_grad[0]:
-            grad_x = ctx.gemms.grad_input(g2, w).view(x.shape)
-        grad_w = ctx.gemms.grad_weight(g2, x.reshape(-1, x.shape[-1])) if ctx.needs_input_grad[1] else None
-        return grad_x, grad_w, None
+        grad_x, grad_w = ctx.gemms.backward(g2, w, x.reshape(-1, x.shape[-1]), *ctx.needs_input_grad[:2])
+        return (grad_x.view(x.shape) if grad_x is not None else None), grad_w, None
 
 
 def linear(x: Tensor, weight: Tensor, gemms: Bf16Gemms | None) -> Tensor:

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from common.drafter import ttt_loss
-from common.kernels import Bf16Gemms, Fp8Gemms, linear
+from common.kernels import E4M3, E5M2, Bf16Gemms, Fp8Gemms, linear, quantize
 from tests.test_drafter import assert_overfits_a_fixed_batch, random_batch, tiny_model
 
 pytestmark = pytest.mark.usefixtures("one_intra_op_thread")
@@ -35,7 +35,8 @@ def test_fp8_products_are_within_fp8_rounding_of_the_exact_ones():
     fp8 = Fp8Gemms()
     exact = {"linear": x.double() @ w.double().t(), "grad_input": g.double() @ w.double(),
              "grad_weight": g.double().t() @ x.double()}
-    got = {"linear": fp8.linear(x, w), "grad_input": fp8.grad_input(g, w), "grad_weight": fp8.grad_weight(g, x)}
+    grad_input, grad_weight = fp8.backward(g, w, x)
+    got = {"linear": fp8.linear(x, w), "grad_input": grad_input, "grad_weight": grad_weight}
     for name, value in got.items():
         assert value.dtype == torch.float32 and value.shape == exact[name].shape, name
         err = relative_error(value, exact[name])
@@ -43,12 +44,31 @@ def test_fp8_products_are_within_fp8_rounding_of_the_exact_ones():
         assert 1e-4 < err < 0.08, (name, err)
 
 
+def test_one_cast_gives_both_layouts_and_the_scale_of_the_largest_value():
+    x, _, g = operands(64, 48, 32)
+    for tensor, dtype in ((x, E4M3), (g, E5M2)):
+        rows, cols, inv = quantize(tensor, dtype, rows=True, cols=True)
+        assert rows.dtype == dtype and rows.shape == tensor.shape and cols.shape == tensor.t().shape
+        assert cols.is_contiguous() and torch.equal(cols.float(), rows.t().float())
+        torch.testing.assert_close(inv, tensor.abs().max() / torch.finfo(dtype).max)
+        assert float(rows.float().abs().max()) == torch.finfo(dtype).max  # the largest value maps to the top
+
+
+def test_input_gradient_can_be_added_into_an_existing_tensor():
+    x, w, g = operands(64, 48, 32)
+    for gemms in (Bf16Gemms(), Fp8Gemms()):
+        alone, _ = gemms.backward(g, w, None, need_weight=False)
+        acc = torch.ones(64, 48)
+        added, _ = gemms.backward(g, w, None, need_weight=False, add_input_to=acc)
+        torch.testing.assert_close(added, alone + 1)
+
+
 def test_shapes_fp8_kernels_cannot_take_fall_back_to_the_model_dtype():
     x, w, g = operands(60, 48, 32)  # 60 rows: not a multiple of 16
     fp8, plain = Fp8Gemms(), Bf16Gemms()
     assert torch.equal(fp8.linear(x, w), plain.linear(x, w))
-    assert torch.equal(fp8.grad_input(g, w), plain.grad_input(g, w))
-    assert torch.equal(fp8.grad_weight(g, x), plain.grad_weight(g, x))
+    for got, expected in zip(fp8.backward(g, w, x), plain.backward(g, w, x)):
+        assert torch.equal(got, expected)
 
 
 def test_weight_copies_are_made_once_and_follow_in_place_updates(monkeypatch):
