@@ -12,6 +12,8 @@
 #   peer   SpecForge's own trainer step with flex_attention (its default).
 # Results: $OUT/ours.jsonl, $OUT/ours_fp8.jsonl, $OUT/peer.jsonl. PEER_BUDGET_S bounds the peer's sweep
 # (default 420 s). scripts/compare_train_step.py prints the side-by-side table from them.
+# PROFILE=1 adds kernel tables (by op and by input shape) of SmolLM2 S=2048 (bf16) and Llama-8B S=8192 (bf16
+# and --fp8) to $OUT/profile_*.txt, about a minute more.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 PEER=$1
@@ -24,6 +26,16 @@ if [ "$PART" != peer ]; then
     --optimizer sr | grep '^{' | tee "$OUT/ours.jsonl" | cut -c1-200
   python3 scripts/bench_train_step.py --device cuda --shapes smollm2,llama8b,kimi --seq-lens 2048,8192 \
     --optimizer sr --fp8 | grep '^{' | tee "$OUT/ours_fp8.jsonl" | cut -c1-200
+  if [ "${PROFILE:-0}" = 1 ]; then
+    mkdir -p "$OUT/bf16" "$OUT/fp8"
+    OUT=$OUT/bf16 python3 scripts/bench_train_step.py --device cuda --shapes smollm2 --seq-lens 2048 --optimizer sr \
+      --steps 3 --profile > /dev/null
+    OUT=$OUT/bf16 python3 scripts/bench_train_step.py --device cuda --shapes llama8b --seq-lens 8192 --optimizer sr \
+      --steps 3 --profile > /dev/null
+    OUT=$OUT/fp8 python3 scripts/bench_train_step.py --device cuda --shapes llama8b --seq-lens 8192 --optimizer sr \
+      --steps 3 --fp8 --profile > /dev/null
+    for f in "$OUT"/bf16/profile_*.txt "$OUT"/fp8/profile_*.txt; do mv "$f" "${f%.txt}_$(basename "$(dirname "$f")").txt"; done
+  fi
 fi
 if [ "$PART" != ours ]; then
   python3 -m pip install -q --no-index --no-deps --target /tmp/peer_site "$PEER"/specforge-0.2.0-py3-none-any.whl
