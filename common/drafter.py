@@ -312,6 +312,34 @@ def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
     return x * cos + rotate_half(x) * sin
 
 
+# Elementwise islands of a TTT step, each one fused kernel each way when compiled (CUDA; autograd through
+# torch.compile). A candidate, on only with EAGLE3_FUSE_ELEMENTWISE=1 until it is measured against the
+# eager ops on a GPU (scripts/bench_train_step.py --fuse-elementwise); the maths is the same either way.
+
+def _attention_input(emb: Tensor, w_in: Tensor, hidden: Tensor, w_hidden: Tensor, eps: float) -> Tensor:
+    """cat(emb * input_layernorm.weight, hidden_norm(hidden)); emb is already normalised."""
+    return torch.cat([emb * w_in, F.rms_norm(hidden, (hidden.shape[-1],), w_hidden, eps)], dim=-1)
+
+
+def _rope_qk(q: Tensor, k: Tensor, cos: Tensor, sin: Tensor) -> tuple[Tensor, Tensor]:
+    return apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+
+
+def _residual_norm(x: Tensor, delta: Tensor, weight: Tensor, eps: float) -> tuple[Tensor, Tensor]:
+    """(x + delta, rms_norm(x + delta) * weight)."""
+    h = x + delta
+    return h, F.rms_norm(h, (h.shape[-1],), weight, eps)
+
+
+_ATTENTION_INPUT = CompiledOnCuda(_attention_input)
+_ROPE_QK = CompiledOnCuda(_rope_qk)
+_RESIDUAL_NORM = CompiledOnCuda(_residual_norm)
+
+
+def fuse_elementwise() -> bool:
+    return os.environ.get("EAGLE3_FUSE_ELEMENTWISE", "0") == "1"
+
+
 # =====================================================================================================
 # Modules
 # =====================================================================================================
@@ -428,13 +456,15 @@ class DrafterAttention(nn.Module):
         self.v_proj = nn.Linear(2 * cfg.hidden_size, self.num_kv_heads * self.head_dim, bias=False)
         self.o_proj = nn.Linear(self.num_heads * self.head_dim, cfg.hidden_size, bias=False)
 
-    def qkv(self, a: Tensor, cos: Tensor, sin: Tensor,
-            gemms: Bf16Gemms | None = None) -> tuple[Tensor, Tensor, Tensor]:
+    def qkv(self, a: Tensor, cos: Tensor, sin: Tensor, gemms: Bf16Gemms | None = None,
+            fused: bool = False) -> tuple[Tensor, Tensor, Tensor]:
         """q [B,T,nh,D], k/v [B,T,nkv,D] (RoPE applied to q and k)."""
         B, T, _ = a.shape
         q = linear(a, self.q_proj.weight, gemms).view(B, T, self.num_heads, self.head_dim)
         k = linear(a, self.k_proj.weight, gemms).view(B, T, self.num_kv_heads, self.head_dim)
         v = linear(a, self.v_proj.weight, gemms).view(B, T, self.num_kv_heads, self.head_dim)
+        if fused:
+            return (*_ROPE_QK(q, k, cos, sin), v)
         return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
 
 
@@ -591,10 +621,16 @@ class Eagle3Drafter(nn.Module):
         sin = (emb.sin() * self.rope_scale).to(self.compute_dtype)
         return cos[:, :, None, :], sin[:, :, None, :]
 
-    def _after_attention(self, hidden: Tensor, attn_out: Tensor) -> Tensor:
+    def _after_attention(self, hidden: Tensor, attn_out: Tensor, fused: bool = False) -> Tensor:
         layer = self.midlayer
-        h1 = hidden + linear(attn_out, layer.self_attn.o_proj.weight, self.gemms)
-        return h1 + layer.mlp(layer.post_attention_layernorm(h1), self.gemms)
+        o = linear(attn_out, layer.self_attn.o_proj.weight, self.gemms)
+        if fused:
+            norm = layer.post_attention_layernorm
+            h1, x = _RESIDUAL_NORM(hidden, o, norm.weight, norm.eps)
+        else:
+            h1 = hidden + o
+            x = layer.post_attention_layernorm(h1)
+        return h1 + layer.mlp(x, self.gemms)
 
     def logits(self, prenorm: Tensor) -> Tensor:
         return self.lm_head(self.norm(prenorm))
@@ -686,17 +722,22 @@ class Eagle3Drafter(nn.Module):
         scale = attn.head_dim ** -0.5
         k0 = v0 = None
         diag: list[Tensor] = []
+        fused = fuse_elementwise()
         for j in range(ttt_steps):
-            a = torch.cat([emb[:, j + 1:j + 1 + S] * layer.input_layernorm.weight, layer.hidden_norm(hidden)],
-                          dim=-1)
-            q, k, v = attn.qkv(a, cos, sin, self.gemms)
+            if fused:
+                a = _ATTENTION_INPUT(emb[:, j + 1:j + 1 + S], layer.input_layernorm.weight, hidden,
+                                     layer.hidden_norm.weight, layer.hidden_norm.eps)
+            else:
+                a = torch.cat([emb[:, j + 1:j + 1 + S] * layer.input_layernorm.weight, layer.hidden_norm(hidden)],
+                              dim=-1)
+            q, k, v = attn.qkv(a, cos, sin, self.gemms, fused)
             if j == 0:
                 k0, v0 = _expand_heads(k, rep), _expand_heads(v, rep)
                 out = causal_attention(q, k0, v0, scale)
             else:
                 diag += [k, v]
                 out = ttt_attention(q, k0, v0, diag, scale, backend=attention_backend)
-            hidden = self._after_attention(hidden, out.reshape(B, S, -1))
+            hidden = self._after_attention(hidden, out.reshape(B, S, -1), fused)
             yield j, hidden
 
 

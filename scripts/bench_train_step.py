@@ -174,6 +174,7 @@ def run_one(args) -> dict:
     trainable = D.trainable_parameter_count(model)
     rec.update(params_trainable=trainable, embedding_offloaded=offload, mlp_recompute=mlp, ce_grad=args.ce_grad,
                gemms="fp8 (e4m3/e5m2, per-tensor scales)" if args.fp8 else "bf16",
+               fused_elementwise=D.fuse_elementwise(),
                ce_grad_stored=D.store_ce_gradients(cfg, args.ce_grad))
 
     # ---- optimizer + scheduler + step: stage 04's
@@ -368,6 +369,8 @@ def main(argv=None) -> int:
                    choices=("auto", "flash_cuda", "efficient_cuda", "cudnn_cuda", "math"),
                    help="causal kernel of the TTT attention (auto: the drafter's own choice; the others force "
                         "EAGLE3_TTT_ATTENTION, e.g. to compare cudnn_cuda with flash_cuda)")
+    p.add_argument("--fuse-elementwise", action="store_true",
+                   help="the TTT step's elementwise ops as compiled islands (EAGLE3_FUSE_ELEMENTWISE=1, a candidate)")
     p.add_argument("--fp8", action="store_true",
                    help="stage 04's --fp8: the drafter's GEMMs on FP8 tensor cores (common.kernels.Fp8Gemms)")
     p.add_argument("--lr", type=float, default=1e-4)
@@ -386,6 +389,8 @@ def main(argv=None) -> int:
     seq_lens = [int(x) for x in args.seq_lens.split(",") if x]
     if args.ttt_attention != "auto":  # read by common.drafter at every TTT attention call
         os.environ["EAGLE3_TTT_ATTENTION"] = args.ttt_attention
+    if args.fuse_elementwise:  # read by common.drafter at every TTT unroll (children inherit it)
+        os.environ["EAGLE3_FUSE_ELEMENTWISE"] = "1"
     if args._child:
         args.shape, args.seq_len = shapes[0], seq_lens[0]
         print(RESULT_MARKER + json.dumps(run_guarded(args), default=str), flush=True)

@@ -12,6 +12,8 @@
 #   peer   SpecForge's own trainer step with flex_attention (its default).
 # Results: $OUT/ours.jsonl, $OUT/ours_fp8.jsonl, $OUT/peer.jsonl. PEER_BUDGET_S bounds the peer's sweep
 # (default 420 s). scripts/compare_train_step.py prints the side-by-side table from them.
+# FUSE=1 adds a run with the TTT step's elementwise ops fused (--fuse-elementwise, a candidate) at every point,
+# to $OUT/ours_fused.jsonl (and ours_fused_fp8.jsonl).
 # PROFILE=1 adds kernel tables (by op and by input shape) of SmolLM2 S=2048 (bf16) and Llama-8B S=8192 (bf16
 # and --fp8) to $OUT/profile_*.txt, about a minute more.
 set -uo pipefail
@@ -26,6 +28,12 @@ if [ "$PART" != peer ]; then
     --optimizer sr | grep '^{' | tee "$OUT/ours.jsonl" | cut -c1-200
   python3 scripts/bench_train_step.py --device cuda --shapes smollm2,llama8b,kimi --seq-lens 2048,8192 \
     --optimizer sr --fp8 | grep '^{' | tee "$OUT/ours_fp8.jsonl" | cut -c1-200
+  if [ "${FUSE:-0}" = 1 ]; then
+    python3 scripts/bench_train_step.py --device cuda --shapes smollm2,llama8b,kimi --seq-lens 2048,8192 \
+      --optimizer sr --fuse-elementwise | grep '^{' | tee "$OUT/ours_fused.jsonl" | cut -c1-200
+    python3 scripts/bench_train_step.py --device cuda --shapes llama8b,kimi --seq-lens 2048,8192 \
+      --optimizer sr --fuse-elementwise --fp8 | grep '^{' | tee "$OUT/ours_fused_fp8.jsonl" | cut -c1-200
+  fi
   if [ "${PROFILE:-0}" = 1 ]; then
     mkdir -p "$OUT/bf16" "$OUT/fp8"
     OUT=$OUT/bf16 python3 scripts/bench_train_step.py --device cuda --shapes smollm2 --seq-lens 2048 --optimizer sr \

@@ -293,6 +293,55 @@ def test_ttt_loss_counts_only_in_vocab_loss_masked_real_tokens():
     assert 0 < expected[0] < B * (S - 2)
 
 
+def test_fused_elementwise_islands_give_the_same_loss_and_gradients(monkeypatch):
+    """EAGLE3_FUSE_ELEMENTWISE=1 regroups the TTT step's elementwise ops into compiled islands; here (CPU,
+    eager) the same maths must give the same loss and gradients."""
+    results, island_calls = [], []
+    real = D._ATTENTION_INPUT
+    monkeypatch.setattr(D, "_ATTENTION_INPUT", lambda *args: island_calls.append(1) or real(*args))
+    for flag in ("0", "1"):
+        monkeypatch.setenv("EAGLE3_FUSE_ELEMENTWISE", flag)
+        model, lm_head = tiny_model()
+        loss, _ = ttt_loss(model, random_batch(B=2, S=12, pad=2), lm_head, 3)
+        loss.backward()
+        results.append((loss, {n: p.grad for n, p in model.named_parameters() if p.grad is not None}))
+    (loss0, grads0), (loss1, grads1) = results
+    assert len(island_calls) == 3  # one per TTT step, and only with the flag
+    torch.testing.assert_close(loss1, loss0, rtol=1e-12, atol=0)
+    assert grads0.keys() == grads1.keys()
+    for name in grads0:
+        torch.testing.assert_close(grads1[name], grads0[name], rtol=1e-10, atol=1e-12, msg=name)
+
+
+def test_fused_elementwise_islands_compile_with_autograd():
+    """The islands through torch.compile (Inductor's CPU backend here, Triton on GPUs): values and
+    gradients equal the eager functions'."""
+    gen = torch.Generator().manual_seed(0)
+    B, S, H, nh, nkv, Dh = 1, 24, 16, 4, 2, 8
+
+    def leaves(*shapes):
+        return [torch.randn(*shape, generator=gen, dtype=torch.float32).requires_grad_() for shape in shapes]
+
+    cos, sin = torch.randn(1, S, 1, Dh, generator=gen), torch.randn(1, S, 1, Dh, generator=gen)
+    cases = [(D._attention_input, leaves((B, S, H), (H,), (B, S, H), (H,)) + [1e-5]),
+             (D._rope_qk, leaves((B, S, nh, Dh), (B, S, nkv, Dh)) + [cos, sin]),
+             (D._residual_norm, leaves((B, S, H), (B, S, H), (H,)) + [1e-5])]
+    for fn, args in cases:
+        compiled = torch.compile(fn, dynamic=True, fullgraph=True)
+        outs = {}
+        for name, f in (("eager", fn), ("compiled", compiled)):
+            for a in args:
+                if isinstance(a, torch.Tensor) and a.requires_grad:
+                    a.grad = None
+            out = f(*args)
+            out = out if isinstance(out, tuple) else (out,)
+            sum(o.square().sum() for o in out).backward()
+            outs[name] = [o.detach() for o in out] + [a.grad.clone() for a in args
+                                                      if isinstance(a, torch.Tensor) and a.requires_grad]
+        for got, expected in zip(outs["compiled"], outs["eager"]):
+            torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5, msg=fn.__name__)
+
+
 def test_target_distribution_chunked_equals_full_vocabulary():
     model, lm_head = tiny_model()
     final = torch.randn(2, 9, H, dtype=torch.float64)
