@@ -870,6 +870,49 @@ def _causal_math_backward(grad_out, q, k, v, out, lse, scale):
     return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
 
 
+def _diag_merge(q: Tensor, keys: Tensor, values: Tensor, out_c: Tensor, lse_c: Tensor, scale: float):
+    """The diagonal part of a TTT step's attention merged with the causal part, as one elementwise function
+    (compiled into a few kernels under EAGLE3_FUSE_ELEMENTWISE=1; the default path is the batched matmuls
+    of _TTTAttention.forward, same maths).
+
+    q [B,S,nh,D]; keys/values [B,S,nkv,j,D]; out_c [B,nh,S,D] and lse_c [B,nh,S] from the causal kernel.
+    Returns (out [B,S,nh,D] in q's dtype, lse [B,S,nh] in the accumulation dtype)."""
+    B, S, nh, D = q.shape
+    nkv = keys.shape[2]
+    rep = nh // nkv
+    qg = _up(q).view(B, S, nkv, rep, D)
+    scores = (qg[..., None, :] * _up(keys)[:, :, :, None]).sum(-1) * scale  # [B,S,nkv,rep,j]
+    lse_causal = _up(lse_c).transpose(1, 2).reshape(B, S, nkv, rep)
+    lse = torch.logaddexp(lse_causal, torch.logsumexp(scores, dim=-1))
+    weights = (scores - lse[..., None]).exp()
+    merged = (weights[..., None] * _up(values)[:, :, :, None]).sum(-2)
+    merged = merged + _up(out_c).transpose(1, 2).reshape(B, S, nkv, rep, D) * (lse_causal - lse).exp()[..., None]
+    return merged.to(q.dtype).view(B, S, nh, D), lse.reshape(B, S, nh)
+
+
+def _diag_grads(grad_out: Tensor, q: Tensor, keys: Tensor, values: Tensor, out: Tensor, lse: Tensor,
+                dq_causal: Tensor, scale: float):
+    """Gradients of the diagonal terms (and the full dq) for _diag_merge's output; dq_causal [B,nh,S,D]
+    from the causal kernel's backward. Returns (dq [B,S,nh,D], grad_keys, grad_values [B,S,nkv,j,D])."""
+    B, S, nh, D = q.shape
+    nkv = keys.shape[2]
+    rep = nh // nkv
+    g = _up(grad_out).view(B, S, nkv, rep, D)
+    qg = _up(q).view(B, S, nkv, rep, D)
+    kf, vf = _up(keys)[:, :, :, None], _up(values)[:, :, :, None]  # [B,S,nkv,1,j,D]
+    delta = (g * _up(out).view(B, S, nkv, rep, D)).sum(-1, keepdim=True)
+    prob = ((qg[..., None, :] * kf).sum(-1) * scale - _up(lse).view(B, S, nkv, rep, 1)).exp()  # [...,rep,j]
+    grad_values = (prob[..., None] * g[..., None, :]).sum(3)
+    dscore = ((g[..., None, :] * vf).sum(-1) - delta) * prob * scale
+    grad_keys = (dscore[..., None] * qg[..., None, :]).sum(3)
+    dq = _up(dq_causal).transpose(1, 2).reshape(B, S, nkv, rep, D) + (dscore[..., None] * kf).sum(-2)
+    return dq.to(q.dtype).view(B, S, nh, D), grad_keys.to(keys.dtype), grad_values.to(values.dtype)
+
+
+_DIAG_MERGE = CompiledOnCuda(_diag_merge)
+_DIAG_GRADS = CompiledOnCuda(_diag_grads)
+
+
 class _TTTAttention(torch.autograd.Function):
     """Causal flash attention over the step-0 keys merged with the per-position diagonal keys of steps 1..j.
 
@@ -886,6 +929,13 @@ class _TTTAttention(torch.autograd.Function):
         out_c, lse_c, saved = _causal_forward(backend, q.transpose(1, 2), k0.transpose(1, 2),
                                               v0.transpose(1, 2), scale)
         ctx.lse_dtype = lse_c.dtype
+        ctx.scale, ctx.backend, ctx.saved = scale, backend, saved
+        ctx.fused = fuse_elementwise()
+        if ctx.fused:
+            out, lse = _DIAG_MERGE(q, torch.stack(diag[0::2], dim=3), torch.stack(diag[1::2], dim=3), out_c,
+                                   lse_c, scale)
+            ctx.save_for_backward(q, k0, v0, out, lse, *diag)
+            return out
         qg = _up(q).view(B, S, nkv, rep, D)
         keys = _up(torch.stack(diag[0::2], dim=3))  # [B,S,nkv,j,D]
         values = _up(torch.stack(diag[1::2], dim=3))
@@ -895,7 +945,6 @@ class _TTTAttention(torch.autograd.Function):
         merged = torch.matmul(scores.sub_(lse[..., None]).exp_(), values)  # diagonal part
         merged.addcmul_(_up(out_c.transpose(1, 2)).reshape(B, S, nkv, rep, D), torch.exp(lse_c - lse)[..., None])
         out = merged.to(q.dtype).view(B, S, nh, D)
-        ctx.scale, ctx.backend, ctx.saved = scale, backend, saved
         ctx.save_for_backward(q, k0, v0, out, lse.reshape(B, S, nh), *diag)
         return out
 
@@ -911,6 +960,13 @@ class _TTTAttention(torch.autograd.Function):
         dq, dk0, dv0 = _causal_backward(ctx.backend, grad_out.transpose(1, 2), q.transpose(1, 2),
                                         k0.transpose(1, 2), v0.transpose(1, 2), out.transpose(1, 2), lse_t,
                                         ctx.saved, scale)
+        if ctx.fused:
+            dq, grad_keys, grad_values = _DIAG_GRADS(grad_out, q, torch.stack(diag[0::2], dim=3),
+                                                     torch.stack(diag[1::2], dim=3), out, lse, dq, scale)
+            grads = []
+            for i in range(len(diag) // 2):
+                grads += [grad_keys[:, :, :, i], grad_values[:, :, :, i]]
+            return dq, dk0.transpose(1, 2), dv0.transpose(1, 2), None, None, *grads
         g = _up(grad_out).view(B, S, nkv, rep, D)
         qg = _up(q).view(B, S, nkv, rep, D)
         keys = _up(torch.stack(diag[0::2], dim=3))

@@ -9,8 +9,8 @@ Hopper, Ada and Blackwell GPUs (SM120 included). Stage 04 uses it with `--fp8`:
   * operands are scaled per tensor so that their largest magnitude maps to the FP8 format's largest value;
     weights and activations use e4m3 (more mantissa), gradients e5m2 (more range), as FP8 training usually
     does; products accumulate in fp32 and come out in bf16 (fp32 for fp32 models);
-  * weights are quantized once per optimizer step and reused by all TTT steps (they only change in
-    `optimizer.step`, which bumps their version counter);
+  * weights are quantized once per optimizer step and reused by all TTT steps and micro-batches (the
+    training step calls `new_step` first; a weight's version counter also invalidates its copy);
   * the parameters, their gradients and the optimizer stay in the model's dtype: only the GEMM inputs
     are FP8. Anything whose dimensions cuBLAS's FP8 kernels cannot take (not multiples of 16) falls back
     to the model's dtype.
@@ -118,6 +118,9 @@ class Bf16Gemms:
     def linear(self, x: Tensor, w: Tensor) -> Tensor:
         return F.linear(x, w)
 
+    def new_step(self) -> None:
+        """Called once per optimizer step (see Fp8Gemms.new_step)."""
+
     def backward(self, g: Tensor, w: Tensor, x: Tensor | None, need_input: bool = True,
                  need_weight: bool = True, add_input_to: Tensor | None = None):
         grad_x = grad_w = None
@@ -138,6 +141,12 @@ class Fp8Gemms(Bf16Gemms):
     def __init__(self):
         # weight -> (version, w_e4m3 [N,K], w_e4m3.T contiguous [K,N], inverse scale); weak, so a dropped
         # model takes its FP8 copies with it
+        self._weights = WeakIdKeyDictionary()
+
+    def new_step(self) -> None:
+        """Forget the weight copies: call it once per optimizer step, before the forward. The version check
+        in `weight` alone is not enough: FSDP2 gathers new values into the same tensors without bumping
+        their version counters."""
         self._weights = WeakIdKeyDictionary()
 
     def weight(self, w: Tensor) -> tuple[Tensor, Tensor, Tensor]:

@@ -316,6 +316,8 @@ def train_step(model: torch.nn.Module, batch: dict | Sequence[dict], optimizer: 
     micro_batches = [batch] if isinstance(batch, dict) else list(batch)
     device = model_device(model)
     model.train()
+    if hasattr(model, "gemms"):
+        model.gemms.new_step()  # the weights changed in the last optimizer step
     lr = optimizer.param_groups[0]["lr"]
     total_loss = torch.zeros((), device=device)
     sums, tokens = None, torch.zeros((), device=device, dtype=torch.long)

@@ -162,9 +162,12 @@ def test_simulated_acceptance_length():
 
 # --- TTT attention -----------------------------------------------------------------------------------
 
+@pytest.mark.parametrize("fused", ["0", "1"])
 @pytest.mark.parametrize("backend", ["math", "flash_cpu"])
 @pytest.mark.parametrize("steps,nkv", [(1, 2), (2, 6), (4, 2), (3, 1)])
-def test_ttt_attention_matches_full_mask_reference(backend, steps, nkv):
+def test_ttt_attention_matches_full_mask_reference(backend, steps, nkv, fused, monkeypatch):
+    """Both diagonal-term implementations: batched matmuls (default) and EAGLE3_FUSE_ELEMENTWISE's."""
+    monkeypatch.setenv("EAGLE3_FUSE_ELEMENTWISE", fused)
     gen = torch.Generator().manual_seed(steps)
     B, S, nh, Dh = 2, 11, 6, 8
 
@@ -314,7 +317,7 @@ def test_fused_elementwise_islands_give_the_same_loss_and_gradients(monkeypatch)
 
 
 def test_fused_elementwise_islands_compile_with_autograd():
-    """The islands through torch.compile (Inductor's CPU backend here, Triton on GPUs): values and
+    """The islands and the fused TTT diagonal terms through torch.compile (Inductor's CPU backend here, Triton on GPUs): values and
     gradients equal the eager functions'."""
     gen = torch.Generator().manual_seed(0)
     B, S, H, nh, nkv, Dh = 1, 24, 16, 4, 2, 8
@@ -325,7 +328,12 @@ def test_fused_elementwise_islands_compile_with_autograd():
     cos, sin = torch.randn(1, S, 1, Dh, generator=gen), torch.randn(1, S, 1, Dh, generator=gen)
     cases = [(D._attention_input, leaves((B, S, H), (H,), (B, S, H), (H,)) + [1e-5]),
              (D._rope_qk, leaves((B, S, nh, Dh), (B, S, nkv, Dh)) + [cos, sin]),
-             (D._residual_norm, leaves((B, S, H), (B, S, H), (H,)) + [1e-5])]
+             (D._residual_norm, leaves((B, S, H), (B, S, H), (H,)) + [1e-5]),
+             (D._diag_merge, leaves((B, S, nh, Dh), (B, S, nkv, 3, Dh), (B, S, nkv, 3, Dh), (B, nh, S, Dh))
+              + [torch.randn(B, nh, S, generator=gen), Dh ** -0.5]),
+             (D._diag_grads, leaves((B, S, nh, Dh), (B, S, nh, Dh), (B, S, nkv, 3, Dh), (B, S, nkv, 3, Dh),
+                                    (B, S, nh, Dh))
+              + [torch.randn(B, S, nh, generator=gen), torch.randn(B, nh, S, Dh, generator=gen), Dh ** -0.5])]
     for fn, args in cases:
         compiled = torch.compile(fn, dynamic=True, fullgraph=True)
         outs = {}
@@ -339,7 +347,10 @@ def test_fused_elementwise_islands_compile_with_autograd():
             outs[name] = [o.detach() for o in out] + [a.grad.clone() for a in args
                                                       if isinstance(a, torch.Tensor) and a.requires_grad]
         for got, expected in zip(outs["compiled"], outs["eager"]):
-            torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5, msg=fn.__name__)
+            # fp32 with reordered reductions: close relative to the tensor's scale (second-order gradients
+            # of _diag_grads reach 1e5)
+            torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5 * max(1.0, expected.abs().max().item()),
+                                       msg=fn.__name__)
 
 
 def test_target_distribution_chunked_equals_full_vocabulary():
