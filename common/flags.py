@@ -184,7 +184,8 @@ _ALL_FLAGS: list[Flag] = [
          action="store_true"),
     Flag("--fp8", "Run the drafter's matrix multiplications (fc, attention projections, MLP, lm_head; forward "
          "and backward) on FP8 tensor cores with per-tensor scales. Pays off for large drafters only: measured "
-         "1.2x faster steps for a Kimi-sized drafter on an H200, slower for Llama-8B-sized and smaller ones. "
+         "1.2x faster steps for a Kimi-sized drafter on an H200; no faster, or slower, for Llama-8B-sized and "
+         "smaller ones. "
          "Parameters, gradients, optimizer and checkpoints keep their dtype. Needs compute capability 8.9+ "
          "(Ada, Hopper, Blackwell incl. SM120).", type=None, action="store_true"),
     Flag("--fsdp", "Under torchrun: shard the drafter's parameters, gradients and optimizer state over the ranks "
