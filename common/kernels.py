@@ -38,8 +38,10 @@ class CompiledOnCuda:
     become one or two fused kernels that read the bf16 inputs once and keep the fp32 intermediates in
     registers. The maths is the same Python code either way. Compilation happens on the first CUDA call;
     if it fails (no Triton, an unsupported op) the eager function is used from then on, with a warning.
-    EAGLE3_COMPILE=0 turns compilation off.
+    EAGLE3_COMPILE=0 turns compilation off. `devices`: the device types compiled for (tests add "cpu").
     """
+
+    devices = ("cuda",)
 
     def __init__(self, fn):
         self.fn = fn
@@ -47,7 +49,7 @@ class CompiledOnCuda:
         self.failed = os.environ.get("EAGLE3_COMPILE", "1") == "0"
 
     def __call__(self, *args):
-        if self.failed or not args[0].is_cuda:
+        if self.failed or args[0].device.type not in self.devices:
             return self.fn(*args)
         if self.compiled is None:
             self.compiled = torch.compile(self.fn, dynamic=True, fullgraph=True)
@@ -86,7 +88,11 @@ def _compiled_cast(dtype: torch.dtype, rows: bool, cols: bool) -> CompiledOnCuda
     def cast(x: Tensor, x_amax: Tensor):
         return _scaled_cast(x, x_amax, dtype, rows, cols)
 
-    cast.__name__ = f"cast_to_{str(dtype).split('.')[-1]}{'_rows' if rows else ''}{'_cols' if cols else ''}"
+    name = f"cast_to_{str(dtype).split('.')[-1]}{'_rows' if rows else ''}{'_cols' if cols else ''}"
+    # torch.compile caches compiled variants per code object, at most 8 of them: the six closures made here
+    # would share one code object and evict each other until compilation gives up, so each gets its own.
+    cast.__code__ = cast.__code__.replace(co_name=name)
+    cast.__name__ = cast.__qualname__ = name
     return CompiledOnCuda(cast)
 
 
@@ -95,7 +101,10 @@ _CASTS = {(dtype, rows, cols): _compiled_cast(dtype, rows, cols)
 
 
 def quantize(x: Tensor, dtype: torch.dtype, rows: bool = True, cols: bool = False):
-    """(x as `dtype` row-major or None, x.T contiguous as `dtype` or None, inverse scale); see _scaled_cast."""
+    """(x as `dtype` row-major or None, x.T contiguous as `dtype` or None, inverse scale); see _scaled_cast.
+    Never differentiated: x is detached, so the compiled cast sees one kind of input whatever x's autograd
+    state (a requires_grad change would otherwise compile it again)."""
+    x = x.detach()
     return _CASTS[(dtype, rows, cols)](x, amax(x))
 
 

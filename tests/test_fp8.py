@@ -7,10 +7,13 @@ the TTT loss and its gradients track full precision, and that a drafter learns a
 """
 from __future__ import annotations
 
+import shutil
+
 import pytest
 import torch
 
 from common.drafter import ttt_loss
+from common import kernels
 from common.kernels import E4M3, E5M2, Bf16Gemms, Fp8Gemms, linear, quantize
 from tests.test_drafter import assert_overfits_a_fixed_batch, random_batch, tiny_model
 
@@ -126,3 +129,31 @@ def test_a_drafter_learns_as_well_with_fp8():
     model, lm_head = tiny_model(dtype=torch.float32, intermediate_size=32)
     model.use_fp8()
     assert_overfits_a_fixed_batch(model, lm_head)
+
+
+@pytest.mark.skipif(shutil.which("c++") is None and shutil.which("g++") is None,
+                    reason="torch.compile's CPU backend (Inductor) needs a C++ compiler, and none is installed")
+def test_compiled_fp8_casts_compile_once_per_variant(monkeypatch):
+    """On a GPU every FP8 cast runs through torch.compile. The six casts (two formats, row-major and/or
+    transposed) are called with activations that require gradients and with weights and gradients that do
+    not, at several shapes; here compiled on the CPU, none may exhaust torch.compile's recompile limit (which
+    silently sends every cast back to slow eager ops), and each must give the eager cast's values."""
+    torch._dynamo.reset()
+    monkeypatch.setattr(kernels.CompiledOnCuda, "devices", ("cuda", "cpu"))
+    for wrapper in kernels._CASTS.values():
+        monkeypatch.setattr(wrapper, "compiled", None)
+        monkeypatch.setattr(wrapper, "failed", False)
+    gen = torch.Generator().manual_seed(0)
+    for rows_count in (32, 48, 80):
+        for requires_grad in (True, False):
+            x = torch.randn(rows_count, 64, generator=gen, dtype=torch.bfloat16).requires_grad_(requires_grad)
+            for dtype, rows, cols in kernels._CASTS:
+                got = quantize(x, dtype, rows=rows, cols=cols)
+                expected = kernels._scaled_cast(x.detach(), kernels.amax(x.detach()), dtype, rows, cols)
+                for g, e in zip(got, expected):
+                    if e is not None:
+                        torch.testing.assert_close(g.float(), e.float(), rtol=0, atol=0)
+    # a compile failure (the recompile limit included) warns and falls back to eager ops for good
+    assert [name for name, wrapper in kernels._CASTS.items() if wrapper.failed] == []
+    assert all(wrapper.compiled is not None for wrapper in kernels._CASTS.values())
+    torch._dynamo.reset()
