@@ -18,6 +18,10 @@ Usage (H200; the verifier as a dense HF folder, e.g. the SmolLM2 copy made per d
   python scripts/bench_speculative.py --model-path /root/v/dense --device cuda --draft-model-path RUN/checkpoints/best
 CPU smoke test: python scripts/bench_speculative.py --model-path ../shared/models/stories260K --device cpu \\
   --dtype float32 --max-new-tokens 32 --oracle
+Where a GPU loop loses its time: --cprofile (host time by function), --sync-debug (every operation that makes
+the host wait for the GPU, by source line). --random-weights builds the verifier from the folder's config.json
+with random weights (only its config and tokenizer are read): the loop's costs at a model's shape, for timing
+only, where its weights cannot be brought (the oracle keeps every draft accepted).
 stdout carries JSON lines; they are also appended to $OUT/bench_speculative.jsonl when OUT is set.
 """
 from __future__ import annotations
@@ -170,6 +174,10 @@ def main(argv=None) -> int:
     parser.add_argument("--repeats", type=int, default=20)
     parser.add_argument("--cprofile", action="store_true",
                         help="also print where the host time of one speculative and one plain generation goes")
+    parser.add_argument("--sync-debug", action="store_true",
+                        help="also list the operations that synchronise with the GPU in one generation of each loop")
+    parser.add_argument("--random-weights", action="store_true",
+                        help="random weights at the shape of --model-path's config.json (timing only)")
     parser.add_argument("--hf-mask", action="store_true",
                         help="verify with transformers' own causal mask instead of the explicit one")
     args = parser.parse_args(argv)
@@ -182,7 +190,8 @@ def main(argv=None) -> int:
     dtype = getattr(torch, args.dtype)
     info = read_verifier_info(args.model_path, with_tokenizer_hash=False)
     tokenizer = load_tokenizer(args.model_path)
-    verifier = load_verifier_model(args.model_path, args.device, args.dtype)
+    verifier = (random_verifier(args.model_path, device, dtype) if args.random_weights
+                else load_verifier_model(args.model_path, args.device, args.dtype))
     drafter = build_drafter(args, verifier, info, device, dtype)
     if args.oracle:
         drafter = OracleDrafter(drafter)
@@ -192,7 +201,8 @@ def main(argv=None) -> int:
     eos = [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else []
     prompts = [render_conversation(tokenizer, [{"role": "user", "content": p}], raw) for p in PROMPTS]
     gpu = torch.cuda.get_device_name(device) if device.type == "cuda" else None
-    base = {"model": args.model_path, "device": str(device), "gpu": gpu, "dtype": args.dtype,
+    base = {"model": args.model_path, "random_weights": args.random_weights, "device": str(device), "gpu": gpu,
+            "dtype": args.dtype, "torch": torch.__version__, "transformers": transformers_version(),
             "drafting": decoder.drafting, "oracle": args.oracle, "drafter": args.draft_model_path or "built here"}
 
     def run_all(ids):
@@ -228,10 +238,67 @@ def main(argv=None) -> int:
           "speedup_vs_hf_generate": tps["spec"] / tps["hf"], "iteration_s": iteration,
           "draft_cost_ratio_c": costs["drafter_step_s"] / costs["verifier_forward_1_s"],
           "projected_speedup_vs_plain_at_tau": projected, **costs})
+    if args.oracle:  # the diagnostics below decode prompts[0]
+        plain, _ = plain_decode(verifier, prompts[0], args.max_new_tokens, eos)
+        drafter.reference = torch.tensor(prompts[0] + plain, device=device)
+    loops = {"speculative": lambda: decoder.generate(prompts[0], args.max_new_tokens, eos),
+             "plain": lambda: plain_decode(verifier, prompts[0], args.max_new_tokens, eos),
+             "hf_generate": lambda: hf_generate(verifier, prompts[0], args.max_new_tokens, eos)}
     if args.cprofile:
-        host_profile(lambda: decoder.generate(prompts[0], args.max_new_tokens, eos), "speculative")
-        host_profile(lambda: plain_decode(verifier, prompts[0], args.max_new_tokens, eos), "plain")
+        for name, loop in loops.items():
+            host_profile(loop, name)
+    if args.sync_debug and device.type == "cuda":
+        for name, loop in loops.items():
+            emit({**base, "kind": "syncs", "loop": name, "syncs": synchronisations(loop)})
     return 0
+
+
+def transformers_version() -> str:
+    import transformers
+
+    return transformers.__version__
+
+
+def random_verifier(model_path: str, device, dtype):
+    """A causal LM at the shape of model_path's config.json, randomly initialised (seed 0)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from common.verifier import resolve_model_path
+
+    folder, _ = resolve_model_path(model_path)
+    config = AutoConfig.from_pretrained(folder)
+    config._attn_implementation = "sdpa"
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation="sdpa")
+    return model.to(device).eval()
+
+
+def synchronisations(fn, top: int = 15) -> list:
+    """The source lines whose operations made the host wait for the GPU during fn(), most frequent first
+    (torch.cuda.set_sync_debug_mode warns at each such operation)."""
+    import traceback
+    import warnings
+    from collections import Counter
+
+    where = Counter()
+
+    def record(message, category, filename, lineno, file=None, line=None):
+        frames = [f for f in traceback.extract_stack()[:-1] if "warnings" not in f.filename]
+        caller = next((f for f in reversed(frames) if "torch/" not in f.filename), frames[-1])
+        where[f"{caller.filename.split('site-packages/')[-1]}:{caller.lineno} {caller.line}"] += 1
+
+    previous = warnings.showwarning
+    warnings.showwarning = record
+    torch.cuda.set_sync_debug_mode("warn")
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("always")
+            warnings.showwarning = record
+            fn()
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+        warnings.showwarning = previous
+    return [{"count": count, "at": at} for at, count in where.most_common(top)]
 
 
 def host_profile(fn, name: str, top: int = 30) -> None:
