@@ -49,6 +49,7 @@ import torch
 
 from common.artifacts import MANIFEST, load_manifest, write_text_atomic
 from common.flags import UsageError
+from common.verifier import inference_attention
 
 STAGE = "02_extract_hidden_states"
 FORMAT_VERSION = 1
@@ -929,7 +930,7 @@ class Extractor:
                     if index not in complete:
                         writes.append((index, offset))
                     offset += self.samples[index].num_tokens
-                with torch.inference_mode():
+                with torch.inference_mode(), inference_attention():
                     final = run_base(text, ids_cpu.to(device, non_blocking=True))
                     packed = capture.take() + [select(final)]
                     if writes:  # (a resumed batch whose samples are all on disk needs no copy)
@@ -977,7 +978,7 @@ def forward_only(text: TextModel, samples: Sequence[Sample], batches: Sequence[l
     device = text.input_device
     on_gpu = device.type == "cuda"
     started = time.perf_counter()
-    with torch.inference_mode():
+    with torch.inference_mode(), inference_attention():
         for batch in batches:
             ids, _ = batch_inputs(samples, batch, pin=on_gpu)
             run_base(text, ids.to(device, non_blocking=True))

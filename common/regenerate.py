@@ -28,6 +28,7 @@ from typing import Any, Callable, Sequence
 
 from common.flags import UsageError
 from common.stage import Progress, get_logger
+from common.verifier import inference_attention
 
 ASSISTANT = "assistant"
 CACHE_FILE = "regenerated.jsonl"
@@ -292,7 +293,7 @@ class HFResponder:
                                   temperature=self.temperature if sampling else None,
                                   top_p=1.0 if sampling else None, top_k=0 if sampling else None,
                                   eos_token_id=sorted(self.stop_ids), pad_token_id=pad)
-        with torch.inference_mode():
+        with torch.inference_mode(), inference_attention():
             output = model.generate(input_ids=input_ids, attention_mask=attention, generation_config=config)
         replies = []
         for row in output[:, width:].tolist():

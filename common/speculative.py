@@ -38,6 +38,7 @@ from typing import Iterable, Sequence
 
 import torch
 
+from common.verifier import inference_attention
 
 # --- small helpers -----------------------------------------------------------------------------------
 
@@ -346,6 +347,7 @@ def _as_input_ids(input_ids, device: torch.device) -> torch.Tensor:
 # --- baselines -----------------------------------------------------------------------------------------
 
 @torch.inference_mode()
+@inference_attention()
 def plain_decode(verifier: torch.nn.Module, input_ids, max_new_tokens: int, eos_token_ids: Iterable[int] = (),
                  temperature: float = 0.0, top_p: float = 1.0, seed: int = 0,
                  runner: VerifierRunner | None = None) -> tuple[list[int], GenerationStats]:
@@ -376,6 +378,7 @@ def plain_decode(verifier: torch.nn.Module, input_ids, max_new_tokens: int, eos_
 
 
 @torch.inference_mode()
+@inference_attention()
 def hf_generate(verifier: torch.nn.Module, input_ids, max_new_tokens: int, eos_token_ids: Iterable[int] = (),
                 temperature: float = 0.0, top_p: float = 1.0, seed: int = 0) -> tuple[list[int], GenerationStats]:
     """transformers' own generate (greedy, or temperature + top-p sampling with top-k off), timed."""
@@ -470,6 +473,7 @@ class SpeculativeDecoder:
 
     # --- the loop ------------------------------------------------------------------------------------
     @torch.inference_mode()
+    @inference_attention()
     def generate(self, input_ids, max_new_tokens: int, eos_token_ids: Iterable[int] = ()
                  ) -> tuple[list[int], GenerationStats]:
         ids = _as_input_ids(input_ids, self.device)

@@ -178,9 +178,14 @@ def main(argv=None) -> int:
                         help="also list the operations that synchronise with the GPU in one generation of each loop")
     parser.add_argument("--random-weights", action="store_true",
                         help="random weights at the shape of --model-path's config.json (timing only)")
+    parser.add_argument("--cudnn-attention", action="store_true",
+                        help="let PyTorch pick cuDNN's attention for the verifier (EAGLE3_CUDNN_ATTENTION=1), "
+                             "which the loops otherwise switch off (common.verifier.inference_attention)")
     parser.add_argument("--hf-mask", action="store_true",
                         help="verify with transformers' own causal mask instead of the explicit one")
     args = parser.parse_args(argv)
+    if args.cudnn_attention:
+        os.environ["EAGLE3_CUDNN_ATTENTION"] = "1"
 
     from common.prompts import has_chat_template, render_conversation
     from common.speculative import SpeculativeDecoder, hf_generate, plain_decode
@@ -202,7 +207,7 @@ def main(argv=None) -> int:
     prompts = [render_conversation(tokenizer, [{"role": "user", "content": p}], raw) for p in PROMPTS]
     gpu = torch.cuda.get_device_name(device) if device.type == "cuda" else None
     base = {"model": args.model_path, "random_weights": args.random_weights, "device": str(device), "gpu": gpu,
-            "dtype": args.dtype, "torch": torch.__version__, "transformers": transformers_version(),
+            "dtype": args.dtype, "cudnn_attention": args.cudnn_attention, "torch": torch.__version__, "transformers": transformers_version(),
             "drafting": decoder.drafting, "oracle": args.oracle, "drafter": args.draft_model_path or "built here"}
 
     def run_all(ids):

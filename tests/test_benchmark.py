@@ -164,6 +164,33 @@ def test_stop_token_inside_an_accepted_block_and_the_token_budget(verifier, draf
             assert short == plain_decode(model, ids, 7, [])[0] and len(short) == 7 and stats.stopped_by == "length"
 
 
+def test_verifier_attention_runs_without_cudnn_in_every_generation_loop(verifier, drafters):
+    """cuDNN's attention builds an execution graph per input shape, and decoding changes the shape every
+    token: speculative decoding, both of its baselines and stage 01's regeneration run the verifier with
+    cuDNN's SDPA kernel switched off (the flag is real PyTorch state, checked at every verifier forward),
+    and switch it back on afterwards."""
+    from common.regenerate import HFResponder
+    from common.speculative import SpeculativeDecoder, hf_generate, plain_decode
+
+    model, tokenizer = verifier
+    ids = tokenizer(STARTS[0]).input_ids
+    flags = []
+    hook = model.register_forward_pre_hook(lambda module, args: flags.append(torch.backends.cuda.cudnn_sdp_enabled()))
+    try:
+        loops = {"speculative": lambda: SpeculativeDecoder(model, drafters["trained"]).generate(ids, 8, []),
+                 "plain": lambda: plain_decode(model, ids, 8, []),
+                 "hf_generate": lambda: hf_generate(model, ids, 8, []),
+                 "regeneration": lambda: HFResponder(lambda: model, tokenizer, {2}, 8, 0.0, 4, 512)._generate(
+                     [ids, ids[:3]])}
+        for name, loop in loops.items():
+            flags.clear()
+            loop()
+            assert flags and not any(flags), name
+            assert torch.backends.cuda.cudnn_sdp_enabled(), f"{name} left cuDNN attention off"
+    finally:
+        hook.remove()
+
+
 # --- temperature > 0: the verifier's distribution, exactly ----------------------------------------------------
 
 def test_rejection_sampling_preserves_the_target_distribution():

@@ -163,11 +163,17 @@ def test_capture_equals_output_hidden_states_and_lm_head_of_final(which, stories
         assert extractor.written() == set(range(len(samples)))
         assert checkpoints and all(a <= b for a, b in zip(checkpoints, checkpoints[1:]))  # growing sets
     # padded batches: same values up to float rounding (padding never leaks into real tokens).
+    # (and, as every batch has a new shape, without cuDNN's attention, which builds a graph per shape)
     padded = tmp_path / "padded"
+    cudnn_flags = []
+    hook = text.base.register_forward_pre_hook(
+        lambda module, args: cudnn_flags.append(torch.backends.cuda.cudnn_sdp_enabled()))
     with Extractor(padded, samples, plan_batches(samples, 4, 4096), layers, info.hidden_size, torch.float32,
                    num_workers=0) as extractor:
         stats = extractor.run(text, plan_batches(samples, 4, 4096))
+    hook.remove()
     assert stats.padded_tokens > stats.tokens_forwarded  # there was padding
+    assert cudnn_flags and not any(cudnn_flags) and torch.backends.cuda.cudnn_sdp_enabled()
     for sample in samples:
         hidden, logits = reference_states(model, sample.input_ids)
         assert len(hidden) == info.num_layers + 1
