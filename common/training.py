@@ -771,7 +771,9 @@ class Trainer:
                                      pad_to=FP8_ALIGN if cfg.fp8 else 1)
                 batches = iter(loader)
                 for end, share in steps:
+                    waited = time.time()
                     group = [next(batches) for _ in share]
+                    window.data_wait_s += time.time() - waited
                     if self.parallel is not None and cfg.noise_std > 0:
                         # each rank its own noise, drawn alike when a run with the same ranks is resumed
                         torch.manual_seed((loop.seed * 1_000_003 + state.step) * 1_009 + self.rank)
@@ -932,6 +934,7 @@ class _Window:
     def _reset(self):
         self.sums, self.loss, self.grad_norm, self.steps = None, 0.0, 0.0, 0
         self.tokens, self.lr, self.started = 0, 0.0, time.time()
+        self.data_wait_s = 0.0  # time the loop waited for the DataLoader: high means raise --num-workers
 
     def add(self, out: dict[str, Any]) -> None:
         if out["sums"] is not None:  # (None: a rank that only ran a stand-in this step)
@@ -945,7 +948,8 @@ class _Window:
     def postfix(self, epoch: int, epochs: int) -> str:
         if self.last_loss != self.last_loss:  # nothing flushed yet: metrics come every --log-interval steps
             return f"epoch {epoch}/{epochs}"
-        return f"epoch {epoch}/{epochs}, loss {self.last_loss:.4f}, {self.tokens_per_s:.0f} tok/s"
+        return (f"epoch {epoch}/{epochs}, loss {self.last_loss:.4f}, {self.tokens_per_s:.0f} tok/s, "
+                f"{self.data_wait_share:.0%} waiting for data")
 
     def flush(self, decay: float, reduce: Callable | None = None) -> dict[str, Any]:
         """The window's metrics line; `reduce(sums, loss, tokens)` sums them over the ranks first."""
@@ -964,7 +968,9 @@ class _Window:
             "lr": self.lr,
             "tokens": tokens,
             "tokens_per_s": round(tokens / elapsed, 1),
+            "data_wait_share": round(min(self.data_wait_s / elapsed, 1.0), 4),
         }
         self.tokens_per_s, self.last_loss = record["tokens_per_s"], record["loss"]
+        self.data_wait_share = record["data_wait_share"]
         self._reset()
         return record

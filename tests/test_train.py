@@ -271,6 +271,8 @@ def test_training_learns_and_writes_sglang_ready_checkpoints(trained, run_a, nes
         assert evals[-1]["acc_per_step"][j] > evals[0]["acc_per_step"][j] + 0.1, [e["acc_per_step"] for e in evals]
     assert evals[-1]["sim_accept_len"] > evals[0]["sim_accept_len"] + 0.2
     assert all(e["count_per_step"][0] > 300 for e in evals)  # measured on real tokens
+    # the share of wall time spent waiting for the DataLoader, to tell a data-bound run from a compute-bound one
+    assert all(0.0 <= r["data_wait_share"] <= 1.0 for r in train) and "waiting for data" in log_text(trained)
 
     # Checkpoints: one per epoch, step ones pruned to --keep-last (except a pointer target), pointers resolve.
     assert sorted(p.name for p in trained.glob("epoch_*")) == [f"epoch_{e}" for e in range(1, EPOCHS + 1)]
@@ -383,7 +385,7 @@ def final_weights(out: Path) -> dict[str, torch.Tensor]:
 
 def comparable(out: Path) -> list[dict]:
     """metrics.jsonl without the wall-clock fields."""
-    drop = {"tokens_per_s", "seconds"}
+    drop = {"tokens_per_s", "seconds", "data_wait_share"}
     return [{k: v for k, v in r.items() if k not in drop} for r in map(json.loads, (out / "metrics.jsonl").read_text().splitlines())]
 
 
