@@ -6,24 +6,29 @@
 #   scripts/gpu_smollm2.sh VERIFIER DATA_DIR RUN_DIR
 #     VERIFIER  dense SmolLM2 folder, or its .gguf file (converted once with common.verifier.densify_gguf)
 #     DATA_DIR  made by scripts/prepare_device_data.py: sharegpt.json, humaneval.jsonl, mt_bench.jsonl
-# Sizes through the environment: SAMPLES EPOCHS LR REGEN_TOKENS (stage 01's reply length) PROMPTS NEW_TOKENS
-# (stage 05's) KS TEMPS SETS; defaults below.
+# Sizes through the environment: SAMPLES EPOCHS LR REGEN_TOKENS (stage 01's reply length) REGEN_BATCH PROMPTS
+# NEW_TOKENS (stage 05's) KS TEMPS SETS DTYPE (stage 05's); defaults below. With OUT set, the logs, metrics and
+# benchmark reports are packed into one file there ($OUT/gpu_smollm2.tgz), for machines that return few files.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 VERIFIER=$1; DATA=$2; RUN=$3
-# Measured on one H200: regeneration at about 17 conversations/s (batch 512, 256 new tokens), stage 04 at 60K-90K
-# tokens/s, and SmolLM2's per-token cost is host-bound (about 20 ms a forward). With the defaults, stages 01-04
-# take about 13 minutes (01 5 min, 02 and 03 half a minute, 04 7-8 min; STAGES=train, resumable across calls)
-# and the benchmark about 6 (STAGES=bench).
-# 2,000 prompts and 5 epochs at lr 3e-4 reached only a simulated acceptance length of 1.46, hence more data,
-# more optimizer steps and a higher learning rate (1e-3 to 3e-3 also learned faster on the CPU demo's data).
-# Measured with these defaults (H200): validation simulated acceptance length 2.57 after 10 epochs and still
-# rising, with a train loss far below the validation loss: more data (SAMPLES, REGEN_TOKENS) is the next lever.
-SAMPLES=${SAMPLES:-5000}; EPOCHS=${EPOCHS:-10}; LR=${LR:-1e-3}; REGEN_TOKENS=${REGEN_TOKENS:-256}
-PROMPTS=${PROMPTS:-5}; NEW_TOKENS=${NEW_TOKENS:-128}
+# Measured on one H200 (session of 2026-11-29): regeneration at about 17 conversations/s (batch 512, 256 new
+# tokens, before inference_attention switched cuDNN's attention off), stage 04 at 45K-67K tokens/s with 2 loader
+# workers (its step alone runs at 150K at 8192 tokens: hence 8 workers and 16384-token batches now), and
+# SmolLM2's per-token cost is host-bound (about 20 ms a forward).
+# 2,000 prompts and 5 epochs at lr 3e-4 reached only a simulated acceptance length of 1.46; 5,000 prompts and 10
+# epochs at lr 1e-3 reached 2.57 and still rising, with a train loss far below the validation loss: more data
+# is the lever, hence every ShareGPT prompt the package holds (prepare_device_data.py --prompts-only: ~17.6K).
+SAMPLES=${SAMPLES:-17000}; EPOCHS=${EPOCHS:-5}; LR=${LR:-1e-3}; REGEN_TOKENS=${REGEN_TOKENS:-256}
+REGEN_BATCH=${REGEN_BATCH:-1024}; PROMPTS=${PROMPTS:-5}; NEW_TOKENS=${NEW_TOKENS:-128}; DTYPE=${DTYPE:-bfloat16}
 KS=${KS:-"3 7"}; TEMPS=${TEMPS:-"0 1"}; SETS=${SETS:-"heldout humaneval mt_bench"}
 STAGES=${STAGES:-all}  # "train": stages 01-04 only; "bench": stage 05 only (on an existing RUN_DIR)
 export PYTHONUNBUFFERED=1
+pack() {  # on any exit, failures included: what the run wrote so far, as one file in $OUT
+  [ -n "${OUT:-}" ] && [ -d "$RUN" ] && (cd "$RUN" && tar czf "$OUT/gpu_smollm2.tgz" --ignore-failed-read \
+    logs bench checkpoints/metrics.jsonl checkpoints/best.json */manifest.json 2>/dev/null) || true
+}
+trap pack EXIT
 if [[ "$VERIFIER" == *.gguf ]]; then
   DENSE=$(dirname "$VERIFIER")/smollm2-dense
   [ -f "$DENSE/config.json" ] || python3 -c "import sys; sys.path.insert(0, '.')
@@ -35,9 +40,9 @@ if [ "$STAGES" != bench ]; then
 python3 run_pipeline.py --run-dir "$RUN" --model-path "$VERIFIER" --dataset "$DATA/sharegpt.json" \
   --regenerate --max-turns 1 --num-samples "$SAMPLES" --eval-ratio 0.02 --max-seq-len 2048 \
   --draft-vocab-size 32000 --epochs "$EPOCHS" --skip 05 \
-  --stage-args 01 "--batch-size 512 --max-new-tokens $REGEN_TOKENS" \
+  --stage-args 01 "--batch-size $REGEN_BATCH --max-new-tokens $REGEN_TOKENS" \
   --stage-args 02 "--batch-size 64 --num-workers 8" \
-  --stage-args 04 "--max-tokens-per-batch 8192 --lr $LR --eval-interval 500 --save-interval 2000"
+  --stage-args 04 "--max-tokens-per-batch 16384 --num-workers 8 --lr $LR --eval-interval 500 --save-interval 1000"
 python3 run_pipeline.py --run-dir "$RUN" --status
 du -sh "$RUN"/* | sed 's/^/disk: /'
 fi
@@ -52,7 +57,7 @@ for set in $SETS; do
   esac
   for k in $KS; do
       python3 05_benchmark.py --run-dir "$RUN" --model-path "$VERIFIER" --prompts "$prompts" --num-steps "$k" \
-        --temperature "$t" --num-prompts "$PROMPTS" --max-new-tokens "$NEW_TOKENS" 2>&1 \
+        --temperature "$t" --num-prompts "$PROMPTS" --max-new-tokens "$NEW_TOKENS" --dtype "$DTYPE" 2>&1 \
         | grep -E "SUMMARY|ERROR|overlap|reused" | sed "s|^|$set k=$k T=$t: |"
   done
 done
