@@ -7,7 +7,8 @@
 #     VERIFIER  dense SmolLM2 folder, or its .gguf file (converted once with common.verifier.densify_gguf)
 #     DATA_DIR  made by scripts/prepare_device_data.py: sharegpt.json, humaneval.jsonl, mt_bench.jsonl
 # Sizes through the environment: SAMPLES EPOCHS LR REGEN_TOKENS (stage 01's reply length) REGEN_BATCH PROMPTS
-# NEW_TOKENS (stage 05's) KS TEMPS SETS DTYPE (stage 05's); defaults below. With OUT set, the logs, metrics and
+# NEW_TOKENS (stage 05's) KS TEMPS SETS DTYPE TOPKS (stage 05's; TOPKS="1 4" adds tree drafting with 4 branches a
+# step: more tokens verified a forward, which SmolLM2's host-bound verifier may absorb); defaults below. With OUT set, the logs, metrics and
 # benchmark reports are packed into one file there ($OUT/gpu_smollm2.tgz), for machines that return few files.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -21,7 +22,7 @@ VERIFIER=$1; DATA=$2; RUN=$3
 # is the lever, hence every ShareGPT prompt the package holds (prepare_device_data.py --prompts-only: ~17.6K).
 SAMPLES=${SAMPLES:-17000}; EPOCHS=${EPOCHS:-5}; LR=${LR:-1e-3}; REGEN_TOKENS=${REGEN_TOKENS:-256}
 REGEN_BATCH=${REGEN_BATCH:-1024}; PROMPTS=${PROMPTS:-5}; NEW_TOKENS=${NEW_TOKENS:-128}; DTYPE=${DTYPE:-bfloat16}
-KS=${KS:-"3 7"}; TEMPS=${TEMPS:-"0 1"}; SETS=${SETS:-"heldout humaneval mt_bench"}
+KS=${KS:-"3 7"}; TEMPS=${TEMPS:-"0 1"}; SETS=${SETS:-"heldout humaneval mt_bench"}; TOPKS=${TOPKS:-1}
 STAGES=${STAGES:-all}  # "train": stages 01-04 only; "bench": stage 05 only (on an existing RUN_DIR)
 export PYTHONUNBUFFERED=1
 pack() {  # on any exit, failures included: what the run wrote so far, as one file in $OUT
@@ -56,9 +57,11 @@ for set in $SETS; do
     mt_bench) prompts=$DATA/mt_bench.jsonl ;;
   esac
   for k in $KS; do
+    for topk in $TOPKS; do
       python3 05_benchmark.py --run-dir "$RUN" --model-path "$VERIFIER" --prompts "$prompts" --num-steps "$k" \
-        --temperature "$t" --num-prompts "$PROMPTS" --max-new-tokens "$NEW_TOKENS" --dtype "$DTYPE" 2>&1 \
-        | grep -E "SUMMARY|ERROR|overlap|reused" | sed "s|^|$set k=$k T=$t: |"
+        --topk "$topk" --temperature "$t" --num-prompts "$PROMPTS" --max-new-tokens "$NEW_TOKENS" \
+        --dtype "$DTYPE" 2>&1 | grep -E "SUMMARY|ERROR|overlap|reused" | sed "s|^|$set k=$k topk=$topk T=$t: |"
+    done
   done
 done
 done
