@@ -672,3 +672,22 @@ def test_unreachable_endpoint_exits_2_before_any_work(stage, tmp_path, stories26
     assert not (out / "manifest.json").exists() and not (out / CACHE_FILE).exists()
     log = (out / "logs" / "01_prepare_data.log").read_text()
     assert url in log.splitlines()[-1]
+
+
+def test_device_data_with_prompts_only_keeps_every_prompt_and_no_reply(sharegpt_path, tmp_path):
+    """scripts/prepare_device_data.py --prompts-only: the first N ShareGPT conversations, each with its first
+    exchange's prompt and no assistant message (stage 01 --regenerate writes the replies), plus HumanEval."""
+    from common.chat_data import ASSISTANT, ROLE_ALIASES
+
+    result = run_script("scripts/prepare_device_data.py", str(tmp_path), "--conversations", "40", "--prompts-only",
+                        timeout=300)
+    assert result.returncode == 0, result.stderr[-2000:]
+    kept = json.loads((tmp_path / "sharegpt.json").read_text())
+    originals = [record for _, record in iter_json_array(sharegpt_path) if isinstance(record, dict)][:40]
+    assert [r["id"] for r in kept] == [r["id"] for r in originals]
+    for record, original in zip(kept, originals):
+        roles = [ROLE_ALIASES.get(t["from"].lower()) for t in record["conversations"]]
+        assert ASSISTANT not in roles, record["id"]
+        first_two = original["conversations"][:2]
+        assert record["conversations"] == [t for t in first_two if ROLE_ALIASES.get(t["from"].lower()) != ASSISTANT]
+    assert sum(1 for _ in open(tmp_path / "humaneval.jsonl")) == 164
