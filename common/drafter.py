@@ -1094,7 +1094,8 @@ def target_distribution(final: Tensor, verifier_lm_head: Tensor, draft_ids: Tens
 
 
 def _soft_ce_rows(lg: Tensor, p: Tensor, tgt_argmax: Tensor, row_w: Tensor, want_grad: bool):
-    """Soft-CE statistics of logits rows lg [n,Vd] against target probabilities p [n,Vd].
+    """Soft-CE statistics of logits rows lg [..., Vd] against target probabilities p [..., Vd] (any number of
+    leading dimensions: [batch, rows] in training).
 
     Returns (ce, lse, hit) per row (fp32; fp64 for fp64 inputs). With want_grad, lg is overwritten by
     the rows' gradient of sum(row_w * ce) w.r.t. the logits, (softmax(lg) - p) * row_w, in lg's dtype:
@@ -1107,14 +1108,14 @@ def _soft_ce_rows(lg: Tensor, p: Tensor, tgt_argmax: Tensor, row_w: Tensor, want
     ce = lse - (lg32 * p32).sum(dim=-1)
     hit = lg32.argmax(dim=-1) == tgt_argmax
     if want_grad:
-        lg.copy_(((lg32 - lse[:, None]).exp() - p32) * row_w[:, None])
+        lg.copy_(((lg32 - lse[..., None]).exp() - p32) * row_w[..., None])
     return ce, lse, hit
 
 
 def _soft_ce_grad_rows(lg: Tensor, p: Tensor, lse: Tensor, row_w: Tensor) -> Tensor:
-    """lg [n,Vd] (recomputed logits) overwritten by (exp(lg - lse) - p) * row_w, as in _soft_ce_rows."""
+    """lg [..., Vd] (recomputed logits) overwritten by (exp(lg - lse) - p) * row_w, as in _soft_ce_rows."""
     acc = lse.dtype
-    lg.copy_(((lg.to(acc) - lse[:, None]).exp() - p.to(acc)) * row_w[:, None])
+    lg.copy_(((lg.to(acc) - lse[..., None]).exp() - p.to(acc)) * row_w[..., None])
     return lg
 
 
@@ -1122,12 +1123,14 @@ _SOFT_CE_ROWS = CompiledOnCuda(_soft_ce_rows)
 _SOFT_CE_GRAD_ROWS = CompiledOnCuda(_soft_ce_grad_rows)
 
 
-def _ce_rows_per_pass(x: Tensor, draft_vocab: int) -> int:
-    """Rows per elementwise pass of the soft-CE: all of them when the pass is a compiled fused kernel (no
-    fp32 [rows, Vd] intermediate exists), else chunks that bound the eager fp32 temporaries."""
+def _ce_positions_per_pass(x: Tensor, draft_vocab: int) -> int:
+    """Positions of every sequence per elementwise pass of the soft-CE: all of them when the pass is a
+    compiled fused kernel (no fp32 [batch, positions, Vd] intermediate exists), else chunks that bound the
+    eager fp32 temporaries. One pass covers the whole batch: a pass per sequence would cost a batch of 13
+    short sequences 13 times the launches."""
     if x.is_cuda and not _SOFT_CE_ROWS.failed:
         return 1 << 30
-    return _ce_chunk_rows(draft_vocab)
+    return max(1, _ce_chunk_rows(draft_vocab) // x.shape[0])
 
 
 class _DraftSoftCE(torch.autograd.Function):
@@ -1154,12 +1157,11 @@ class _DraftSoftCE(torch.autograd.Function):
         hit = torch.empty(B, T, dtype=torch.bool, device=x.device)
         logits = gemms.linear(x.reshape(B * S, H), weight).view(B, S, -1)
         keep = bool(need_grad and store)
-        chunk = _ce_rows_per_pass(x, weight.shape[0])
-        for b in range(B):
-            for r0 in range(0, T, chunk):
-                r1 = min(T, r0 + chunk)
-                ce[b, r0:r1], q_lse[b, r0:r1], hit[b, r0:r1] = _SOFT_CE_ROWS(
-                    logits[b, r0:r1], tgt_probs[b, r0:r1], tgt_argmax[b, r0:r1], row_w[b, r0:r1], keep)
+        chunk = _ce_positions_per_pass(x, weight.shape[0])
+        for r0 in range(0, T, chunk):
+            r1 = min(T, r0 + chunk)
+            ce[:, r0:r1], q_lse[:, r0:r1], hit[:, r0:r1] = _SOFT_CE_ROWS(
+                logits[:, r0:r1], tgt_probs[:, r0:r1], tgt_argmax[:, r0:r1], row_w[:, r0:r1], keep)
         ctx.stored = keep
         ctx.gemms = gemms
         if keep:
@@ -1181,12 +1183,10 @@ class _DraftSoftCE(torch.autograd.Function):
             B, S, H = x.shape
             T = tgt_probs.shape[1]
             grad_logits = gemms.linear(x.reshape(B * S, H), weight).view(B, S, -1)
-            chunk = _ce_rows_per_pass(x, weight.shape[0])
-            for b in range(B):
-                for r0 in range(0, T, chunk):
-                    r1 = min(T, r0 + chunk)
-                    _SOFT_CE_GRAD_ROWS(grad_logits[b, r0:r1], tgt_probs[b, r0:r1], q_lse[b, r0:r1],
-                                       row_w[b, r0:r1])
+            chunk = _ce_positions_per_pass(x, weight.shape[0])
+            for r0 in range(0, T, chunk):
+                r1 = min(T, r0 + chunk)
+                _SOFT_CE_GRAD_ROWS(grad_logits[:, r0:r1], tgt_probs[:, r0:r1], q_lse[:, r0:r1], row_w[:, r0:r1])
             grad_logits[:, T:] = 0
         B, S, H = x.shape
         grad_loss = grad_loss.to(x.dtype)

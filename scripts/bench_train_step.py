@@ -245,6 +245,8 @@ def run_one(args) -> dict:
         losses.append(float(loss))
     if args.profile:
         write_profile(torch, step, args, sync, device.type == "cuda")
+    if args.count_ops:
+        rec["aten_ops_per_step"] = count_ops(step)
     med = statistics.median(times)
     rec["timer"] = "cuda_events" if device.type == "cuda" else "host_perf_counter"
     rec["step_time_ms_median"] = round(med, 3)
@@ -297,6 +299,23 @@ def write_profile(torch, step, args, sync, cuda: bool) -> None:
         log(text)
 
 
+def count_ops(step) -> int:
+    """ATen operations one step dispatches (views included): what a host-bound step's time scales with, and the
+    same on any device, so a change in the host's work shows on a CPU too."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Counter(TorchDispatchMode):
+        count = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            Counter.count += 1
+            return func(*args, **(kwargs or {}))
+
+    with Counter():
+        step()
+    return Counter.count
+
+
 def run_guarded(args) -> dict:
     try:
         return run_one(args)
@@ -337,6 +356,8 @@ def child_argv(args, shape: str, seq_len: int) -> list[str]:
         argv += ["--shape-json", args.shape_json]
     if args.profile:
         argv.append("--profile")
+    if args.count_ops:
+        argv.append("--count-ops")
     if args.fp8:
         argv.append("--fp8")
     return argv
@@ -380,6 +401,8 @@ def main(argv=None) -> int:
     p.add_argument("--in-process", action="store_true", help="run configurations in this process")
     p.add_argument("--profile", action="store_true",
                    help="also write torch.profiler's kernel table of 3 steps to $OUT/profile_SHAPE_SEQ.txt")
+    p.add_argument("--count-ops", action="store_true",
+                   help="also count the ATen operations of one step (aten_ops_per_step): the host's work")
     p.add_argument("--_child", action="store_true", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     shapes = [s for s in args.shapes.split(",") if s]

@@ -242,6 +242,26 @@ def test_compiled_elementwise_pieces_equal_their_eager_functions():
         if mutated is not None:
             torch.testing.assert_close(compiled_args[mutated], eager_args[mutated])
             assert not torch.equal(eager_args[mutated], args[mutated])  # the function did overwrite it
+    # Training passes the soft-CE a whole batch at once: [batch, positions, Vd] views of the [batch, S, Vd]
+    # logits, whose gradient is written in place, through the strides, into the logits' own memory.
+    B, S, T = 3, 7, 5
+    logits = torch.randn(B, S, width, generator=gen)
+    p3 = torch.softmax(torch.randn(B, T, width, generator=gen), dim=-1)
+    argmax3, row_w3 = p3.argmax(-1), (torch.rand(B, T, generator=gen) > 0.3).float()
+    for fn, extra in ((D._soft_ce_rows, (argmax3, row_w3, True)),
+                      (D._soft_ce_grad_rows, (torch.logsumexp(logits[:, :T], -1), row_w3))):
+        bases = {name: logits.clone() for name in ("rows", "eager", "compiled")}
+        per_row = [fn(bases["rows"][b, :T], p3[b], *[e[b] if isinstance(e, torch.Tensor) else e for e in extra])
+                   for b in range(B)]
+        eager = fn(bases["eager"][:, :T], p3, *extra)
+        compiled = torch.compile(fn, dynamic=True, fullgraph=True)(bases["compiled"][:, :T], p3, *extra)
+        for got in (eager, compiled):
+            if isinstance(got, tuple):
+                for k, part in enumerate(got):
+                    torch.testing.assert_close(part, torch.stack([row[k] for row in per_row]))
+        torch.testing.assert_close(bases["eager"], bases["rows"])
+        torch.testing.assert_close(bases["compiled"], bases["rows"])
+        assert torch.equal(bases["rows"][:, T:], logits[:, T:]) and not torch.equal(bases["rows"], logits)
 
 
 # --- the TTT loss --------------------------------------------------------------------------------------
@@ -698,6 +718,17 @@ def test_check_drafter_script_and_bench_smoke(tmp_path, monkeypatch):
     rec = json.loads((tmp_path / "out" / "bench_train_step.jsonl").read_text().splitlines()[-1])
     assert code == 0 and rec["status"] == "ok", rec
     assert rec["tokens_per_s"] > 0 and rec["flops_per_step"] > 0 and rec["ttt_attention_backend"]
+
+    # The host's work per step (ATen operations) does not grow with the number of sequences in a batch:
+    # 8 sequences of 32 tokens cost the same operations as one of 256 (a small drafter's GPU step is bound by it).
+    ops = {}
+    for batch_size, seq_len in ((1, 256), (8, 32)):
+        bench.main(["--device", "cpu", "--dtype", "fp32", "--shapes", "tiny", "--seq-lens", str(seq_len),
+                    "--batch-size", str(batch_size), "--ttt-steps", "2", "--steps", "1", "--warmup", "1",
+                    "--in-process", "--optimizer", "sr", "--count-ops"])
+        rec = json.loads((tmp_path / "out" / "bench_train_step.jsonl").read_text().splitlines()[-1])
+        ops[batch_size] = rec["aten_ops_per_step"]
+    assert ops[1] > 500 and ops[8] == ops[1], ops
 
 
 def test_offloaded_embedding_stays_put_and_short_sequences_still_backpropagate():
