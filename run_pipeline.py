@@ -20,6 +20,7 @@ import difflib
 import io
 import json
 import shlex
+import signal
 import subprocess
 import sys
 import time
@@ -137,9 +138,29 @@ def run_one(stage: str, argv: list[str], run_dir: Path, log) -> int:
     command = [sys.executable, str(REPO / f"{stage}.py"), *argv]
     log(f"=== {stage}: {shlex.join(command)}")
     started = time.time()
-    returncode = subprocess.call(command, cwd=str(REPO))
+    returncode = run_forwarding_signals(command)
     log(f"=== {stage}: exit code {returncode} after {time.time() - started:.0f} s")
     return returncode
+
+
+def run_forwarding_signals(command: list[str]) -> int:
+    """Run a stage and wait for it; SIGINT and SIGTERM sent to this runner reach the stage exactly once.
+
+    The stage runs in a session of its own, so a Ctrl-C or a `timeout` aimed at the runner's process group
+    does not reach it (nor its DataLoader workers) directly; the runner forwards the signal instead, and keeps
+    waiting. Stage 04 then finishes its step and saves a checkpoint; a second signal stops it at once.
+    """
+    child = subprocess.Popen(command, cwd=str(REPO), start_new_session=True)
+
+    def forward(signum, frame):
+        child.send_signal(signum)
+
+    previous = {sig: signal.signal(sig, forward) for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        return child.wait()
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
 
 
 def print_status(run_dir: Path) -> None:

@@ -23,6 +23,8 @@ import math
 import os
 import random
 import shutil
+import signal
+import threading
 import time
 from contextlib import nullcontext
 from dataclasses import asdict, dataclass
@@ -672,6 +674,37 @@ class LoopState:
     nonfinite_in_a_row: int = 0
 
 
+class StopRequests:
+    """SIGINT or SIGTERM during training (Ctrl-C, `kill`, a scheduler's preemption, `timeout -s INT`): the step
+    in progress finishes, a checkpoint of it is saved and the run stops, to continue from exactly there with
+    --resume. A second signal stops at once, from the last checkpoint. (Signal handlers can only be set from
+    the main thread; elsewhere the default behaviour stays.)"""
+
+    SIGNALS = (signal.SIGINT, signal.SIGTERM)
+
+    def __init__(self):
+        self.received: int | None = None
+        self._previous: dict[int, Any] = {}
+
+    def __enter__(self) -> "StopRequests":
+        if threading.current_thread() is threading.main_thread():
+            for sig in self.SIGNALS:
+                self._previous[sig] = signal.signal(sig, self._handle)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
+        self._previous = {}
+
+    def _handle(self, signum, frame) -> None:
+        if self.received is not None:
+            raise KeyboardInterrupt
+        self.received = signum
+        get_logger().warning("%s received: stopping after this step, with a checkpoint (again to stop at once)",
+                             signal.Signals(signum).name)
+
+
 class Trainer:
     """The loop of stage 04: epochs of bucketed batches, train_step, periodic validation and checkpoints.
 
@@ -760,7 +793,8 @@ class Trainer:
                       loop.max_sequences if loop.max_sequences < (1 << 30) else "any number of",
                       self.micro_per_step, cfg.grad_accum, self.world_size)
         window = _Window()
-        with Progress(self.total_steps, "04_train", unit="step", initial=state.step) as progress:
+        with Progress(self.total_steps, "04_train", unit="step", initial=state.step) as progress, \
+                StopRequests() as stop:
             for epoch in range(state.epoch, loop.epochs):
                 plan = self.epoch_plans[epoch]
                 start = state.batches_consumed if epoch == state.epoch else 0
@@ -786,9 +820,11 @@ class Trainer:
                     epoch_end = end == len(plan)
                     if epoch_end:  # a checkpoint taken now resumes at the start of the next epoch
                         state.epoch, state.batches_consumed = epoch + 1, 0
-                    self._after_step(window, progress, epoch + 1, epoch_end)
+                    saved = self._after_step(window, progress, epoch + 1, epoch_end)
                     for hook in self.hooks:
                         hook(self)
+                    if self._stop_requested(stop):
+                        self._stop_here(window, epoch + 1, saved)
         self.metrics.close()
         return self.summary(best=state.best_checkpoint, best_value=state.best_value, last_eval=self.last_eval)
 
@@ -802,8 +838,9 @@ class Trainer:
             raise RuntimeError(f"training diverged: {MAX_NONFINITE_IN_A_ROW} non-finite gradients in a row at "
                                f"step {self.state.step + 1}; lower --lr or --max-grad-norm, or check the data")
 
-    def _after_step(self, window: "_Window", progress: Progress, epoch: int, epoch_end: bool) -> None:
-        """Progress, then (when due) a training-metrics line, validation, and a checkpoint. `epoch` is 1-based."""
+    def _after_step(self, window: "_Window", progress: Progress, epoch: int, epoch_end: bool) -> str | None:
+        """Progress, then (when due) a training-metrics line, validation, and a checkpoint, whose name it
+        returns (None when none was due). `epoch` is 1-based."""
         loop, step = self.loop, self.state.step
         progress.update(1, window.postfix(epoch, loop.epochs))
         save_due = step % loop.save_interval == 0 or epoch_end
@@ -816,8 +853,32 @@ class Trainer:
         evaluated = None
         if step % loop.eval_interval == 0 or epoch_end:
             evaluated = self.validate(epoch)
-        if save_due:
-            self.save(checkpoint_name(step, epoch if epoch_end else None), evaluated, epoch_end)
+        if not save_due:
+            return None
+        name = checkpoint_name(step, epoch if epoch_end else None)
+        self.save(name, evaluated, epoch_end)
+        return name
+
+    def _stop_requested(self, stop: StopRequests) -> bool:
+        if self.parallel is None:
+            return stop.received is not None
+        # Every rank must stop after the same step (the next one would wait for the others' gradients): a signal
+        # seen by any rank stops them all. One tiny reduction a step.
+        flag = torch.tensor([float(stop.received is not None)], dtype=torch.float64, device=model_device(self.model))
+        return bool(self.parallel.reduce_sums({"stop": flag})["stop"].item() > 0)
+
+    def _stop_here(self, window: "_Window", epoch: int, saved: str | None) -> None:
+        """Save the step just finished (unless that step saved already) and stop the run."""
+        step = self.state.step
+        if saved is None:
+            reduce = self._reduce_window if self.parallel is not None else None
+            self.metrics.write({"kind": "train", "step": step, "epoch": epoch,
+                                **window.flush(self.cfg.ttt_decay, reduce)})  # the steps since the last line
+            saved = checkpoint_name(step, None)
+            self.save(saved, None, False)
+        self.log.warning("stopped after step %d of %d, saved as %s: rerun the same command with --resume to "
+                         "continue from there", step, self.total_steps, saved)
+        raise KeyboardInterrupt
 
     def validate(self, epoch: int) -> dict[str, Any] | None:
         if not self.val_batches:

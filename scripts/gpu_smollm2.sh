@@ -10,6 +10,8 @@
 # NEW_TOKENS (stage 05's) KS TEMPS SETS DTYPE TOPKS (stage 05's; TOPKS="1 4" adds tree drafting with 4 branches a
 # step: more tokens verified a forward, which SmolLM2's host-bound verifier may absorb); defaults below. With OUT set, the logs, metrics and
 # benchmark reports are packed into one file there ($OUT/gpu_smollm2.tgz), for machines that return few files.
+# TIME_LIMIT (e.g. 540s) stops stages 01-04 cleanly before a command's time runs out (stage 04 saves the step it
+# is on); rerunning the same command resumes.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 VERIFIER=$1; DATA=$2; RUN=$3
@@ -37,8 +39,10 @@ from pathlib import Path; from common.verifier import densify_gguf
 densify_gguf(Path('$VERIFIER'), Path('$DENSE'))"
   VERIFIER=$DENSE
 fi
+LIMIT=()
+[ -n "${TIME_LIMIT:-}" ] && LIMIT=(timeout --signal=INT --kill-after=120 "$TIME_LIMIT")
 if [ "$STAGES" != bench ]; then
-python3 run_pipeline.py --run-dir "$RUN" --model-path "$VERIFIER" --dataset "$DATA/sharegpt.json" \
+"${LIMIT[@]}" python3 run_pipeline.py --run-dir "$RUN" --model-path "$VERIFIER" --dataset "$DATA/sharegpt.json" \
   --regenerate --max-turns 1 --num-samples "$SAMPLES" --eval-ratio 0.02 --max-seq-len 2048 \
   --draft-vocab-size 32000 --epochs "$EPOCHS" --skip 05 \
   --stage-args 01 "--batch-size $REGEN_BATCH --max-new-tokens $REGEN_TOKENS" \

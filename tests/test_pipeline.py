@@ -70,3 +70,37 @@ def test_a_failing_stage_stops_the_pipeline_with_its_log_tail(tmp_path, stories2
     assert result.returncode == 2
     assert "01_prepare_data failed (exit 2)" in result.stdout and "missing.jsonl" in result.stdout
     assert not (run / "vocab").exists()
+
+
+def test_ctrl_c_reaches_stage_04_once_and_it_stops_with_a_checkpoint(tmp_path, texts, stories260k):
+    """A Ctrl-C (SIGINT to the runner's whole process group, as a terminal or `timeout -s INT` sends it) while
+    stage 04 trains: the runner forwards it to the stage once; the stage finishes its step, saves a checkpoint
+    and exits 130; the runner stops there; rerunning with --resume for stage 04 finishes the training."""
+    import os
+    import signal
+    import time
+
+    run = tmp_path / "run"
+    common = ["--run-dir", str(run), "--model-path", str(stories260k), "--dataset", str(texts),
+              "--draft-vocab-size", "100", "--skip", "05", "--epochs", "30", "--stage-args", "04",
+              "--log-interval 1 --save-interval 100000 --eval-interval 100000 --num-workers 0"]
+    runner = subprocess.Popen([sys.executable, str(REPO / "run_pipeline.py"), *common], cwd=str(REPO),
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    metrics = run / "checkpoints" / "metrics.jsonl"
+    deadline = time.time() + 300
+    while not (metrics.exists() and metrics.read_text().count('"train"') >= 2):  # stage 04 is training
+        assert runner.poll() is None and time.time() < deadline, runner.stdout.read()[-3000:]
+        time.sleep(0.2)
+    os.killpg(runner.pid, signal.SIGINT)
+    output, _ = runner.communicate(timeout=300)
+    assert runner.returncode != 0 and "04_train: exit code 130" in output, output[-3000:]
+    latest = json.loads((run / "checkpoints" / "latest.json").read_text())
+    assert latest["step"] < latest["total_steps"]  # (here an epoch is a step or two: often an epoch_N)
+    log = (run / "logs" / "04_train.log").read_text()
+    assert log.count("SIGINT received") == 1  # once: a second signal would have stopped it without a checkpoint
+    assert f"stopped after step {latest['step']} of {latest['total_steps']}, saved as {latest['checkpoint']}" in log
+
+    resumed = run_pipeline(*common[:-1], common[-1] + " --resume", "--from-stage", "04")
+    assert resumed.returncode == 0, resumed.stdout[-3000:]
+    final = json.loads((run / "checkpoints" / "latest.json").read_text())
+    assert final["step"] == final["total_steps"] == latest["total_steps"]

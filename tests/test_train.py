@@ -428,6 +428,44 @@ def test_resume_continues_exactly_like_an_uninterrupted_run(run_a, stories260k, 
     assert read_json(broken / "best.json")["checkpoint"] == read_json(whole / "best.json")["checkpoint"]
 
 
+def signal_at(step: int, signum: int):
+    """A hook that sends this process `signum` after optimizer step `step`, as `kill` would."""
+    import signal
+
+    def hook(trainer):
+        if trainer.state.step == step:
+            signal.raise_signal(signum)
+    return hook
+
+
+@pytest.mark.slow
+def test_a_signal_stops_after_the_step_with_a_checkpoint_and_resume_continues_exactly(run_a, stories260k, stage04,
+                                                                                     tmp_path):
+    """SIGTERM (a scheduler's preemption, `kill`) mid-epoch, between two --save-interval checkpoints: the step
+    in progress is saved, the stage exits with 130, and --resume ends where an uninterrupted run ends."""
+    import signal
+
+    whole, stopped = tmp_path / "whole", tmp_path / "stopped"
+    assert stage04.main(train_argv(run_a, whole, stories260k, **RESUME_FLAGS)) == 0
+    stop_step = 7  # neither a save-interval step (4, 8) nor an epoch's end (6, 12)
+    assert stage04.main(train_argv(run_a, stopped, stories260k, **RESUME_FLAGS),
+                        hooks=[signal_at(stop_step, signal.SIGTERM)]) == 130
+    latest = read_json(stopped / "latest.json")
+    assert latest["checkpoint"] == f"step_{stop_step:06d}" and latest["step"] == stop_step
+    assert max(r["step"] for r in records(stopped, "train")) == stop_step  # nothing trained after the signal
+    assert f"stopped after step {stop_step} of 12" in log_text(stopped)
+    assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL  # the stage gave the signal back
+
+    assert stage04.main(train_argv(run_a, stopped, stories260k, resume=True, **RESUME_FLAGS)) == 0
+    expected, got = final_weights(whole), final_weights(stopped)
+    for name in expected:
+        torch.testing.assert_close(got[name], expected[name], rtol=1e-6, atol=1e-7, msg=name)
+    ours, theirs = records(stopped, "eval"), records(whole, "eval")
+    assert [r["step"] for r in ours] == [r["step"] for r in theirs]
+    for a, b in zip(ours, theirs):
+        assert a["loss"] == pytest.approx(b["loss"], rel=1e-5, abs=1e-6), (a, b)
+
+
 @pytest.mark.slow
 def test_weights_only_resume_would_be_caught(run_a, stories260k, stage04, tmp_path, monkeypatch):
     """Negative control for the test above: resuming only the weights (SpecForge #496) gives other results."""
