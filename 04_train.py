@@ -389,7 +389,7 @@ def train(args, log, inputs: Inputs, run_config: dict, resume_from: Path | None,
     import torch
     from common.drafter import check_drafter_dir
     from common.training import HiddenStateDataset, LoopConfig, TrainConfig, Trainer, VAL_SPLIT_FILE, \
-        seed_everything, split_train_val
+        seed_everything, signal_hooks_for_tests, split_train_val
     from common.verifier import read_embedding_tensors
 
     output_dir = Path(args.output_dir)
@@ -453,7 +453,7 @@ def train(args, log, inputs: Inputs, run_config: dict, resume_from: Path | None,
                       run_config,
                       validate_checkpoint=lambda path: check_drafter_dir(path, data_manifest=inputs.data_manifest,
                                                                          verifier_info=inputs.verifier),
-                      is_main=rank.is_main, hooks=hooks, parallel=parallel)
+                      is_main=rank.is_main, hooks=[*hooks, *signal_hooks_for_tests(rank.rank)], parallel=parallel)
     if resume_from is not None:
         trainer.load_training_state(resume_from)
         log.info("resumed from %s: step %d, epoch %d, %d batches of that epoch done", resume_from,

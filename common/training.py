@@ -705,6 +705,25 @@ class StopRequests:
                              signal.Signals(signum).name)
 
 
+SIGNAL_ENV = "EAGLE3_TEST_SIGNAL_AFTER_STEP"
+
+
+def signal_hooks_for_tests(rank: int) -> list[Callable[["Trainer"], None]]:
+    """EAGLE3_TEST_SIGNAL_AFTER_STEP=STEP:RANK (tests only): that rank sends itself SIGTERM after that optimizer
+    step, as a scheduler signalling one process of a distributed job would."""
+    wanted = os.environ.get(SIGNAL_ENV)
+    if not wanted:
+        return []
+    step, signalled_rank = (int(part) for part in wanted.split(":"))
+    if rank != signalled_rank:
+        return []
+
+    def hook(trainer: "Trainer") -> None:
+        if trainer.state.step == step:
+            signal.raise_signal(signal.SIGTERM)
+    return [hook]
+
+
 class Trainer:
     """The loop of stage 04: epochs of bucketed batches, train_step, periodic validation and checkpoints.
 
@@ -871,9 +890,10 @@ class Trainer:
         """Save the step just finished (unless that step saved already) and stop the run."""
         step = self.state.step
         if saved is None:
-            reduce = self._reduce_window if self.parallel is not None else None
-            self.metrics.write({"kind": "train", "step": step, "epoch": epoch,
-                                **window.flush(self.cfg.ttt_decay, reduce)})  # the steps since the last line
+            if window.steps:  # the steps since the last metrics line
+                reduce = self._reduce_window if self.parallel is not None else None
+                self.metrics.write({"kind": "train", "step": step, "epoch": epoch,
+                                    **window.flush(self.cfg.ttt_decay, reduce)})
             saved = checkpoint_name(step, None)
             self.save(saved, None, False)
         self.log.warning("stopped after step %d of %d, saved as %s: rerun the same command with --resume to "

@@ -251,6 +251,25 @@ def test_fsdp_resumes_a_one_process_run_and_one_process_resumes_it(train_run, st
     assert_same_run(again, reference)
 
 
+def test_a_signal_to_one_rank_stops_both_after_the_same_step_and_one_process_resumes(train_run, stories260k,
+                                                                                   stage04, reference, tmp_path):
+    """SIGTERM to rank 1 alone after step 4 (no checkpoint due there: saves every 3 steps, epochs end at 5 and
+    10), as a scheduler may signal one process of a job: both ranks stop after step 4 (none waits forever for
+    the other's gradients), its checkpoint holds the single-process state, and one process resumes it to the
+    uninterrupted run's end."""
+    from common.training import SIGNAL_ENV
+
+    out = tmp_path / "signalled"
+    done = torchrun(STAGE04, *train_args(train_run, out, stories260k, grad_accum=1), env={SIGNAL_ENV: "4:1"})
+    assert done.returncode != 0, done.stdout[-3000:]
+    latest = read_json(out / "latest.json")
+    assert latest["checkpoint"] == "step_000004" and latest["world_size"] == 2
+    assert "stopped after step 4 of 10" in (out / "logs" / "04_train.log").read_text()
+    assert max(line["step"] for line in metric_lines(out)) == 4
+    assert stage04.main(train_args(train_run, out, stories260k, "--resume", grad_accum=2)) == 0
+    assert_same_run(out, reference)
+
+
 def test_fp8_gemms_train_under_fsdp_like_one_process(train_run, stories260k, stage04, tmp_path):
     """--fp8 with FSDP2 (parameters unsharded only during forward and backward: the FP8 weight copies must
     follow each gather) ends where one FP8 process with the same global batch ends, to FP8's tolerance."""
