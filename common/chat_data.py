@@ -337,13 +337,19 @@ def _content_text(content: Any) -> str:
     raise BadRecordError("bad_turn", f"content is a {type(content).__name__}, not text")
 
 
+def role_of(turn: dict) -> str | None:
+    """The turn's role (system, user, assistant, ...) from ShareGPT's `from` or OpenAI's `role`; None if unknown."""
+    raw_role = turn.get("from", turn.get("role"))
+    return None if raw_role is None else ROLE_ALIASES.get(str(raw_role).strip().lower())
+
+
 def normalise_turn(turn: Any, index: int) -> dict:
     if not isinstance(turn, dict):
         raise BadRecordError("bad_turn", f"turn {index} is a {type(turn).__name__}, not an object")
     raw_role = turn.get("from", turn.get("role"))
     if raw_role is None or not ({"value", "content"} & turn.keys()):
         raise BadRecordError("missing_fields", f"turn {index} needs from/value or role/content")
-    role = ROLE_ALIASES.get(str(raw_role).strip().lower())
+    role = role_of(turn)
     if role is None:
         raise BadRecordError("unknown_role", f"turn {index} has role {raw_role!r}")
     # Stripped, so a template's separator and the content never merge into one token at the boundary.

@@ -161,7 +161,7 @@ class Fp8Gemms(Bf16Gemms):
     def weight(self, w: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         cached = self._weights.get(w)
         if cached is None or cached[0] != w._version:
-            cached = (w._version, *quantize(w.detach(), E4M3, rows=True, cols=True))
+            cached = (w._version, *quantize(w, E4M3, rows=True, cols=True))
             self._weights[w] = cached
         return cached[1:]
 

@@ -866,9 +866,7 @@ class Trainer:
         # The window is also closed at every checkpoint, so that a run resumed from it writes the very
         # lines the uninterrupted run wrote.
         if step % loop.log_interval == 0 or save_due:
-            reduce = self._reduce_window if self.parallel is not None else None
-            self.metrics.write({"kind": "train", "step": step, "epoch": epoch,
-                                **window.flush(self.cfg.ttt_decay, reduce)})
+            self._write_train_line(window, epoch)
         evaluated = None
         if step % loop.eval_interval == 0 or epoch_end:
             evaluated = self.validate(epoch)
@@ -877,6 +875,11 @@ class Trainer:
         name = checkpoint_name(step, epoch if epoch_end else None)
         self.save(name, evaluated, epoch_end)
         return name
+
+    def _write_train_line(self, window: "_Window", epoch: int) -> None:
+        reduce = self._reduce_window if self.parallel is not None else None
+        self.metrics.write({"kind": "train", "step": self.state.step, "epoch": epoch,
+                            **window.flush(self.cfg.ttt_decay, reduce)})
 
     def _stop_requested(self, stop: StopRequests) -> bool:
         if self.parallel is None:
@@ -891,9 +894,7 @@ class Trainer:
         step = self.state.step
         if saved is None:
             if window.steps:  # the steps since the last metrics line
-                reduce = self._reduce_window if self.parallel is not None else None
-                self.metrics.write({"kind": "train", "step": step, "epoch": epoch,
-                                    **window.flush(self.cfg.ttt_decay, reduce)})
+                self._write_train_line(window, epoch)
             saved = checkpoint_name(step, None)
             self.save(saved, None, False)
         self.log.warning("stopped after step %d of %d, saved as %s: rerun the same command with --resume to "
@@ -1011,6 +1012,7 @@ class _Window:
         self._reset()
         self.tokens_per_s = 0.0
         self.last_loss = float("nan")
+        self.data_wait_share = 0.0
 
     def _reset(self):
         self.sums, self.loss, self.grad_norm, self.steps = None, 0.0, 0.0, 0

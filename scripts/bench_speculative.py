@@ -206,9 +206,11 @@ def main(argv=None) -> int:
     eos = [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else []
     prompts = [render_conversation(tokenizer, [{"role": "user", "content": p}], raw) for p in PROMPTS]
     gpu = torch.cuda.get_device_name(device) if device.type == "cuda" else None
+    import transformers
+
     base = {"model": args.model_path, "random_weights": args.random_weights, "device": str(device), "gpu": gpu,
-            "dtype": args.dtype, "cudnn_attention": args.cudnn_attention, "torch": torch.__version__, "transformers": transformers_version(),
-            "drafting": decoder.drafting, "oracle": args.oracle, "drafter": args.draft_model_path or "built here"}
+            "dtype": args.dtype, "cudnn_attention": args.cudnn_attention, "torch": torch.__version__,
+            "transformers": transformers.__version__, "drafting": decoder.drafting, "oracle": args.oracle, "drafter": args.draft_model_path or "built here"}
 
     def run_all(ids):
         plain, plain_stats = plain_decode(verifier, ids, args.max_new_tokens, eos)
@@ -258,12 +260,6 @@ def main(argv=None) -> int:
     return 0
 
 
-def transformers_version() -> str:
-    import transformers
-
-    return transformers.__version__
-
-
 def random_verifier(model_path: str, device, dtype):
     """A causal LM at the shape of model_path's config.json, randomly initialised (seed 0)."""
     from transformers import AutoConfig, AutoModelForCausalLM
@@ -272,7 +268,6 @@ def random_verifier(model_path: str, device, dtype):
 
     folder, _ = resolve_model_path(model_path)
     config = AutoConfig.from_pretrained(folder)
-    config._attn_implementation = "sdpa"
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation="sdpa")
     return model.to(device).eval()
@@ -292,17 +287,14 @@ def synchronisations(fn, top: int = 15) -> list:
         caller = next((f for f in reversed(frames) if "torch/" not in f.filename), frames[-1])
         where[f"{caller.filename.split('site-packages/')[-1]}:{caller.lineno} {caller.line}"] += 1
 
-    previous = warnings.showwarning
-    warnings.showwarning = record
-    torch.cuda.set_sync_debug_mode("warn")
-    try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("always")
-            warnings.showwarning = record
+    with warnings.catch_warnings():  # restores the filters and showwarning afterwards
+        warnings.simplefilter("always")
+        warnings.showwarning = record
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
             fn()
-    finally:
-        torch.cuda.set_sync_debug_mode("default")
-        warnings.showwarning = previous
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
     return [{"count": count, "at": at} for at, count in where.most_common(top)]
 
 

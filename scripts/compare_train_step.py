@@ -3,9 +3,10 @@
 
     python3 scripts/compare_train_step.py DIR
 DIR holds what scripts/device_bench_train_step.sh wrote: peer.jsonl (SpecForge 0.2.0) and any of ours.jsonl
-(bf16 GEMMs), ours_fp8.jsonl (--fp8), ours_best.jsonl (each point in its faster mode), ours_fused.jsonl and ours_fused_fp8.jsonl (--fuse-elementwise). Prints a
-Markdown table: tokens/s and peak GiB of each, speed and memory ratios against the peer, and whether the
-target (>= 1.3x the peer's tokens/s at <= 0.7x its peak memory) holds.
+(bf16 GEMMs), ours_fp8.jsonl (--fp8), ours_best.jsonl (each point in its faster mode), ours_fused.jsonl and
+ours_fused_fp8.jsonl (--fuse-elementwise). Prints a Markdown table: tokens/s and peak GiB of each, speed and
+memory ratios against the peer, and whether the target (>= 1.3x the peer's tokens/s at <= 0.7x its peak
+memory) holds.
 """
 from __future__ import annotations
 
@@ -58,6 +59,7 @@ def main() -> None:
         peer_cell = f"{p['tokens_per_s'] / 1e3:.2f}K, {p['peak_mem_gib']:.2f}" if p else "-"
         cells = "".join(f" {cell(rows.get(key), p)} |" for rows in variants.values())
         print(f"| {key[0]} {key[1]} | {peer_cell} |{cells}")
+
 
 if __name__ == "__main__":
     main()

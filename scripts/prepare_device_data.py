@@ -16,12 +16,12 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from common.chat_data import ASSISTANT, ROLE_ALIASES, iter_json_array  # noqa: E402
+from common.chat_data import ASSISTANT, iter_json_array, role_of  # noqa: E402
 
 
 def without_replies(turns: list) -> list:
     """The conversation's non-assistant messages: all that a --regenerate run reads (it writes the replies)."""
-    return [t for t in turns if not (isinstance(t, dict) and ROLE_ALIASES.get(str(t.get("from", "")).lower()) == ASSISTANT)]
+    return [t for t in turns if not (isinstance(t, dict) and role_of(t) == ASSISTANT)]
 
 
 def main() -> int:
@@ -31,8 +31,8 @@ def main() -> int:
     parser.add_argument("--conversations", type=int, default=6000)
     parser.add_argument("--turns", type=int, default=1, help="keep the first N exchanges (0: all)")
     parser.add_argument("--prompts-only", action="store_true",
-                        help="drop the assistant replies (stage 01 --regenerate writes its own): about 4x smaller, "
-                             "so about 4x the conversations fit one carried folder")
+                        help="drop the assistant replies (stage 01 --regenerate writes its own): about 3.5x "
+                             "the conversations fit one carried folder")
     args = parser.parse_args()
     args.folder.mkdir(parents=True, exist_ok=True)
 
