@@ -43,6 +43,7 @@ PROMPT_HASHES_FILE = "train_prompt_hashes.txt"
 BAD_RECORDS_FILE = "bad_records.jsonl"
 PREFLIGHT_RECORDS = 200      # conversations rendered before the verifier is loaded for --regenerate
 CHUNK_RECORDS = 2048         # records processed (regenerated, tokenized) per round
+REGEN_SORT_BATCHES = 8       # with --regenerate a round holds at least this many batches, sorted by length
 DEFAULT_REGEN_BATCH = 16
 LOSS_MASK_CONVENTION = ("1 on assistant content tokens and the end-of-turn token that closes each assistant "
                         "turn; 0 on system/user turns, role headers, the generation prompt and template text "
@@ -167,6 +168,10 @@ class Processor:
 
     def __init__(self, chat: ChatTokenizer, bad: BadRecords, regenerate: Callable | None = None):
         self.chat, self.bad, self.regenerate = chat, bad, regenerate
+        # A batch pads to its longest prompt and the regenerator sorts only within a round, so a round of
+        # two large batches puts every long prompt of the round into the second one.
+        batch = getattr(regenerate, "batch_size", 0)
+        self.chunk_records = max(CHUNK_RECORDS, REGEN_SORT_BATCHES * batch)
         self.processed = 0
         self.duplicate_samples = 0
         self._seen: set[bytes] = set()
@@ -209,7 +214,7 @@ def fill(candidates: Iterator[Record], need: int | None, process: Processor,
     accepted = 0
     with Progress(total=need, desc=desc, unit="conv") as progress:
         while need is None or accepted < need:
-            room = CHUNK_RECORDS if need is None else min(CHUNK_RECORDS, need - accepted)
+            room = process.chunk_records if need is None else min(process.chunk_records, need - accepted)
             chunk = list(islice(candidates, room))
             if not chunk:
                 break

@@ -507,6 +507,28 @@ def test_regeneration_driver_turn_by_turn_and_resume(tmp_path):
     assert prompts_hash(changed[0].messages) != prompts_hash(conversations[0].messages)
 
 
+def test_large_regeneration_batches_are_sorted_over_several_batches(stage, tmp_path, stories260k):
+    """With --batch-size 1024 a round holds 8 batches, so length-sorted batches pad little: over 5000
+    conversations the prompts reach the responder in one non-decreasing length order, and only the last
+    batch holds the longest ones (a round of 2048 put the longest of every round into its second batch)."""
+    from common.chat_data import Record
+    from common.regenerate import Regenerator
+    from common.verifier import load_tokenizer
+
+    prompts = [f"{i:04d}" + "x" * ((i * 7919) % 997) for i in range(5000)]  # scrambled lengths, all distinct
+    records = [Record(f"r{i}", "d", i + 1, messages=[{"role": "user", "content": p}]) for i, p in enumerate(prompts)]
+    tokenizer = load_tokenizer(str(stories260k))
+    tokenizer.chat_template = STORIES_TEMPLATE
+    chat = ChatTokenizer(tokenizer, {tokenizer.eos_token_id}, 4096)
+    responder = ScriptedResponder()
+    regenerator = Regenerator(responder, RegenerationCache(tmp_path, {"model": "scripted"}), batch_size=1024)
+    process = stage.Processor(chat, BadRecords(), regenerator)
+    assert stage.fill(iter(records), None, process, lambda record, samples: None, "train split") == 5000
+    assert [len(call) for call in responder.calls] == [1024] * 4 + [904]
+    seen = [len(c[-1]["content"]) for call in responder.calls for c in call]
+    assert seen == sorted(len(p) for p in prompts)
+
+
 def test_regenerate_with_stories260k_and_resume(stage, tmp_path, stories260k, stories_template):
     from transformers import AutoTokenizer
 
