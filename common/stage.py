@@ -104,6 +104,7 @@ class Progress:
         self.initial = initial
         self.start = time.time()
         self.last_report = self.start
+        self.reported_count: int | None = None
         self.postfix = ""
 
     def update(self, n: int = 1, postfix: str = "") -> None:
@@ -118,6 +119,7 @@ class Progress:
             self._report()
 
     def _report(self) -> None:
+        self.reported_count = self.count
         elapsed = time.time() - self.start
         done = self.count - self.initial
         rate = done / elapsed if elapsed > 0 else 0.0
@@ -133,7 +135,7 @@ class Progress:
 
     def close(self) -> None:
         self.bar.close()
-        if not self.interactive:
+        if not self.interactive and self.reported_count != self.count:  # the last update may have just said it
             self._report()
 
     def __enter__(self) -> "Progress":

@@ -104,3 +104,18 @@ def test_ctrl_c_reaches_stage_04_once_and_it_stops_with_a_checkpoint(tmp_path, t
     assert resumed.returncode == 0, resumed.stdout[-3000:]
     final = json.loads((run / "checkpoints" / "latest.json").read_text())
     assert final["step"] == final["total_steps"] == latest["total_steps"]
+
+
+def test_progress_in_a_log_reports_the_end_once(tmp_path):
+    """Under nohup (no terminal) progress goes to the log; an update that has just reported the last
+    count is not repeated by the closing report, and a count reached between reports still is."""
+    from common.stage import Progress, setup_logging
+
+    setup_logging("progress_test", tmp_path)
+    with Progress(total=4, desc="work", interval=0.0) as progress:
+        progress.update(4)
+    with Progress(total=4, desc="other", interval=3600.0) as progress:
+        progress.update(4)
+    lines = (tmp_path / "progress_test.log").read_text().splitlines()
+    assert sum("work: 4/4 (100.0%)" in line for line in lines) == 1
+    assert sum("other: 4/4 (100.0%)" in line for line in lines) == 1
