@@ -153,7 +153,7 @@ def _preflight(chat: ChatTokenizer, records: list[Record], limit: float, log) ->
             chat.conversation(record.id, messages)
         except BadRecordError as err:
             if err.reason.startswith("template"):
-                failures.add(err.reason, record.source, record.line, err.detail)
+                failures.add(err.reason, record.source, record.line, err.detail, record.id)
     if sample and failures.total / len(sample) > limit:
         failures.log(log, "preflight")
         raise UsageError(f"{failures.total} of the first {len(sample)} conversations cannot be rendered and "
@@ -185,13 +185,13 @@ class Processor:
             if record.id in generated:
                 entry = generated[record.id]
                 if "bad" in entry:
-                    self.bad.add(entry["bad"], record.source, record.line, entry.get("detail", ""))
+                    self.bad.add(entry["bad"], record.source, record.line, entry.get("detail", ""), record.id)
                     continue
                 to_tokenize = replace(record, messages=entry["messages"])
             try:
                 samples = self.chat.record(to_tokenize)
             except BadRecordError as err:
-                self.bad.add(err.reason, record.source, record.line, err.detail)
+                self.bad.add(err.reason, record.source, record.line, err.detail, record.id)
                 continue
             samples = [s for s in samples if self._first_time(s)]
             if samples:

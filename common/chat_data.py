@@ -110,9 +110,13 @@ class BadRecords:
     counts: Counter = field(default_factory=Counter)
     entries: list[dict] = field(default_factory=list)
 
-    def add(self, reason: str, source: str, line: int | None, detail: str = "") -> None:
+    def add(self, reason: str, source: str, line: int | None, detail: str = "", record_id: Any = None) -> None:
+        """record_id: the record's own id, which tells apart records that share a line (a one-line JSON array)."""
         self.counts[reason] += 1
-        self.entries.append({"reason": reason, "source": source, "line": line, "detail": detail[:300]})
+        entry = {"reason": reason, "source": source, "line": line, "detail": detail[:300]}
+        if isinstance(record_id, (str, int)) and str(record_id).strip():
+            entry["id"] = str(record_id)
+        self.entries.append(entry)
 
     @property
     def total(self) -> int:
@@ -120,7 +124,8 @@ class BadRecords:
 
     def examples(self, reason: str, limit: int = _EXAMPLES_PER_REASON) -> list[str]:
         found = [e for e in self.entries if e["reason"] == reason][:limit]
-        return [f"{e['source']}:{e['line']}" + (f" ({e['detail']})" if e["detail"] else "") for e in found]
+        return [f"{e['source']}:{e['line']}" + (f" id {e['id']}" if "id" in e else "")
+                + (f" ({e['detail']})" if e["detail"] else "") for e in found]
 
     def log(self, log, stage_part: str) -> None:
         for reason, count in self.counts.most_common():
@@ -405,7 +410,7 @@ def read_records(sources: Iterable[Source], bad: BadRecords,
                 records.append(normalise_record(obj, source.spec, line))
                 good += 1
             except BadRecordError as err:
-                bad.add(err.reason, source.spec, line, err.detail)
+                bad.add(err.reason, source.spec, line, err.detail, obj.get("id") if isinstance(obj, dict) else None)
                 failed += 1
         if on_source_done is not None:
             on_source_done(source, good, failed)

@@ -265,6 +265,20 @@ def test_bad_records_counted_by_reason_with_line_numbers(tmp_path):
     assert any("mixed.jsonl:3" in example for example in bad.examples("missing_fields"))
 
 
+def test_bad_records_of_a_one_line_json_array_are_named_by_id(tmp_path):
+    """The PyPI ShareGPT file is one JSON array on one line: every record is at line 1, so the examples
+    in the log name each bad record's own id."""
+    path = tmp_path / "one_line.json"
+    path.write_text(json.dumps([sharegpt([("human", "Hi"), ("gpt", "Hello!")], id="good"),
+                                sharegpt([("human", "  "), ("gpt", "x")], id="blank_prompt"),
+                                sharegpt([("gpt", "only a reply")], id="no_question")]))
+    bad = BadRecords()
+    records = read_records([resolve_source(str(path))], bad)
+    assert [r.id for r in records] == ["good"]
+    assert bad.examples("empty_turn") == [f"{path}:1 id blank_prompt (turn 0 (human) is empty)"]
+    assert bad.examples("no_user_turn")[0].startswith(f"{path}:1 id no_question")
+
+
 def test_parquet_source(tmp_path):
     import pyarrow as pa
     import pyarrow.parquet as pq
