@@ -10,7 +10,8 @@ Any stage flag given here goes to every stage that takes it (the flag schema say
 NN "..."` adds flags for one stage only. Every stage's flags are checked before the first stage starts.
 Stages whose output is complete and was made with the same flags are skipped, so rerunning the same
 command after a failure resumes at the stage that failed (and the stages resume inside themselves).
-`--from-stage N` reruns from stage N on; `--only N` runs stage N alone.
+`--from-stage N` reruns from stage N on; `--only N` runs stage N alone. `--nproc-per-node 8` runs stage 04,
+and stage 02 on its hf backend, under torchrun with 8 processes (one per GPU); the other stages run once.
 """
 from __future__ import annotations
 
@@ -19,6 +20,7 @@ import contextlib
 import difflib
 import io
 import json
+import os
 import shlex
 import signal
 import subprocess
@@ -57,7 +59,20 @@ def runner_parser() -> StageArgumentParser:
                         help="Leave this stage out (repeatable), e.g. --skip 05.")
     parser.add_argument("--stage-args", nargs=2, action="append", default=[], metavar=("STAGE", "FLAGS"),
                         help='Flags for one stage only, e.g. --stage-args 04 "--batch-size 2".')
+    parser.add_argument("--nproc-per-node", "--nproc_per_node", type=int, default=1, metavar="N",
+                        help="Processes (GPUs) of this machine for the data-parallel stages: 04, and 02 with "
+                             "--backend hf, run under torchrun --standalone (default 1: a plain process).")
     return parser
+
+
+def stage_command(stage: str, argv: list[str], args: argparse.Namespace, nproc: int) -> list[str]:
+    """The stage's script under this Python, or under torchrun when it runs data-parallel on nproc > 1."""
+    script = str(REPO / f"{stage}.py")
+    parallel = stage == "04_train" or (stage == "02_extract_hidden_states" and args.backend == "hf")
+    if nproc > 1 and parallel:
+        return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(nproc),
+                script, *argv]
+    return [sys.executable, script, *argv]
 
 
 def unknown_flag_message(name: str) -> str:
@@ -134,8 +149,7 @@ def tail(path: Path, lines: int = TAIL_LINES) -> str:
         return "(no log)"
 
 
-def run_one(stage: str, argv: list[str], run_dir: Path, log) -> int:
-    command = [sys.executable, str(REPO / f"{stage}.py"), *argv]
+def run_one(stage: str, command: list[str], log) -> int:
     log(f"=== {stage}: {shlex.join(command)}")
     started = time.time()
     returncode = run_forwarding_signals(command)
@@ -201,6 +215,12 @@ def stage_progress(run_dir: Path, stage: str) -> str:
 def main(argv: list[str] | None = None) -> int:
     parser = runner_parser()
     args, rest = parser.parse_known_args(argv)
+    if args.nproc_per_node < 1:
+        parser.error(f"--nproc-per-node {args.nproc_per_node}: give 1 or more processes")
+    # torchrun passes a SIGINT/SIGTERM on to its ranks but kills them 30 s later by default: too soon for stage
+    # 04 to finish its step and save a large drafter's checkpoint. Read by torchruns that have --shutdown-timeout
+    # (torch 2.13 here); older ones keep their 30 s.
+    os.environ.setdefault("TORCH_ELASTIC_SHUTDOWN_TIMEOUT", "600")
     run_dir = Path(args.run_dir)
     if args.status:
         print_status(run_dir)
@@ -234,7 +254,7 @@ def main(argv: list[str] | None = None) -> int:
         if stage == "04_train" and manifest and manifest.get("status") != STATUS_COMPLETE \
                 and "--resume" not in argv_now and "--overwrite" not in argv_now:
             argv_now.append("--resume")  # an interrupted training run continues where it stopped
-        code = run_one(stage, argv_now, run_dir, log)
+        code = run_one(stage, stage_command(stage, argv_now, resolved[stage], args.nproc_per_node), log)
         if code != 0:
             log(f"{stage} failed (exit {code}); last lines of {run_dir / 'logs' / (stage + '.log')}:\n"
                 f"{tail(run_dir / 'logs' / (stage + '.log'))}\n"

@@ -6,7 +6,7 @@
 #   scripts/gpu_smollm2.sh VERIFIER DATA_DIR RUN_DIR
 #     VERIFIER  dense SmolLM2 folder, or its .gguf file (converted once with common.verifier.densify_gguf)
 #     DATA_DIR  made by scripts/prepare_device_data.py: sharegpt.json, humaneval.jsonl, mt_bench.jsonl
-# Sizes through the environment: SAMPLES EPOCHS LR REGEN_TOKENS (stage 01's reply length) REGEN_BATCH PROMPTS
+# Sizes through the environment: NPROC (GPUs for stages 02 and 04) SAMPLES EPOCHS LR REGEN_TOKENS (stage 01's reply length) REGEN_BATCH PROMPTS
 # NEW_TOKENS (stage 05's) KS TEMPS SETS DTYPE TOPKS (stage 05's; TOPKS="1 4" adds tree drafting with 4 branches a
 # step: more tokens verified a forward, which SmolLM2's host-bound verifier may absorb); defaults below. With OUT set, the logs, metrics and
 # benchmark reports are packed into one file there ($OUT/gpu_smollm2.tgz), for machines that return few files.
@@ -26,6 +26,8 @@ SAMPLES=${SAMPLES:-17000}; EPOCHS=${EPOCHS:-8}; LR=${LR:-1e-3}; REGEN_TOKENS=${R
 REGEN_BATCH=${REGEN_BATCH:-1024}; PROMPTS=${PROMPTS:-5}; NEW_TOKENS=${NEW_TOKENS:-128}; DTYPE=${DTYPE:-bfloat16}
 KS=${KS:-"3 7"}; TEMPS=${TEMPS:-"0 1"}; SETS=${SETS:-"heldout humaneval mt_bench"}; TOPKS=${TOPKS:-1}
 STAGES=${STAGES:-all}  # "train": stages 01-04 only; "bench": stage 05 only (on an existing RUN_DIR)
+# NPROC GPUs run stages 02 and 04 under torchrun; each rank takes its share of the same 16384-token step.
+NPROC=${NPROC:-1}; STEP_TOKENS=16384
 export PYTHONUNBUFFERED=1
 pack() {  # on any exit, failures included: what the run wrote so far, as few files in $OUT
   [ -n "${OUT:-}" ] && [ -d "$RUN" ] || return 0
@@ -54,7 +56,8 @@ if [ "$STAGES" != bench ]; then
   --draft-vocab-size 32000 --epochs "$EPOCHS" --skip 05 \
   --stage-args 01 "--batch-size $REGEN_BATCH --max-new-tokens $REGEN_TOKENS" \
   --stage-args 02 "--batch-size 64 --num-workers 8" \
-  --stage-args 04 "--max-tokens-per-batch 16384 --num-workers 8 --lr $LR --eval-interval 500 --save-interval 1000"
+  --nproc-per-node "$NPROC" \
+  --stage-args 04 "--max-tokens-per-batch $((STEP_TOKENS / NPROC)) --num-workers 8 --lr $LR --eval-interval 500 --save-interval 1000"
 python3 run_pipeline.py --run-dir "$RUN" --status
 du -sh "$RUN"/* | sed 's/^/disk: /'
 fi

@@ -119,3 +119,22 @@ def test_progress_in_a_log_reports_the_end_once(tmp_path):
     lines = (tmp_path / "progress_test.log").read_text().splitlines()
     assert sum("work: 4/4 (100.0%)" in line for line in lines) == 1
     assert sum("other: 4/4 (100.0%)" in line for line in lines) == 1
+
+
+def test_nproc_per_node_runs_stages_02_and_04_under_torchrun(tmp_path, texts, stories260k):
+    """--nproc-per-node 2: stages 02 and 04 run as two ranks (CPU processes here) under torchrun, the others
+    as one process, and the run finishes like a single-process one."""
+    run = tmp_path / "run"
+    result = run_pipeline("--run-dir", str(run), "--model-path", str(stories260k), "--dataset", str(texts),
+                          "--draft-vocab-size", "100", "--skip", "05", "--epochs", "1", "--nproc-per-node", "2",
+                          "--stage-args", "04", "--num-workers 0")
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    commands = {line.split("=== ")[1].split(":")[0]: line for line in result.stdout.splitlines()
+                if "=== " in line and ": /" in line}
+    assert set(commands) == {"01_prepare_data", "02_extract_hidden_states", "03_build_vocab_mapping", "04_train"}
+    for stage, line in commands.items():
+        assert ("torch.distributed.run --standalone --nproc_per_node 2" in line) == (stage[:2] in ("02", "04"))
+    assert "2 ranks; rank 0 extracts" in (run / "logs" / "02_extract_hidden_states.log").read_text()
+    assert "grad-accum 1 x 2 rank(s)" in (run / "logs" / "04_train.log").read_text()
+    assert json.loads((run / "checkpoints" / "latest.json").read_text())["step"] > 0
+    assert run_pipeline("--run-dir", str(run), "--nproc-per-node", "0").returncode == 2
