@@ -148,6 +148,43 @@ def test_greedy_speculative_output_is_the_verifiers_greedy_output(kind, verifier
     assert hf_generate(model, tokenizer(start).input_ids, 40, [2])[0] == greedy_refs[start]
 
 
+@pytest.mark.parametrize("num_steps", [1, 3])
+def test_every_first_draft_is_the_drafters_teacher_forced_prediction(num_steps, verifier, drafters, greedy_refs):
+    """Stage 04 scores a drafter by teacher forcing: row t sees (token t+1, the verifier's aux states at t) for
+    every t and predicts token t+2. In decoding, the first draft of each verify step must be exactly that
+    prediction at the committed position, whatever was accepted or rolled back before: otherwise the live
+    acceptance falls below the validation agreement that training reports."""
+    from common.speculative import AuxCapture, SpeculativeDecoder, decoder_layers
+
+    model, tokenizer = verifier
+    drafter = drafters["trained"]
+    decoder = SpeculativeDecoder(model, drafter, num_steps=num_steps)
+    first_drafts = []  # (committed, first draft as a verifier id), one per verify step
+    chain_step = decoder._chain_step
+
+    def recording_step(root, h_last, z_last, committed, *rest):
+        first_drafts.append((committed, int(decoder.draft_to_target[z_last.argmax(dim=-1)])))
+        return chain_step(root, h_last, z_last, committed, *rest)
+
+    decoder._chain_step = recording_step
+    checked = 0
+    for start, reference in greedy_refs.items():
+        first_drafts.clear()
+        prompt = tokenizer(start).input_ids
+        out, stats = decoder.generate(prompt, 40, [2])
+        assert out == reference and len(first_drafts) == stats.verify_steps
+        sequence = torch.tensor([prompt + out])
+        with torch.no_grad(), AuxCapture(decoder_layers(model), drafter.config.aux_layers) as capture:
+            model.model(sequence)
+            aux = capture.take()
+            [(_, prenorm)] = list(drafter.ttt_hidden_states(sequence, aux, 1))
+            teacher = drafter.draft_to_target(drafter.logits(prenorm)[0].argmax(dim=-1))
+        for committed, draft in first_drafts:  # root at committed-1; row committed-2 predicts token committed
+            assert draft == int(teacher[committed - 2]), (start, committed)
+            checked += 1
+    assert checked >= 20
+
+
 def test_stop_token_inside_an_accepted_block_and_the_token_budget(verifier, drafters):
     from common.speculative import SpeculativeDecoder, plain_decode
 
