@@ -64,6 +64,9 @@ python3 run_pipeline.py --run-dir "$RUN" --status
 du -sh "$RUN"/* | sed 's/^/disk: /'
 fi
 [ "$STAGES" = train ] && exit 0
+# Teacher-forced agreement on stage 04's validation split, the number that decoding's first positions should match.
+python3 05_benchmark.py --run-dir "$RUN" --model-path "$VERIFIER" --mode eval --num-steps 3 --dtype "$DTYPE" 2>&1 \
+  | grep -E "SUMMARY|ERROR" | sed "s|^|validation split, teacher-forced, k=3: |"
 # k innermost: the k=7 run reuses the baselines that the k=3 run measured on the same prompts (05 caches them).
 for t in $TEMPS; do
 for set in $SETS; do
