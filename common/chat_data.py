@@ -111,10 +111,13 @@ class BadRecords:
     entries: list[dict] = field(default_factory=list)
 
     def add(self, reason: str, source: str, line: int | None, detail: str = "", record_id: Any = None) -> None:
-        """record_id: the record's own id, which tells apart records that share a line (a one-line JSON array)."""
+        """record_id: the record's own id, which tells apart records that share a line (a one-line JSON array);
+        an id made up from the location itself (records without one) adds nothing and is left out."""
         self.counts[reason] += 1
         entry = {"reason": reason, "source": source, "line": line, "detail": detail[:300]}
-        if isinstance(record_id, (str, int)) and str(record_id).strip():
+        made_up = f"{Path(source).name}:{line}"
+        if isinstance(record_id, (str, int)) and str(record_id).strip() \
+                and str(record_id).partition("~")[0] != made_up:
             entry["id"] = str(record_id)
         self.entries.append(entry)
 

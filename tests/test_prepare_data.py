@@ -277,6 +277,9 @@ def test_bad_records_of_a_one_line_json_array_are_named_by_id(tmp_path):
     assert [r.id for r in records] == ["good"]
     assert bad.examples("empty_turn") == [f"{path}:1 id blank_prompt (turn 0 (human) is empty)"]
     assert bad.examples("no_user_turn")[0].startswith(f"{path}:1 id no_question")
+    # Records without an id of their own are named by their location alone.
+    bad.add("empty_turn", str(path), 7, "", f"{path.name}:7")
+    assert bad.examples("empty_turn")[-1] == f"{path}:7"
 
 
 def test_parquet_source(tmp_path):
