@@ -207,6 +207,8 @@ def regenerate_conversations(conversations: Sequence[Any], respond: Responder, c
     todo.sort(key=lambda c: (len(c.segments), sum(len(m["content"]) for s in c.segments for m in s)))
     if reused:
         get_logger().info("%s: reusing %d conversation(s) already generated in %s", desc, reused, cache.path)
+    if not todo:
+        return results, {"reused": reused, "generated": 0}
     with Progress(total=len(todo), desc=desc, unit="conv") as progress:
         for start in range(0, len(todo), batch_size):
             batch = todo[start:start + batch_size]

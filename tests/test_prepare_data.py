@@ -601,9 +601,12 @@ def test_regenerate_with_stories260k_and_resume(stage, tmp_path, stories260k, st
     last_line = (out / "logs" / "01_prepare_data.log").read_text().splitlines()[-1]
     assert CACHE_FILE in last_line and "max_new_tokens" in last_line and "--overwrite" in last_line
     # --overwrite keeps responses made with the same settings, and drops those made with others.
+    log_before = len((out / "logs" / "01_prepare_data.log").read_text())
     assert stage.main(args() + ["--overwrite"]) == 0
     regeneration = json.loads((out / "manifest.json").read_text())["regeneration"]
     assert (regeneration["reused"], regeneration["generated"]) == (4, 0)
+    this_run = (out / "logs" / "01_prepare_data.log").read_text()[log_before:]
+    assert "reusing" in this_run and "regenerate: 0" not in this_run  # nothing to generate: no empty progress
     assert stage.main(args(max_new_tokens=7) + ["--overwrite"]) == 0
     regeneration = json.loads((out / "manifest.json").read_text())["regeneration"]
     assert (regeneration["reused"], regeneration["generated"]) == (0, 4)
