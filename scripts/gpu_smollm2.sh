@@ -12,8 +12,9 @@
 # which SmolLM2's host-bound verifier absorbs: on 2026-11-30 an iteration with a 13-token tree took 27 ms, 24 ms
 # with a 4-token chain). Stage 05 runs T=0 before T=1 and the held-out split first. With OUT set, the logs, metrics and
 # benchmark reports are packed into one file there ($OUT/gpu_smollm2.tgz), for machines that return few files.
-# TIME_LIMIT (e.g. 540s) stops stages 01-04 cleanly before a command's time runs out (stage 04 saves the step it
-# is on); rerunning the same command resumes.
+# TIME_LIMIT (seconds, e.g. 540s) is the whole command's budget: stages 01-04 stop cleanly when it runs out (stage
+# 04 saves the step it is on) and rerunning the same command resumes; stage 05 runs stop there too, and the
+# outputs are packed either way.
 # Stage 01's regenerated replies (the costliest part on the device) also go to $OUT/regenerated.tgz; give that
 # file back as REGEN_CACHE=FILE on a fresh machine and stage 01 reuses every reply made with the same settings.
 set -euo pipefail
@@ -50,10 +51,18 @@ from pathlib import Path; from common.verifier import densify_gguf
 densify_gguf(Path('$VERIFIER'), Path('$DENSE'))"
   VERIFIER=$DENSE
 fi
-LIMIT=()
-[ -n "${TIME_LIMIT:-}" ] && LIMIT=(timeout --signal=INT --kill-after=120 "$TIME_LIMIT")
+LIMIT_S=${TIME_LIMIT:-}; LIMIT_S=${LIMIT_S%s}
+if [ -n "$LIMIT_S" ] && ! [[ "$LIMIT_S" =~ ^[0-9]+$ ]]; then
+  echo "TIME_LIMIT=$TIME_LIMIT: give the command's budget in seconds, e.g. 540s" >&2; exit 2
+fi
+limited() {  # run "$@" within what is left of TIME_LIMIT, stopped with SIGINT (a clean stop) when it runs out
+  [ -z "$LIMIT_S" ] && { "$@"; return; }
+  local left=$((LIMIT_S - SECONDS))
+  if [ "$left" -le 5 ]; then echo "TIME_LIMIT $TIME_LIMIT used up: the remaining runs are left out" >&2; return 124; fi
+  timeout --signal=INT --kill-after=120 "$left" "$@"
+}
 if [ "$STAGES" != bench ]; then
-"${LIMIT[@]}" python3 run_pipeline.py --run-dir "$RUN" --model-path "$VERIFIER" --dataset "$DATA/sharegpt.json" \
+limited python3 run_pipeline.py --run-dir "$RUN" --model-path "$VERIFIER" --dataset "$DATA/sharegpt.json" \
   --regenerate --max-turns 1 --num-samples "$SAMPLES" --eval-ratio 0.02 --max-seq-len 2048 \
   --draft-vocab-size 32000 --epochs "$EPOCHS" --skip 05 \
   --stage-args 01 "--batch-size $REGEN_BATCH --max-new-tokens $REGEN_TOKENS" \
@@ -65,7 +74,7 @@ du -sh "$RUN"/* | sed 's/^/disk: /'
 fi
 [ "$STAGES" = train ] && exit 0
 # Teacher-forced agreement on stage 04's validation split, the number that decoding's first positions should match.
-python3 05_benchmark.py --run-dir "$RUN" --model-path "$VERIFIER" --mode eval --num-steps 3 --dtype "$DTYPE" 2>&1 \
+limited python3 05_benchmark.py --run-dir "$RUN" --model-path "$VERIFIER" --mode eval --num-steps 3 --dtype "$DTYPE" 2>&1 \
   | grep -E "SUMMARY|ERROR" | sed "s|^|validation split, teacher-forced, k=3: |"
 # k innermost: the k=7 run reuses the baselines that the k=3 run measured on the same prompts (05 caches them).
 for t in $TEMPS; do
@@ -77,7 +86,7 @@ for set in $SETS; do
   esac
   for k in $KS; do
     for topk in $TOPKS; do
-      python3 05_benchmark.py --run-dir "$RUN" --model-path "$VERIFIER" --prompts "$prompts" --num-steps "$k" \
+      limited python3 05_benchmark.py --run-dir "$RUN" --model-path "$VERIFIER" --prompts "$prompts" --num-steps "$k" \
         --topk "$topk" --temperature "$t" --num-prompts "$PROMPTS" --max-new-tokens "$NEW_TOKENS" \
         --dtype "$DTYPE" 2>&1 | grep -E "SUMMARY|ERROR|overlap|reused" | sed "s|^|$set k=$k topk=$topk T=$t: |"
     done
