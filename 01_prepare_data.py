@@ -25,7 +25,7 @@ from contextlib import ExitStack
 from dataclasses import dataclass, field, replace
 from itertools import islice
 from pathlib import Path
-from typing import Callable, Iterator
+from typing import TYPE_CHECKING, Callable, Iterator
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
@@ -37,6 +37,9 @@ from common.chat_data import (BadRecordError, BadRecords, ChatTokenizer, Record,
                               Source, read_records, remove_duplicates, resolve_source, sample_line)
 from common.flags import EVAL_DATA_FILE, PREPARED_DATA_FILE, UsageError, parse_stage_args, require  # noqa: E402
 from common.stage import Progress, resolved_config, run_stage  # noqa: E402
+
+if TYPE_CHECKING:
+    from common.regenerate import Regenerator
 
 STAGE = "01_prepare_data"
 PROMPT_HASHES_FILE = "train_prompt_hashes.txt"
@@ -166,11 +169,11 @@ def _preflight(chat: ChatTokenizer, records: list[Record], limit: float, log) ->
 class Processor:
     """Turns a chunk of records into accepted (record, samples) pairs; the rest are counted."""
 
-    def __init__(self, chat: ChatTokenizer, bad: BadRecords, regenerate: Callable | None = None):
+    def __init__(self, chat: ChatTokenizer, bad: BadRecords, regenerate: Regenerator | None = None):
         self.chat, self.bad, self.regenerate = chat, bad, regenerate
         # A batch pads to its longest prompt and the regenerator sorts only within a round, so a round of
         # two large batches puts every long prompt of the round into the second one.
-        batch = getattr(regenerate, "batch_size", 0)
+        batch = regenerate.batch_size if regenerate is not None else 0
         self.chunk_records = max(CHUNK_RECORDS, REGEN_SORT_BATCHES * batch)
         self.processed = 0
         self.duplicate_samples = 0

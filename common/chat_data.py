@@ -115,10 +115,9 @@ class BadRecords:
         an id made up from the location itself (records without one) adds nothing and is left out."""
         self.counts[reason] += 1
         entry = {"reason": reason, "source": source, "line": line, "detail": detail[:300]}
-        made_up = f"{Path(source).name}:{line}"
-        if isinstance(record_id, (str, int)) and str(record_id).strip() \
-                and str(record_id).partition("~")[0] != made_up:
-            entry["id"] = str(record_id)
+        own = own_id(record_id)
+        if own is not None and own.partition(REPEAT_MARK)[0] != location_id(source, line):
+            entry["id"] = own
         self.entries.append(entry)
 
     @property
@@ -384,11 +383,20 @@ def normalise_messages(turns: Any) -> list[dict]:
     return [m for i, m in enumerate(messages) if i >= first_user or m["role"] == SYSTEM]
 
 
+def own_id(raw: Any) -> str | None:
+    """A record's id as its data gives it, if usable (a non-blank string or an integer)."""
+    return str(raw) if isinstance(raw, (str, int)) and str(raw).strip() else None
+
+
+def location_id(source: str, line: int | None) -> str:
+    """The id of a record that has none of its own: where it is."""
+    return f"{Path(source).name}:{line}"
+
+
 def normalise_record(obj: Any, source: str, line: int) -> Record:
     if not isinstance(obj, dict):
         raise BadRecordError("not_an_object", f"a {type(obj).__name__}")
-    raw_id = obj.get("id")
-    record_id = str(raw_id) if isinstance(raw_id, (str, int)) and str(raw_id).strip() else f"{Path(source).name}:{line}"
+    record_id = own_id(obj.get("id")) or location_id(source, line)
     for key in ("conversations", "messages", "conversation"):
         if obj.get(key) is not None:
             return Record(record_id, source, line, messages=normalise_messages(obj[key]))
@@ -432,16 +440,19 @@ def remove_duplicates(records: list[Record]) -> tuple[list[Record], int]:
     return unique, len(records) - len(unique)
 
 
+REPEAT_MARK = "~"  # a repeated id gets REPEAT_MARK + N
+
+
 def make_ids_unique(records: list[Record]) -> None:
     """Records keep their dataset ids; a repeated id gets a ~N suffix so ids stay unique."""
     used: Counter = Counter()
     for i, record in enumerate(records):
         used[record.id] += 1
         if used[record.id] > 1:
-            new_id = f"{record.id}~{used[record.id]}"
+            new_id = f"{record.id}{REPEAT_MARK}{used[record.id]}"
             while new_id in used:
                 used[record.id] += 1
-                new_id = f"{record.id}~{used[record.id]}"
+                new_id = f"{record.id}{REPEAT_MARK}{used[record.id]}"
             used[new_id] += 1
             records[i] = replace(record, id=new_id)
 
