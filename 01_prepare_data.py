@@ -363,7 +363,7 @@ def make_regenerator(args, inputs: Inputs, stop_ids: set[int], cache, records: l
     """The verifier-backed regenerator (the model loads on first use, after the preflight), or the
     endpoint-backed one with --regenerate-endpoint (no model load here)."""
     from common.regenerate import EndpointResponder, HFResponder, Regenerator
-    from common.verifier import load_verifier_model
+    from common.verifier import load_verifier_model, regeneration_placement
 
     _preflight(ChatTokenizer(inputs.tokenizer, stop_ids, args.max_seq_len), records, args.max_bad_fraction, log)
     if args.regenerate_endpoint:
@@ -375,10 +375,12 @@ def make_regenerator(args, inputs: Inputs, stop_ids: set[int], cache, records: l
                                       args.temperature, args.concurrency)
         return Regenerator(responder, cache, batch_size)
     batch_size = args.batch_size or DEFAULT_REGEN_BATCH
+    devices, device_map = regeneration_placement(args.model_path, inputs.device, args.device_map)
     responder = HFResponder(
-        lambda: load_verifier_model(args.model_path, inputs.device, args.dtype, args.trust_remote_code),
+        lambda device: load_verifier_model(args.model_path, device, args.dtype, args.trust_remote_code,
+                                           device_map),
         inputs.tokenizer, stop_ids, args.max_new_tokens, args.temperature, batch_size, args.max_seq_len,
-        args.seed)
+        args.seed, devices)
     return Regenerator(responder, cache, batch_size)
 
 

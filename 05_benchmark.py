@@ -251,9 +251,11 @@ def _turn_record(prompt, turn, ids, spec, plain, hf, greedy: bool, answer: str) 
 def run_offline(args, log, begin, prompt_spec, prompts, overlap) -> dict:
     from common.bench_report import BaselineCache, by_category, summarize_generations
     from common.chat_data import end_of_turn_ids
+    from common.extraction import find_text_model, sample_states
     from common.prompts import has_chat_template, render_conversation
     from common.speculative import (GenerationStats, SpeculativeDecoder, hf_generate, plain_decode,
                                     resolve_draft_shape)
+    from common.training import evaluate
     from common.verifier import load_tokenizer, read_verifier_info, resolve_model_path
 
     require(args, "model_path")
@@ -304,7 +306,7 @@ def run_offline(args, log, begin, prompt_spec, prompts, overlap) -> dict:
             cache.put(key, entry)
         return tuple((tokens, GenerationStats.from_dict(stats)) for tokens, stats in (entry["plain"], entry["hf"]))
 
-    runs, per_prompt = [], []
+    runs, per_prompt, decoded = [], [], []  # decoded: each turn's text as stage 02 would store it
     total_turns = sum(len(p.turns) for p in prompts)
     with Progress(total_turns, "05_benchmark offline", unit="turn") as progress:
         for index, prompt in enumerate(prompts):
@@ -327,12 +329,18 @@ def run_offline(args, log, begin, prompt_spec, prompts, overlap) -> dict:
                     log.warning("prompt %s turn %d: speculative output differs from greedy decoding at token %d "
                                 "(expected only from low-precision ties, e.g. bf16 on GPU)", prompt.id, turn, first)
                 turns.append(record)
+                decoded.append(sample_states(verifier, decoder.aux_layers, ids + spec[0], len(ids)))
                 messages.append({"role": "assistant", "content": answer})
                 progress.update(1, f"tau {spec[1].tau or 0:.2f}")
             runs.extend(turns)
             per_prompt.append({"id": prompt.id, "category": prompt.category,
                                "summary": summarize_generations(turns, args.num_steps), "turns": turns})
     overall = summarize_generations(runs, args.num_steps)
+    # Stage 04's validation on the text just decoded: if its step-0 agreement is well above the first
+    # position's live acceptance, decoding loses something teacher forcing has; if they match, the gap to
+    # the training validation is in the prompts and replies, not in the decoding loop.
+    overall["teacher_forced"] = evaluate(drafter, decoded, find_text_model(verifier).lm_head.weight,
+                                         args.num_steps, device=device)
     if cache.hits:
         log.info("baselines: %d of %d turns reused from %s (same verifier, prompt and settings)", cache.hits,
                  total_turns, cache.path)
@@ -365,6 +373,10 @@ def offline_summary_line(results: dict) -> str:
     if "greedy_match" in overall:
         match = overall["greedy_match"]
         line += f" | greedy-identical turns {match['turns_identical']}/{match['turns_checked']}"
+    taught = overall.get("teacher_forced")
+    if taught:
+        line += (" | teacher-forced top-1 on these outputs "
+                 f"[{', '.join(fmt(a, 2) for a in taught['acc_per_step'])}]")
     return line
 
 

@@ -248,6 +248,11 @@ def offline_markdown(results: dict[str, Any]) -> str:
               markdown_table(["position", "conditional rate", "share of verify steps"],
                              [(j + 1, c, s) for j, (c, s) in enumerate(zip(acceptance["conditional_rate"],
                                                                            acceptance["share"]))])]
+    taught = overall.get("teacher_forced")
+    if taught:
+        parts += ["", "Teacher-forced on these outputs (stage 04's validation, on the decoded text): top-1 agreement "
+                      f"per step {', '.join(fmt(a) for a in taught['acc_per_step'])}; simulated acceptance length "
+                      f"{fmt(taught['sim_accept_len'])} over {taught['tokens']} tokens."]
     if results.get("categories"):
         parts += ["", "## By category", "", markdown_table(
             ["category", "turns", "tau", "speedup vs loop", "4-gram repetition"],

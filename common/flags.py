@@ -144,8 +144,9 @@ _ALL_FLAGS: list[Flag] = [
     Flag("--allow-low-disk", "Proceed even when the free disk looks too small.", type=None,
          action="store_true"),
     Flag("--backend", "Engine that runs the verifier.", choices=("hf", "sglang"), default="hf"),
-    Flag("--device-map", "Placement of the verifier on GPUs (hf backend): single = one GPU; multi = sharded "
-         "over all visible GPUs (accelerate device_map=auto); auto = single when the weights fit one GPU.",
+    Flag("--device-map", "Placement of the verifier on GPUs (hf backend): single = a whole copy per GPU (stage "
+         "01 regenerates with one copy on every visible GPU, stage 02 with one per torchrun rank); multi = one copy "
+         "sharded over all visible GPUs (accelerate device_map=auto); auto = single when the weights fit one GPU.",
          choices=("auto", "single", "multi"), default="auto"),
     # --- vocabulary map ------------------------------------------------------------------------------
     Flag("--draft-vocab-size", "Tokens in the drafter's vocabulary (the most frequent targets).",
@@ -221,7 +222,7 @@ STAGE_FLAGS: dict[str, list[str]] = {
     "01_prepare_data": ["--run-dir", "--model-path", "--trust-remote-code", "--dataset", "--output-dir",
                         "--chat-template", "--max-seq-len", "--num-samples", "--seed", "--eval-ratio",
                         "--eval-output", "--max-bad-fraction", "--max-turns", "--regenerate", "--max-new-tokens",
-                        "--batch-size", "--device", "--dtype", "--temperature", "--overwrite",
+                        "--batch-size", "--device", "--device-map", "--dtype", "--temperature", "--overwrite",
                         "--regenerate-endpoint", "--concurrency"],
     "02_extract_hidden_states": ["--run-dir", "--model-path", "--trust-remote-code", "--prepared-data",
                                  "--output-dir", "--aux-layers", "--batch-size", "--max-tokens-per-batch",

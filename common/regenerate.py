@@ -17,11 +17,13 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import queue
 import threading
 import time
 import urllib.error
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import nullcontext
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Sequence
@@ -232,14 +234,18 @@ def regenerate_conversations(conversations: Sequence[Any], respond: Responder, c
 class HFResponder:
     """Batched `generate` on a transformers causal LM (left padding), loaded on first use.
 
-    `load_model` is called once, when the first prompt must actually be generated, so a run whose
-    responses are all cached never loads the verifier.
+    `load_model(device)` is called once per entry of `devices`, when the first prompt must actually be
+    generated, so a run whose responses are all cached never loads the verifier. With several devices (one
+    whole copy of the verifier on each GPU) the batches of a call are spread over the copies, each driven
+    by its own thread: `generate` on a small verifier waits mostly on its GPU, so the copies overlap.
     """
 
-    def __init__(self, load_model: Callable[[], Any], tokenizer, stop_ids: set[int], max_new_tokens: int,
-                 temperature: float, batch_size: int, max_prompt_tokens: int, seed: int = 0):
+    def __init__(self, load_model: Callable[[str], Any], tokenizer, stop_ids: set[int], max_new_tokens: int,
+                 temperature: float, batch_size: int, max_prompt_tokens: int, seed: int = 0,
+                 devices: Sequence[str] = ("cpu",)):
         self._load_model = load_model
-        self.model = None
+        self.devices = list(devices)
+        self.models: list[Any] = []
         self.tokenizer = tokenizer
         self.stop_ids = set(stop_ids)
         self.max_new_tokens = max_new_tokens
@@ -252,14 +258,14 @@ class HFResponder:
         self.pad_id = next(i for i in (tokenizer.pad_token_id, tokenizer.eos_token_id, min(stop_ids, default=0))
                            if i is not None)
 
-    def _ensure_model(self):
-        if self.model is None:
+    def _ensure_models(self) -> list[Any]:
+        if not self.models:
             import torch
 
-            get_logger().info("loading the verifier for regeneration")
-            self.model = self._load_model()
+            get_logger().info("loading the verifier for regeneration on %s", ", ".join(self.devices))
+            self.models = [self._load_model(device) for device in self.devices]
             torch.manual_seed(self.seed)
-        return self.model
+        return self.models
 
     def _render(self, conversation: list[dict]) -> str | None:
         try:
@@ -274,17 +280,37 @@ class HFResponder:
         replies: list[str | None] = [None] * len(conversations)
         usable = [i for i, ids in enumerate(encoded) if ids is not None and 0 < len(ids) < self.max_prompt_tokens]
         usable.sort(key=lambda i: len(encoded[i]))  # similar lengths together: less padding
-        for start in range(0, len(usable), self.batch_size):
-            chunk = usable[start:start + self.batch_size]
-            for i, reply in zip(chunk, self._generate([encoded[i] for i in chunk])):
-                replies[i] = reply
+        chunks = [usable[start:start + self.batch_size] for start in range(0, len(usable), self.batch_size)]
+        for chunk, rows in zip(chunks, self._generate_all([[encoded[i] for i in chunk] for chunk in chunks])):
+            for i, row in zip(chunk, rows):
+                replies[i] = self._decode(row)
         return replies
 
-    def _generate(self, prompts: list[list[int]]) -> list[str]:
+    def _generate_all(self, batches: list[list[list[int]]]) -> list[list[list[int]]]:
+        """Generated token rows of every batch, in order; with several copies, each batch goes to the next
+        free one."""
+        models = self._ensure_models()
+        if len(models) == 1 or len(batches) == 1:
+            return [self._generate(models[0], batch) for batch in batches]
+        free: queue.Queue = queue.Queue()
+        for model in models:
+            free.put(model)
+
+        def run(batch):
+            model = free.get()
+            try:
+                return self._generate(model, batch)
+            finally:
+                free.put(model)
+
+        # sdpa_kernel's backend choice is process-wide: set it once around all the threads.
+        with inference_attention(), ThreadPoolExecutor(len(models), thread_name_prefix="regenerate") as pool:
+            return list(pool.map(run, batches))
+
+    def _generate(self, model, prompts: list[list[int]]) -> list[list[int]]:
         import torch
         from transformers import GenerationConfig
 
-        model = self._ensure_model()
         device = next(model.parameters()).device
         width = max(len(p) for p in prompts)
         pad = self.pad_id
@@ -295,15 +321,16 @@ class HFResponder:
                                   temperature=self.temperature if sampling else None,
                                   top_p=1.0 if sampling else None, top_k=0 if sampling else None,
                                   eos_token_id=sorted(self.stop_ids), pad_token_id=pad)
-        with torch.inference_mode(), inference_attention():
+        on_gpu = torch.cuda.device(device) if device.type == "cuda" else nullcontext()
+        with on_gpu, torch.inference_mode(), inference_attention():
             output = model.generate(input_ids=input_ids, attention_mask=attention, generation_config=config)
-        replies = []
-        for row in output[:, width:].tolist():
-            stop = next((i for i, token in enumerate(row) if token in self.stop_ids), None)
-            if stop is None:
-                self.hit_max_new_tokens += 1
-            replies.append(self.tokenizer.decode(row[:stop], skip_special_tokens=True).strip())
-        return replies
+        return output[:, width:].tolist()
+
+    def _decode(self, row: list[int]) -> str:
+        stop = next((i for i, token in enumerate(row) if token in self.stop_ids), None)
+        if stop is None:
+            self.hit_max_new_tokens += 1
+        return self.tokenizer.decode(row[:stop], skip_special_tokens=True).strip()
 
 
 # --- the OpenAI-compatible endpoint responder ------------------------------------------------------------

@@ -353,6 +353,18 @@ def choose_device_map(model_path: str, device: str, policy: str = "auto") -> str
     return "auto"
 
 
+def regeneration_placement(model_path: str, device: str, policy: str = "auto") -> tuple[list[str], str | None]:
+    """(devices, device_map) for stage 01's verifier: a whole copy on every visible GPU when `device` is
+    plain "cuda" and the weights fit one GPU (policy single or auto), else one copy on `device`, sharded
+    over the GPUs when choose_device_map says so."""
+    import torch
+
+    device_map = choose_device_map(model_path, device, policy)
+    if device != "cuda" or device_map is not None or torch.cuda.device_count() < 2:
+        return [device], device_map
+    return [f"cuda:{index}" for index in range(torch.cuda.device_count())], None
+
+
 def _from_pretrained(folder: str, kwargs: dict[str, Any]):
     """AutoModelForCausalLM, or the image-text class for multimodal wrappers that have no causal-LM mapping."""
     import transformers

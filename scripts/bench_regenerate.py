@@ -67,8 +67,8 @@ def main(argv=None) -> int:
     model = load_verifier_model(args.model_path, device, args.dtype)
     conversations = first_turns(args.data, args.num_prompts)
     for batch_size in [int(x) for x in args.batch_sizes.split(",")]:
-        responder = HFResponder(lambda: model, tokenizer, stop_ids, args.max_new_tokens, 0.0, batch_size,
-                                args.max_prompt_tokens)
+        responder = HFResponder(lambda _device: model, tokenizer, stop_ids, args.max_new_tokens, 0.0, batch_size,
+                                args.max_prompt_tokens, devices=[device])
         responder([conversations[0]])  # warm-up
         if device.startswith("cuda"):
             torch.cuda.synchronize()

@@ -6,7 +6,8 @@
 #   scripts/gpu_smollm2.sh VERIFIER DATA_DIR RUN_DIR
 #     VERIFIER  dense SmolLM2 folder, or its .gguf file (converted once with common.verifier.densify_gguf)
 #     DATA_DIR  made by scripts/prepare_device_data.py: sharegpt.json, humaneval.jsonl, mt_bench.jsonl
-# Sizes through the environment (defaults below): NPROC (GPUs for stages 02 and 04), SAMPLES, EPOCHS, LR,
+# Sizes through the environment (defaults below): NPROC (GPUs for stages 02 and 04; stage 01 regenerates with a copy
+# of the verifier on every visible GPU), BENCH_GPUS (GPUs sharing stage 05's prompt sets), SAMPLES, EPOCHS, LR,
 # REGEN_TOKENS (stage 01's reply length), REGEN_BATCH; for stage 05 PROMPTS, NEW_TOKENS, KS, TEMPS, SETS, DTYPE and
 # TOPKS (1 = chain; 4 and 8 = trees with that many branches a step, verifying 1 + topk x k tokens a forward,
 # which SmolLM2's host-bound verifier absorbs: on 2026-11-30 an iteration with a 13-token tree took 27 ms, 24 ms
@@ -31,6 +32,8 @@ KS=${KS:-"3 7"}; TEMPS=${TEMPS:-"0 1"}; SETS=${SETS:-"heldout mt_bench humaneval
 STAGES=${STAGES:-all}  # "train": stages 01-04 only; "bench": stage 05 only (on an existing RUN_DIR)
 # NPROC GPUs run stages 02 and 04 under torchrun; each rank takes its share of the same 16384-token step.
 NPROC=${NPROC:-1}; STEP_TOKENS=16384
+# BENCH_GPUS GPUs run stage 05, each its share of the prompt sets (default: NPROC).
+BENCH_GPUS=${BENCH_GPUS:-$NPROC}
 export PYTHONUNBUFFERED=1
 pack() {  # on any exit, failures included: what the run wrote so far, as few files in $OUT
   [ -n "${OUT:-}" ] && [ -d "$RUN" ] || return 0
@@ -77,19 +80,37 @@ fi
 limited python3 05_benchmark.py --run-dir "$RUN" --model-path "$VERIFIER" --mode eval --num-steps 3 --dtype "$DTYPE" 2>&1 \
   | grep -E "SUMMARY|ERROR" | sed "s|^|validation split, teacher-forced, k=3: |"
 # k innermost: the k=7 run reuses the baselines that the k=3 run measured on the same prompts (05 caches them).
-for t in $TEMPS; do
-for set in $SETS; do
+bench_set() {  # every setting of prompt set $1 at temperature $2, one after another, on GPU $3
+  local set=$1 t=$2 gpu=$3 prompts k topk
   case $set in
     heldout) prompts=$RUN/data/eval_data.jsonl ;;
     humaneval) prompts=$DATA/humaneval.jsonl ;;
     mt_bench) prompts=$DATA/mt_bench.jsonl ;;
+    *) echo "SETS: unknown prompt set $set (heldout, mt_bench, humaneval)" >&2; return 2 ;;
   esac
   for k in $KS; do
     for topk in $TOPKS; do
-      limited python3 05_benchmark.py --run-dir "$RUN" --model-path "$VERIFIER" --prompts "$prompts" --num-steps "$k" \
-        --topk "$topk" --temperature "$t" --num-prompts "$PROMPTS" --max-new-tokens "$NEW_TOKENS" \
-        --dtype "$DTYPE" 2>&1 | grep -E "SUMMARY|ERROR|overlap|reused" | sed "s|^|$set k=$k topk=$topk T=$t: |"
+      CUDA_VISIBLE_DEVICES=$gpu limited python3 05_benchmark.py --run-dir "$RUN" --model-path "$VERIFIER" \
+        --prompts "$prompts" --num-steps "$k" --topk "$topk" --temperature "$t" --num-prompts "$PROMPTS" \
+        --max-new-tokens "$NEW_TOKENS" --dtype "$DTYPE" 2>&1 \
+        | grep -E "SUMMARY|ERROR|overlap check|baselines:" | sed "s|^|$set k=$k topk=$topk T=$t: |" || return $?
     done
   done
-done
-done
+}
+bench_queue() {  # GPU $1 takes every BENCH_GPUS-th prompt set; all of T=0 before T=1
+  local gpu=$1 t set i
+  for t in $TEMPS; do
+    i=0
+    for set in $SETS; do
+      if [ $((i % BENCH_GPUS)) -eq "$gpu" ]; then bench_set "$set" "$t" "$gpu" || return $?; fi
+      i=$((i + 1))
+    done
+  done
+}
+# Each GPU decodes its own prompt sets (decoding SmolLM2 is one host-bound stream, so the runs do not slow
+# each other); the baselines cache in RUN/bench is shared, one appended line per prompt.
+queues=()
+for ((gpu = 0; gpu < BENCH_GPUS; gpu++)); do bench_queue "$gpu" & queues+=($!); done
+status=0
+for pid in "${queues[@]}"; do wait "$pid" || status=$?; done
+exit $status

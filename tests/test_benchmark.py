@@ -185,6 +185,37 @@ def test_every_first_draft_is_the_drafters_teacher_forced_prediction(num_steps, 
     assert checked >= 20
 
 
+def test_stage05_scores_its_decoded_text_with_stage04s_validation(verifier, drafters, greedy_refs):
+    """Stage 05 reports the drafter's teacher-forced agreement on the text it decoded (stage 02's capture,
+    stage 04's validation). Step 0 must count exactly the output tokens that the drafter predicts from the
+    position two before, among those whose verifier argmax is a draft token."""
+    from common.extraction import sample_states
+    from common.speculative import AuxCapture, decoder_layers
+    from common.training import evaluate
+
+    model, tokenizer = verifier
+    drafter = drafters["trained"]
+    layers = drafter.config.aux_layers
+    correct = count = 0
+    states = []
+    for start, out in greedy_refs.items():
+        prompt = tokenizer(start).input_ids
+        states.append(sample_states(model, layers, prompt + out, len(prompt)))
+        sequence = torch.tensor([prompt + out])
+        with torch.no_grad(), AuxCapture(decoder_layers(model), layers) as capture:
+            model.model(sequence)
+            [(_, prenorm)] = list(drafter.ttt_hidden_states(sequence, capture.take(), 1))
+            teacher = drafter.draft_to_target(drafter.logits(prenorm)[0].argmax(dim=-1))
+        for position in range(len(prompt), len(prompt) + len(out)):  # greedy: each token is the argmax
+            if drafter.t2d[sequence[0, position]]:
+                count += 1
+                correct += int(teacher[position - 2] == sequence[0, position])
+    metrics = evaluate(drafter, states, model.lm_head.weight.detach(), 3)
+    assert metrics["count_per_step"][0] == count > 50
+    assert metrics["acc_per_step"][0] == pytest.approx(correct / count, abs=1e-6)
+    assert 0 < correct < count and len(metrics["acc_per_step"]) == 3
+
+
 def test_stop_token_inside_an_accepted_block_and_the_token_budget(verifier, drafters):
     from common.speculative import SpeculativeDecoder, plain_decode
 
@@ -217,8 +248,11 @@ def test_verifier_attention_runs_without_cudnn_in_every_generation_loop(verifier
         loops = {"speculative": lambda: SpeculativeDecoder(model, drafters["trained"]).generate(ids, 8, []),
                  "plain": lambda: plain_decode(model, ids, 8, []),
                  "hf_generate": lambda: hf_generate(model, ids, 8, []),
-                 "regeneration": lambda: HFResponder(lambda: model, tokenizer, {2}, 8, 0.0, 4, 512)._generate(
-                     [ids, ids[:3]])}
+                 "regeneration": lambda: HFResponder(lambda _device: model, tokenizer, {2}, 8, 0.0, 4, 512)._generate(
+                     model, [ids, ids[:3]]),
+                 "regeneration on two copies": lambda: HFResponder(
+                     lambda _device: model, tokenizer, {2}, 8, 0.0, 4, 512, devices=["cpu", "cpu"])._generate_all(
+                     [[ids], [ids[:3]], [ids[:2]]])}
         for name, loop in loops.items():
             flags.clear()
             loop()
@@ -420,7 +454,9 @@ def test_offline_mode_reports_every_number(stage05, stories260k, drafters, tmp_p
     assert "| story |" in markdown
     assert_valid_png(out / "bench_offline_k3_t0_prompts.png")
     log = (out / "logs" / "05_benchmark.log").read_text()
-    assert "overlap check SKIPPED" in log and "SUMMARY tau" in log
+    assert "overlap check SKIPPED" in log and "SUMMARY tau" in log and "teacher-forced top-1 on these outputs" in log
+    taught = overall["teacher_forced"]
+    assert len(taught["acc_per_step"]) == 3 and taught["tokens"] > 0 and taught["sim_accept_len"] > 1.0
 
     # Another setting writes other files and leaves the first ones alone.
     assert stage05.main(common + ["--num-steps", "2", "--topk", "2", "--temperature", "0.7", "--top-p", "0.9"]) == 0

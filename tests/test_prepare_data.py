@@ -546,6 +546,31 @@ def test_large_regeneration_batches_are_sorted_over_several_batches(stage, tmp_p
     assert seen == sorted(len(p) for p in prompts)
 
 
+def test_regeneration_on_two_copies_gives_the_same_replies_in_order(stories260k):
+    """With one copy of the verifier per device, the batches of a call run on whichever copy is free (one
+    thread each); every conversation still gets the reply one copy gives it, in its own place."""
+    from common.regenerate import HFResponder
+    from common.verifier import load_tokenizer, load_verifier_model
+
+    tokenizer = load_tokenizer(str(stories260k))
+    tokenizer.chat_template = STORIES_TEMPLATE
+    loaded = []
+
+    def load(device):
+        loaded.append(device)
+        return load_verifier_model(str(stories260k), device, "float32")
+
+    starts = ["Once upon a time", "The dog", "Lily and Tom went to the park and", "A big red", "One day",
+              "The little girl saw a", "Sam had a toy", "It was a sunny"]
+    conversations = [[{"role": "user", "content": text}] for text in starts]
+    one = HFResponder(load, tokenizer, {tokenizer.eos_token_id}, 12, 0.0, 3, 512, devices=["cpu"])
+    two = HFResponder(load, tokenizer, {tokenizer.eos_token_id}, 12, 0.0, 3, 512, devices=["cpu", "cpu"])
+    single, parallel = one(conversations), two(conversations)
+    assert loaded == ["cpu"] * 3  # each copy once, on first use
+    assert parallel == single and len(set(single)) >= 5 and all(single)
+    assert two.hit_max_new_tokens == one.hit_max_new_tokens
+
+
 def test_regenerate_with_stories260k_and_resume(stage, tmp_path, stories260k, stories_template):
     from transformers import AutoTokenizer
 
