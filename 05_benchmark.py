@@ -336,9 +336,10 @@ def run_offline(args, log, begin, prompt_spec, prompts, overlap) -> dict:
             per_prompt.append({"id": prompt.id, "category": prompt.category,
                                "summary": summarize_generations(turns, args.num_steps), "turns": turns})
     overall = summarize_generations(runs, args.num_steps)
-    # Stage 04's validation on the text just decoded: if its step-0 agreement is well above the first
-    # position's live acceptance, decoding loses something teacher forcing has; if they match, the gap to
-    # the training validation is in the prompts and replies, not in the decoding loop.
+    # Stage 04's validation on the text just decoded. Far below training's validation: the prompts (or the
+    # sampled text) differ from the training data. Far above the live acceptance: the decoding loop loses
+    # something; a little above it at the first position is expected (verify steps often start right after
+    # a rejection, at the harder positions).
     overall["teacher_forced"] = evaluate(drafter, decoded, find_text_model(verifier).lm_head.weight,
                                          args.num_steps, device=device)
     if cache.hits:
