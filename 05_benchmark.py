@@ -307,6 +307,7 @@ def run_offline(args, log, begin, prompt_spec, prompts, overlap) -> dict:
         return tuple((tokens, GenerationStats.from_dict(stats)) for tokens, stats in (entry["plain"], entry["hf"]))
 
     runs, per_prompt, decoded = [], [], []  # decoded: each turn's text as stage 02 would store it
+    text_model = find_text_model(verifier)
     total_turns = sum(len(p.turns) for p in prompts)
     with Progress(total_turns, "05_benchmark offline", unit="turn") as progress:
         for index, prompt in enumerate(prompts):
@@ -329,7 +330,7 @@ def run_offline(args, log, begin, prompt_spec, prompts, overlap) -> dict:
                     log.warning("prompt %s turn %d: speculative output differs from greedy decoding at token %d "
                                 "(expected only from low-precision ties, e.g. bf16 on GPU)", prompt.id, turn, first)
                 turns.append(record)
-                decoded.append(sample_states(verifier, decoder.aux_layers, ids + spec[0], len(ids)))
+                decoded.append(sample_states(text_model, decoder.aux_layers, ids + spec[0], len(ids)))
                 messages.append({"role": "assistant", "content": answer})
                 progress.update(1, f"tau {spec[1].tau or 0:.2f}")
             runs.extend(turns)
@@ -340,7 +341,7 @@ def run_offline(args, log, begin, prompt_spec, prompts, overlap) -> dict:
     # sampled text) differ from the training data. Far above the live acceptance: the decoding loop loses
     # something; a little above it at the first position is expected (verify steps often start right after
     # a rejection, at the harder positions).
-    overall["teacher_forced"] = evaluate(drafter, decoded, find_text_model(verifier).lm_head.weight,
+    overall["teacher_forced"] = evaluate(drafter, decoded, text_model.lm_head.weight,
                                          args.num_steps, device=device)
     if cache.hits:
         log.info("baselines: %d of %d turns reused from %s (same verifier, prompt and settings)", cache.hits,

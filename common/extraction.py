@@ -344,13 +344,12 @@ class TokenSelector:
         return hidden.reshape(-1, hidden.shape[-1]).index_select(0, index).to(self.store_dtype)
 
 
-def sample_states(model: torch.nn.Module, aux_layers: Sequence[int], input_ids: Sequence[int],
+def sample_states(text: TextModel, aux_layers: Sequence[int], input_ids: Sequence[int],
                   loss_from: int) -> dict[str, torch.Tensor]:
-    """What this stage would store for one token sequence, as a batch of one for stage 04's validation:
-    aux [1, S, 3H] (inputs of `aux_layers`), final [1, S, H], input_ids and a loss mask set from position
-    `loss_from` on. Stage 05 uses it to score a drafter teacher-forced on the text it just decoded, through
-    the same capture and forward as extraction."""
-    text = find_text_model(model)
+    """What this stage would store for one token sequence, as a batch of one for stage 04's validation, on
+    the CPU (a caller may keep many): aux [1, S, 3H] (inputs of `aux_layers`), final [1, S, H], input_ids
+    and a loss mask set from position `loss_from` on. Stage 05 uses it to score a drafter teacher-forced on
+    the text it just decoded, through the same capture and forward as extraction."""
     capture = LayerInputCapture(text.layers, aux_layers)
     ids = torch.tensor([list(input_ids)], dtype=torch.long, device=text.input_device)
     try:
@@ -362,7 +361,7 @@ def sample_states(model: torch.nn.Module, aux_layers: Sequence[int], input_ids: 
         capture.remove()
     loss_mask = torch.zeros_like(ids)
     loss_mask[:, loss_from:] = 1
-    return {"input_ids": ids, "loss_mask": loss_mask, "aux": aux, "final": final}
+    return {"input_ids": ids.cpu(), "loss_mask": loss_mask.cpu(), "aux": aux.cpu(), "final": final.cpu()}
 
 
 def batch_inputs(samples: Sequence[Sample], batch: Sequence[int], pin: bool) -> tuple[torch.Tensor, torch.Tensor]:

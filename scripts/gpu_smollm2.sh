@@ -109,8 +109,9 @@ bench_queue() {  # GPU $1 takes every BENCH_GPUS-th prompt set; all of T=0 befor
     done
   done
 }
-# Each GPU decodes its own prompt sets (decoding SmolLM2 is one host-bound stream, so the runs do not slow
-# each other); the baselines cache in RUN/bench is shared, one appended line per prompt.
+# Each GPU decodes its own prompt sets; the baselines cache in RUN/bench is shared, one appended line per prompt.
+# Runs side by side are not always independent: on 2026-11-30 HumanEval's baselines ran at 38.5 tok/s beside
+# another GPU's run, against 54.4 alone the day before. Quote speedups from BENCH_GPUS=1 runs.
 queues=()
 for ((gpu = 0; gpu < BENCH_GPUS; gpu++)); do bench_queue "$gpu" & queues+=($!); done
 status=0

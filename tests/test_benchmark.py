@@ -189,7 +189,7 @@ def test_stage05_scores_its_decoded_text_with_stage04s_validation(verifier, draf
     """Stage 05 reports the drafter's teacher-forced agreement on the text it decoded (stage 02's capture,
     stage 04's validation). Step 0 must count exactly the output tokens that the drafter predicts from the
     position two before, among those whose verifier argmax is a draft token."""
-    from common.extraction import sample_states
+    from common.extraction import find_text_model, sample_states
     from common.speculative import AuxCapture, decoder_layers
     from common.training import evaluate
 
@@ -200,7 +200,7 @@ def test_stage05_scores_its_decoded_text_with_stage04s_validation(verifier, draf
     states = []
     for start, out in greedy_refs.items():
         prompt = tokenizer(start).input_ids
-        states.append(sample_states(model, layers, prompt + out, len(prompt)))
+        states.append(sample_states(find_text_model(model), layers, prompt + out, len(prompt)))
         sequence = torch.tensor([prompt + out])
         with torch.no_grad(), AuxCapture(decoder_layers(model), layers) as capture:
             model.model(sequence)
