@@ -78,9 +78,12 @@ python3 run_pipeline.py --run-dir "$RUN" --status
 du -sh "$RUN"/* | sed 's/^/disk: /'
 fi
 [ "$STAGES" = train ] && exit 0
-# Teacher-forced agreement on stage 04's validation split, the number that decoding's first positions should match.
-limited python3 05_benchmark.py --run-dir "$RUN" --model-path "$VERIFIER" --mode eval --num-steps 3 --dtype "$DTYPE" 2>&1 \
-  | grep -E "SUMMARY|ERROR" | sed "s|^|validation split, teacher-forced, k=3: |"
+# Teacher-forced agreement on stage 04's validation split, the number that decoding's first positions should match
+# (needs stage 02's hidden states: a run directory brought to a fresh machine with only the drafter goes without).
+if [ -f "$RUN/hidden_states/index.jsonl" ]; then
+  limited python3 05_benchmark.py --run-dir "$RUN" --model-path "$VERIFIER" --mode eval --num-steps 3 --dtype "$DTYPE" \
+    2>&1 | grep -E "SUMMARY|ERROR" | sed "s|^|validation split, teacher-forced, k=3: |"
+fi
 # k innermost: the k=7 run reuses the baselines that the k=3 run measured on the same prompts (05 caches them).
 bench_set() {  # every setting of prompt set $1 at temperature $2, one after another, on GPU $3
   local set=$1 t=$2 gpu=$3 prompts k topk
