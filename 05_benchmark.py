@@ -311,9 +311,13 @@ def run_offline(args, log, begin, prompt_spec, prompts, overlap) -> dict:
     total_turns = sum(len(p.turns) for p in prompts)
     with Progress(total_turns, "05_benchmark offline", unit="turn") as progress:
         for index, prompt in enumerate(prompts):
-            messages, turns = [], []
+            # The baselines hold their own conversation, on the verifier's own replies: the same one as the
+            # speculative run's at temperature 0, and when sampling it does not depend on the drafting
+            # settings, so a later turn's baselines are measured once and not again for every k and topk.
+            messages, plain_messages, turns = [], [], []
             for turn, text in enumerate(prompt.turns):
                 messages.append({"role": "user", "content": text})
+                plain_messages.append({"role": "user", "content": text})
                 ids = render_conversation(tokenizer, messages, raw)
                 if len(ids) + args.max_new_tokens + args.num_steps + 1 > info.max_position_embeddings:
                     log.warning("prompt %s turn %d: %d prompt tokens + %d new tokens exceed the verifier's %d "
@@ -321,7 +325,7 @@ def run_offline(args, log, begin, prompt_spec, prompts, overlap) -> dict:
                                 info.max_position_embeddings)
                 seed = args.seed + 1000 * index + turn
                 spec = decoder.generate(ids, args.max_new_tokens, eos)
-                plain, hf = baselines(ids, seed)
+                plain, hf = baselines(render_conversation(tokenizer, plain_messages, raw), seed)
                 answer = tokenizer.decode(spec[0], skip_special_tokens=True)
                 record = _turn_record(prompt, turn, ids, spec, plain, hf, greedy, answer)
                 if greedy and not record["matches_plain"]:
@@ -332,6 +336,8 @@ def run_offline(args, log, begin, prompt_spec, prompts, overlap) -> dict:
                 turns.append(record)
                 decoded.append(sample_states(text_model, decoder.aux_layers, ids + spec[0], len(ids)))
                 messages.append({"role": "assistant", "content": answer})
+                plain_messages.append({"role": "assistant",
+                                       "content": tokenizer.decode(plain[0], skip_special_tokens=True)})
                 progress.update(1, f"tau {spec[1].tau or 0:.2f}")
             runs.extend(turns)
             per_prompt.append({"id": prompt.id, "category": prompt.category,

@@ -27,7 +27,8 @@ VERIFIER=$1; DATA=$2; RUN=$3
 # Simulated acceptance length on validation: 5,000 prompts and 10 epochs 2.57; 15,000 prompts and 4 epochs 2.63,
 # still rising by 0.1 an epoch at the end: hence 8 epochs. On two H200s (NPROC=2, the same day): regeneration at 37
 # conversations/s, extraction 399K tokens/s, 8 epochs in 400 s, validation 3.38; held-out k=3 at T=0 with topk 8
-# (25 tokens a verify) tau 3.26 at 2.05x the same loop without drafting.
+# (25 tokens a verify) tau 3.26 at 2.05x the same loop without drafting; the same drafter benchmarked alone on one
+# H200 (STAGES=bench BENCH_GPUS=1, 30 held-out prompts): tau 3.16 at 2.08x; at T=1 tau 1.5-2.3 at 0.97x-1.33x.
 SAMPLES=${SAMPLES:-17000}; EPOCHS=${EPOCHS:-8}; LR=${LR:-1e-3}; REGEN_TOKENS=${REGEN_TOKENS:-256}
 REGEN_BATCH=${REGEN_BATCH:-1024}; PROMPTS=${PROMPTS:-10}; NEW_TOKENS=${NEW_TOKENS:-128}; DTYPE=${DTYPE:-bfloat16}
 KS=${KS:-"3 7"}; TEMPS=${TEMPS:-"0 1"}; SETS=${SETS:-"heldout mt_bench humaneval"}; TOPKS=${TOPKS:-"1 4 8"}

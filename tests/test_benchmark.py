@@ -464,6 +464,16 @@ def test_offline_mode_reports_every_number(stage05, stories260k, drafters, tmp_p
     assert "greedy_match" not in sampled["overall"] and sampled["settings"]["drafting"].startswith("tree")
     assert (out / "bench_offline_k3_t0_prompts.json").exists()
     assert sampled["settings"]["baselines_reused"] == 0  # another temperature: measured anew
+    # Another drafting setting at the same temperature samples other replies, yet every turn's baselines,
+    # the second turn of a conversation included, come from the cache: they converse on their own replies.
+    assert stage05.main(common + ["--num-steps", "3", "--temperature", "0.7", "--top-p", "0.9"]) == 0
+    chained = json.loads((out / "bench_offline_k3_t0.7_p0.9_prompts.json").read_text())
+    assert chained["settings"]["baselines_reused"] == 4
+    def second_turns(report):
+        return [p["turns"][1] for p in report["prompts"] if len(p["turns"]) > 1]
+
+    assert second_turns(chained) and [t["plain"] for t in second_turns(chained)] == [
+        t["plain"] for t in second_turns(sampled)]
 
     # k=2 at temperature 0 reuses the baselines that the k=3 run measured, turn by turn.
     assert stage05.main(common + ["--num-steps", "2"]) == 0
