@@ -34,7 +34,7 @@ import sys
 import time
 from pathlib import Path
 
-from common.artifacts import MANIFEST, Manifest, read_json
+from common.artifacts import MANIFEST, Manifest, read_json, relocated
 from common.flags import EVAL_DATA_FILE, RUN_LAYOUT, UsageError, parse_stage_args, require
 from common.stage import Progress, run_stage
 
@@ -85,8 +85,8 @@ def training_lineage(draft_dir: str | Path) -> tuple[Path | None, list[str]]:
     """Follow manifests from a drafter checkpoint to the training prompts' hash file of stage 01.
 
     checkpoint dir -> its stage-04 manifest (the folder or its parent) -> inputs -> the stage-02 manifest
-    -> inputs.prepared_data -> the stage-01 manifest, which names train_prompt_hashes.txt. Returns
-    (hash file or None, the manifests visited).
+    -> inputs.prepared_data -> the stage-01 manifest, which names train_prompt_hashes.txt; a run directory
+    moved or copied elsewhere is followed at its new place. Returns (hash file or None, the manifests visited).
     """
     start = Path(draft_dir).resolve()
     queue = [start / MANIFEST, start.parent / MANIFEST]
@@ -102,14 +102,14 @@ def training_lineage(draft_dir: str | Path) -> tuple[Path | None, list[str]]:
             continue
         if manifest.get("stage") == DATA_STAGE:
             named = [Path(s) for s in _find_strings(manifest, HASHES_FILE)]
-            named = [p if p.is_absolute() else path.parent / p for p in named]
+            named = [relocated(p, path, manifest) if p.is_absolute() else path.parent / p for p in named]
             for candidate in named + [path.parent / HASHES_FILE]:
                 if candidate.is_file():
                     return candidate, seen
             continue
         for entry in (manifest.get("inputs") or {}).values():
             if isinstance(entry, dict) and entry.get("path"):
-                queue.append(_manifest_of(Path(entry["path"])))
+                queue.append(_manifest_of(relocated(entry["path"], path, manifest)))
     return None, seen
 
 

@@ -133,13 +133,25 @@ def output_manifest(run_dir: Path, stage: str) -> dict | None:
         return None
 
 
+def in_run_terms(value, run_dir) -> str:
+    """A flag's value as JSON, with a path inside the run directory written relative to it: a run copied or
+    moved elsewhere (rsync to the training machine) keeps its finished stages."""
+    text = json.dumps(value, default=str)
+    if isinstance(value, str) and run_dir:
+        root = str(run_dir).rstrip("/")
+        if value == root or value.startswith(root + "/"):
+            text = json.dumps("RUN_DIR" + value[len(root):])
+    return text
+
+
 def is_current(manifest: dict | None, args: argparse.Namespace) -> bool:
     """Complete, and made with the flags we would pass now."""
     if not manifest or manifest.get("status") != STATUS_COMPLETE:
         return False
     recorded = manifest.get("flags", {})
     wanted = {k: v for k, v in vars(args).items() if k not in _NOT_STALE_KEYS}
-    return all(json.dumps(recorded.get(k), default=str) == json.dumps(v, default=str) for k, v in wanted.items())
+    return all(in_run_terms(recorded.get(k), recorded.get("run_dir")) == in_run_terms(v, args.run_dir)
+               for k, v in wanted.items())
 
 
 def tail(path: Path, lines: int = TAIL_LINES) -> str:

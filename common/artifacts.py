@@ -95,6 +95,7 @@ class Manifest:
         self.data: dict[str, Any] = {
             "manifest_version": MANIFEST_VERSION,
             "stage": stage,
+            "folder": str(Path(output_dir).resolve()),  # where it was written: see relocated()
             "status": STATUS_RUNNING,
             "started_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(self.started)),
             "flags": flags,
@@ -118,6 +119,31 @@ class Manifest:
         self.data["status"] = STATUS_COMPLETE
         self.data["finished_at"] = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
         self.write()
+
+
+def relocated(recorded: str | os.PathLike, manifest_file: Path, manifest: dict[str, Any]) -> Path:
+    """Where a path that a manifest recorded lies now, after its run folder was moved or copied elsewhere.
+
+    Manifests record absolute paths, which point at the old place once `rsync -a run/ host:/data/run2/`
+    has copied the run. The manifest's own folder was recorded too ("folder", or the absolute --output-dir
+    of older manifests): its old and new paths end in the same names, and what precedes them is the old
+    and the new root of the moved tree. The path at the same place in the new tree wins unless only the
+    recorded one exists (the old place may hold another run by now; a partial copy may lack the file
+    while the manifest beside it came along).
+    """
+    path = Path(recorded)
+    old_folder = manifest.get("folder") or (manifest.get("flags") or {}).get("output_dir")
+    if not old_folder or not Path(old_folder).is_absolute():
+        return path
+    old, new = Path(old_folder).parts, Path(manifest_file).resolve().parent.parts
+    shared = 0  # trailing names in common, never the whole of either path
+    while shared < min(len(old), len(new)) - 1 and old[-1 - shared] == new[-1 - shared]:
+        shared += 1
+    old_root, new_root = Path(*old[:len(old) - shared]), Path(*new[:len(new) - shared])
+    if not path.is_relative_to(old_root):
+        return path
+    moved = new_root / path.relative_to(old_root)
+    return path if path.exists() and not moved.exists() else moved
 
 
 def load_manifest(folder: str | os.PathLike, expected_stage: str, flag: str,

@@ -636,6 +636,36 @@ def test_prompts_from_the_training_data_are_refused(stage05, pipeline_run, tmp_p
     assert result["overlapping"] == 1 and result["prompts_checked"] == 2
 
 
+
+def test_a_copied_run_directory_is_traced_at_its_new_place(stage05, pipeline_run, tmp_path):
+    """rsync of a run to another path or machine: the manifests' absolute paths name the old place."""
+    import logging
+    import shutil
+
+    from common.prompts import load_prompts
+
+    copy = tmp_path / "elsewhere" / "run_copy"
+    shutil.copytree(pipeline_run["run"], copy, ignore=shutil.ignore_patterns("*.pt", "*.safetensors.tmp*"))
+    prompts = load_prompts(str(write_jsonl(tmp_path / "p.jsonl", [{"prompt": "A prompt nobody trained on."}])))
+    result = stage05.check_overlap(prompts, str(copy / "checkpoints" / "best"), False, logging.getLogger("test"))
+    assert result["checked"] and Path(result["hash_file"]) == copy / "data" / "train_prompt_hashes.txt"
+
+
+def test_relocated_follows_a_moved_tree_and_leaves_other_paths(tmp_path):
+    from common.artifacts import relocated
+
+    manifest_file = tmp_path / "new" / "run" / "checkpoints" / "manifest.json"
+    manifest_file.parent.mkdir(parents=True)
+    manifest = {"folder": "/gone/old/run/checkpoints"}
+    # Neither place holds the file (a partial copy): the new place, where the manifest beside it would be.
+    assert relocated("/gone/old/run/data/x.jsonl", manifest_file, manifest) == tmp_path / "new/run/data/x.jsonl"
+    outside = tmp_path / "models" / "verifier"
+    assert relocated(outside, manifest_file, manifest) == outside  # not inside the moved tree
+    old_style = {"flags": {"output_dir": "/gone/old/run/checkpoints"}}  # manifests written before "folder"
+    assert relocated("/gone/old/run/vocab", manifest_file, old_style) == tmp_path / "new/run/vocab"
+    assert relocated("/gone/old/run/vocab", manifest_file, {"flags": {"output_dir": "runs/x"}}) == \
+        Path("/gone/old/run/vocab")  # a relative folder says nothing about where the tree was
+
 def test_eval_mode_scores_the_validation_split(stage05, pipeline_run):
     run = pipeline_run["run"]
     assert stage05.main(pipeline_run["model"] + ["--mode", "eval", "--num-steps", "3", "--device", "cpu"]) == 0

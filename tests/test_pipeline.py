@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import shutil
 import subprocess
 import sys
 
@@ -47,6 +48,12 @@ def test_runs_stages_in_order_then_skips_them(tmp_path, texts, stories260k):
     status = run_pipeline("--run-dir", str(run), "--status")
     assert "03_build_vocab_mapping" in status.stdout and "complete" in status.stdout
     assert "04_train" in status.stdout and "not started" in status.stdout
+    # A copy of the run elsewhere (rsync to another machine) keeps its finished stages.
+    moved = tmp_path / "elsewhere" / "run"
+    shutil.copytree(run, moved)
+    again = run_pipeline("--run-dir", str(moved), *common[2:-6], "--draft-vocab-size", "120", "--skip", "02",
+                         "--skip", "04", "--skip", "05")
+    assert again.returncode == 0 and again.stdout.count("complete with these flags, skipped") == 2, again.stdout
 
 
 def test_a_bad_flag_for_a_late_stage_stops_before_the_first(tmp_path, texts, stories260k):
