@@ -102,7 +102,7 @@ def training_lineage(draft_dir: str | Path) -> tuple[Path | None, list[str]]:
             continue
         if manifest.get("stage") == DATA_STAGE:
             named = [Path(s) for s in _find_strings(manifest, HASHES_FILE)]
-            named = [relocated(p, path, manifest) if p.is_absolute() else path.parent / p for p in named]
+            named = [p if p.is_absolute() else path.parent / p for p in named]
             for candidate in named + [path.parent / HASHES_FILE]:
                 if candidate.is_file():
                     return candidate, seen
