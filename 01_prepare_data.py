@@ -29,17 +29,17 @@ from typing import TYPE_CHECKING, Callable, Iterator
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from common.artifacts import (MANIFEST, STATUS_COMPLETE, Manifest, atomic_path, read_json,  # noqa: E402
-                              sha256_text, write_text_atomic)
-from common.chat_data import (BadRecordError, BadRecords, ChatTokenizer, Record, Sample, TokenStats,  # noqa: E402
-                              check_writable, end_of_turn_ids, first_user_prompt, keep_first_user_turns,
-                              make_ids_unique, prompt_hash,
-                              Source, read_records, remove_duplicates, resolve_source, sample_line)
-from common.flags import EVAL_DATA_FILE, PREPARED_DATA_FILE, UsageError, parse_stage_args, require  # noqa: E402
-from common.stage import Progress, resolved_config, run_stage  # noqa: E402
+from common.formats.manifest import MANIFEST, STATUS_COMPLETE, Manifest  # noqa: E402
+from common.formats.files import atomic_path, read_json, sha256_text, write_text_atomic  # noqa: E402
+from common.data.chat_data import (BadRecordError, BadRecords, ChatTokenizer, Record, Sample, TokenStats,
+    check_writable, end_of_turn_ids, first_user_prompt, keep_first_user_turns, make_ids_unique, prompt_hash, Source,
+    read_records, remove_duplicates, resolve_source, sample_line)  # noqa: E402
+from common.cli.flags import EVAL_DATA_FILE, PREPARED_DATA_FILE, parse_stage_args, require  # noqa: E402
+from common.cli.errors import UsageError  # noqa: E402
+from common.cli.stage import Progress, resolved_config, run_stage  # noqa: E402
 
 if TYPE_CHECKING:
-    from common.regenerate import Regenerator
+    from common.data.regenerate import Regenerator
 
 STAGE = "01_prepare_data"
 PROMPT_HASHES_FILE = "train_prompt_hashes.txt"
@@ -90,7 +90,7 @@ def _fingerprint(args, tokenizer_sha: str, template_sha: str | None, eval_file: 
 def _generator_identity(args, served_model: str | None) -> dict:
     """What generates the responses: the in-process dtype, or the endpoint and the model it serves."""
     if args.regenerate_endpoint:
-        from common.regenerate import endpoint_base
+        from common.data.regenerate import endpoint_base
 
         return {"dtype": None, "regenerate_endpoint": endpoint_base(args.regenerate_endpoint),
                 "served_model": served_model}
@@ -260,7 +260,7 @@ class Written:
 
 def check_inputs(args) -> Inputs:
     """Paths, data sources, tokenizer, template and device: all checked in seconds, before any load."""
-    from common.verifier import load_tokenizer, pick_device, read_verifier_info
+    from common.verifier.loading import load_tokenizer, pick_device, read_verifier_info
 
     require(args, "model_path", "dataset")
     served_model = _check_endpoint(args)
@@ -292,7 +292,7 @@ def _check_endpoint(args) -> str | None:
     if not args.regenerate:
         raise UsageError("--regenerate-endpoint is set without --regenerate; add --regenerate to regenerate the "
                          "responses through it")
-    from common.regenerate import check_endpoint
+    from common.data.regenerate import check_endpoint
 
     return check_endpoint(args.regenerate_endpoint)
 
@@ -304,7 +304,7 @@ def regeneration_cache(args, inputs: Inputs, log):
     dtype) are reused even under --overwrite, so asking for more samples does not pay for the old ones
     again; a cache made with other settings is refused, or removed by --overwrite.
     """
-    from common.regenerate import RegenerationCache
+    from common.data.regenerate import RegenerationCache
 
     settings = {k: inputs.fingerprint[k] for k in ("model_path", "tokenizer_sha256", "chat_template_sha256",
                                                    "max_seq_len")}
@@ -362,8 +362,8 @@ def read_data(args, inputs: Inputs, log) -> tuple[list[Record], BadRecords, list
 def make_regenerator(args, inputs: Inputs, stop_ids: set[int], cache, records: list[Record], log):
     """The verifier-backed regenerator (the model loads on first use, after the preflight), or the
     endpoint-backed one with --regenerate-endpoint (no model load here)."""
-    from common.regenerate import EndpointResponder, HFResponder, Regenerator
-    from common.verifier import load_verifier_model, regeneration_placement
+    from common.data.regenerate import EndpointResponder, HFResponder, Regenerator
+    from common.verifier.loading import load_verifier_model, regeneration_placement
 
     _preflight(ChatTokenizer(inputs.tokenizer, stop_ids, args.max_seq_len), records, args.max_bad_fraction, log)
     if args.regenerate_endpoint:
@@ -447,7 +447,7 @@ def write_splits(args, inputs: Inputs, records: list[Record], process: Processor
 
 
 def work(args, log) -> None:
-    from common.verifier import resolve_model_path
+    from common.verifier.loading import resolve_model_path
 
     inputs = check_inputs(args)
     if _already_complete(inputs.out, inputs.data_file, inputs.fingerprint, args.overwrite, log):
@@ -505,7 +505,7 @@ def work(args, log) -> None:
                                 "eval": str(inputs.eval_file.resolve()) if n_eval else None}
     manifest.data["train_prompt_hashes"] = {"file": PROMPT_HASHES_FILE, "count": len(written.train_prompt_hashes),
                                             "normalisation": "whitespace collapsed, lowercased, sha256 "
-                                                             "(common.chat_data.prompt_hash)"}
+                                                             "(common.data.chat_data.prompt_hash)"}
     if regenerator is not None:
         manifest.data["regeneration"] = {"settings": cache.settings, "cache": cache.path.name, **regenerator.counts,
                                          "hit_max_new_tokens": regenerator.respond.hit_max_new_tokens}

@@ -26,13 +26,14 @@ from pathlib import Path
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from common import distributed  # noqa: E402
-from common.artifacts import (MANIFEST, Manifest, check_verifier_matches, load_manifest, read_json,  # noqa: E402
-                              sha256_file)
-from common.flags import UsageError, parse_stage_args, require  # noqa: E402
-from common.stage import Progress, run_stage  # noqa: E402
-from common.verifier import (check_aux_layers, default_aux_layers, pick_device,  # noqa: E402
-                             read_verifier_info, resolve_model_path)
+from common.cli import distributed  # noqa: E402
+from common.formats.manifest import MANIFEST, Manifest, check_verifier_matches, load_manifest  # noqa: E402
+from common.formats.files import read_json, sha256_file  # noqa: E402
+from common.cli.errors import UsageError  # noqa: E402
+from common.cli.flags import parse_stage_args, require  # noqa: E402
+from common.cli.stage import Progress, run_stage  # noqa: E402
+from common.verifier.loading import (check_aux_layers, default_aux_layers, pick_device, read_verifier_info,
+    resolve_model_path)  # noqa: E402
 
 STAGE = "02_extract_hidden_states"
 UPSTREAM = "01_prepare_data"
@@ -47,7 +48,7 @@ def parse(argv):
 
 def check_prepared_data(args, info, log):
     """The stage-01 output exists, is finished, comes from this verifier, and parses and matches its counts."""
-    from common.extraction import read_prepared_data
+    from common.extract.extraction import read_prepared_data
 
     data_file = Path(args.prepared_data)
     if not data_file.is_file():
@@ -80,8 +81,8 @@ def build_manifest(args, info, upstream_dir: Path, data_sha, aux_layers, compute
     manifest.add_input("prepared_data", args.prepared_data, upstream_dir / MANIFEST)
     manifest.data["inputs"]["prepared_data"]["sha256"] = data_sha
     manifest.data["verifier"] = info.identity()
-    from common.extraction import (AUX_FILES, FINAL_CONVENTION, FINAL_FILE, FORMAT_VERSION, INDEX_FILE,
-                                   LAYER_CONVENTION, META_FILE, SHARD_SIZE)
+    from common.extract.extraction import (AUX_FILES, FINAL_CONVENTION, FINAL_FILE, FORMAT_VERSION, INDEX_FILE,
+        LAYER_CONVENTION, META_FILE, SHARD_SIZE)
 
     manifest.data.update({
         "format_version": FORMAT_VERSION,
@@ -104,7 +105,7 @@ def build_manifest(args, info, upstream_dir: Path, data_sha, aux_layers, compute
 
 def check_existing_output(args, output_dir: Path, manifest: Manifest, log) -> dict | None:
     """The earlier run's manifest when resuming it; refuses results made with other settings."""
-    from common.extraction import owned_entries, resume_differences
+    from common.extract.extraction import owned_entries, resume_differences
 
     path = output_dir / MANIFEST
     if args.overwrite:
@@ -131,7 +132,7 @@ def check_existing_output(args, output_dir: Path, manifest: Manifest, log) -> di
 
 def check_disk(args, output_dir: Path, todo_tokens: int, todo_samples: int, info, log) -> int:
     import torch
-    from common.extraction import estimate_disk_bytes, human_bytes, owned_entries, tree_bytes
+    from common.extract.extraction import estimate_disk_bytes, human_bytes, owned_entries, tree_bytes
 
     bytes_per_value = torch.empty(0, dtype=getattr(torch, args.dtype)).element_size()
     needed = estimate_disk_bytes(todo_tokens, todo_samples, info.hidden_size, bytes_per_value)
@@ -152,7 +153,7 @@ def check_disk(args, output_dir: Path, todo_tokens: int, todo_samples: int, info
 
 def finish_output(output_dir: Path, samples, manifest: Manifest, summary: dict, log) -> None:
     """6. Index and manifest over everything on disk (this run plus earlier ones), for either backend."""
-    from common.extraction import SAMPLE_FILES, scan_output, write_index
+    from common.extract.extraction import SAMPLE_FILES, scan_output, write_index
 
     complete = scan_output(output_dir, samples, clean=False)
     if len(complete) != len(samples):
@@ -166,13 +167,12 @@ def finish_output(output_dir: Path, samples, manifest: Manifest, summary: dict, 
 
 def work(args, log) -> None:
     import torch
-    from common.extraction import (Extractor, OutputLock, check_writable, find_text_model, human_bytes,
-                                   merge_rank_stats, padding_stats, plan_batches, rank_batches, remove_owned,
-                                   scan_output, write_index)
+    from common.extract.extraction import (Extractor, OutputLock, check_writable, find_text_model, human_bytes,
+        merge_rank_stats, padding_stats, plan_batches, rank_batches, remove_owned, scan_output, write_index)
 
     require(args, "model_path", "prepared_data")
     if args.backend == "sglang":  # the pinned SGLang, GPUs, one process: checked first (common/sglang_backend.py)
-        from common.sglang_backend import check_sglang_early
+        from common.verifier.sglang_backend import check_sglang_early
 
         check_sglang_early(args)
     elif args.tp_size != 1:
@@ -191,7 +191,7 @@ def work(args, log) -> None:
     aux_layers = check_aux_layers(list(args.aux_layers) if args.aux_layers else default_aux_layers(info.num_layers),
                                   info.num_layers)
     if args.backend == "sglang":
-        from common.sglang_backend import check_sglang_verifier
+        from common.verifier.sglang_backend import check_sglang_verifier
 
         check_sglang_verifier(args, info)
     device = pick_device(args.device)
@@ -263,7 +263,7 @@ def work(args, log) -> None:
                      len(todo_samples))
 
         if args.backend == "sglang":  # SGLang's processes run the verifier; patches/sglang_capture.py writes
-            from common.sglang_backend import extract_with_sglang
+            from common.verifier.sglang_backend import extract_with_sglang
 
             summary = extract_with_sglang(args, info, samples, todo_samples, complete, aux_layers, output_dir,
                                           batch_size, max_tokens, log)
@@ -274,7 +274,7 @@ def work(args, log) -> None:
             return
 
         # 5. Writers first (forked without a model), then the verifier, then the batches.
-        from common.verifier import choose_device_map, load_verifier_model
+        from common.verifier.loading import choose_device_map, load_verifier_model
 
         with Extractor(output_dir, samples, batches, aux_layers, info.hidden_size, getattr(torch, args.dtype),
                        args.num_workers) as extractor:

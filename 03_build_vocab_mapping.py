@@ -11,13 +11,14 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-from common.artifacts import Manifest, check_verifier_matches, load_manifest, read_json, write_json_atomic, \
-    MANIFEST, STATUS_COMPLETE, sha256_file
-from common.flags import UsageError, parse_stage_args, require
-from common.stage import Progress, run_stage
-from common.vocab import REPORT_FILE, count_target_tokens, iter_tokenized, mapping_report, save_mapping, \
-    select_draft_vocab
-from common.verifier import load_tokenizer, read_verifier_info
+from common.formats.manifest import Manifest, check_verifier_matches, load_manifest, MANIFEST, STATUS_COMPLETE
+from common.formats.files import read_json, write_json_atomic, sha256_file
+from common.cli.errors import UsageError
+from common.cli.flags import parse_stage_args, require
+from common.cli.stage import Progress, run_stage
+from common.formats.vocab_map import (REPORT_FILE, count_target_tokens, iter_tokenized, mapping_report, save_mapping,
+    select_draft_vocab)
+from common.verifier.loading import load_tokenizer, read_verifier_info
 
 STAGE = "03_build_vocab_mapping"
 

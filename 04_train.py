@@ -29,12 +29,13 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-from common.artifacts import MANIFEST, Manifest, check_same, check_verifier_matches, load_manifest, read_json, \
-    sha256_file, write_json_atomic
-from common.flags import UsageError, parse_stage_args
-from common.stage import run_stage
-from common.verifier import VerifierInfo, check_aux_layers, locate_embedding_tensors, pick_device, \
-    read_verifier_info
+from common.formats.manifest import MANIFEST, Manifest, check_same, check_verifier_matches, load_manifest
+from common.formats.files import read_json, sha256_file, write_json_atomic
+from common.cli.errors import UsageError
+from common.cli.flags import parse_stage_args
+from common.cli.stage import run_stage
+from common.verifier.loading import (VerifierInfo, check_aux_layers, locate_embedding_tensors, pick_device,
+    read_verifier_info)
 
 STAGE = "04_train"
 UPSTREAM_HIDDEN = "02_extract_hidden_states"
@@ -61,7 +62,7 @@ class Inputs:
     entries: list[dict]
     vocab_dir: Path
     vocab_manifest: dict
-    mapping: object  # common.vocab.VocabMapping
+    mapping: object  # common.formats.vocab_map.VocabMapping
     verifier: VerifierInfo
     aux_layers: list[int]
     max_tokens: int
@@ -71,7 +72,7 @@ class Inputs:
 # --- input checks (all before anything heavy) ------------------------------------------------------------
 
 def check_hidden_states(args) -> tuple[Path, dict, list[dict]]:
-    from common.extraction import open_hidden_states
+    from common.extract.extraction import open_hidden_states
 
     if not args.data_dir:
         raise UsageError("give --data-dir (stage 02's hidden_states folder) or --run-dir")
@@ -97,8 +98,8 @@ def check_hidden_states(args) -> tuple[Path, dict, list[dict]]:
 
 
 def check_vocab(args, data_dir: Path, data_manifest: dict):
-    from common.drafter import vocab_mapping_problems
-    from common.vocab import load_mapping
+    from common.model.drafter import vocab_mapping_problems
+    from common.formats.vocab_map import load_mapping
 
     if not args.vocab_mapping_dir:
         raise UsageError("give --vocab-mapping-dir (stage 03's vocab folder) or --run-dir")
@@ -123,7 +124,7 @@ def check_same_prepared_data(data_manifest: dict, data_name: str, vocab_manifest
     ours = data_manifest.get("inputs", {}).get("prepared_data", {})
     theirs = vocab_manifest.get("inputs", {}).get("prepared_data", {})
     if not ours.get("manifest_sha256") or not theirs.get("manifest_sha256"):
-        from common.stage import get_logger
+        from common.cli.stage import get_logger
 
         get_logger().warning("cannot tell whether %s and %s come from the same prepared data (no "
                              "inputs.prepared_data.manifest_sha256 recorded)", data_name, vocab_name)
@@ -154,7 +155,7 @@ def check_verifier(args, data_dir: Path, data_manifest: dict) -> tuple[VerifierI
         aux_layers = check_aux_layers(list(data_manifest["aux_layers"]), info.num_layers)
     except UsageError as err:
         raise UsageError(f"{name}: {err}")
-    from common.drafter import eagle_config_layer_ids
+    from common.model.drafter import eagle_config_layer_ids
 
     try:  # a drafter SGLang could never feed (vLLM can): say so before training it
         eagle_config_layer_ids(aux_layers, info.architecture)
@@ -168,7 +169,7 @@ def check_verifier(args, data_dir: Path, data_manifest: dict) -> tuple[VerifierI
 def check_finetune(args, data_manifest: dict, info: VerifierInfo, mapping) -> None:
     if not args.finetune_from:
         return
-    from common.drafter import DrafterConfig, check_drafter_dir
+    from common.model.drafter import DrafterConfig, check_drafter_dir
 
     folder = Path(args.finetune_from)
     if not (folder / "config.json").exists():
@@ -221,7 +222,7 @@ def check_inputs(args, log) -> Inputs:
 
 
 def run_config_of(args, inputs: Inputs, world_size: int = 1) -> dict:
-    from common.training import compute_dtype_for
+    from common.train.training import compute_dtype_for
 
     flags = ("seed", "epochs", "lr", "scheduler", "warmup_ratio", "grad_accum", "max_grad_norm", "max_seq_len",
              "ttt_steps", "ttt_decay", "noise_std", "val_ratio")
@@ -243,7 +244,7 @@ def _index_path(data_dir: Path, data_manifest: dict) -> Path:
 def check_output(args, run_config: dict, log) -> tuple[Path | None, bool]:
     """(checkpoint to resume from or None, whether earlier outputs must be cleared before starting).
     Refuses to mix two runs in one folder."""
-    from common.training import CheckpointManager, TRAINER_STATE_JSON
+    from common.train.training import CheckpointManager, TRAINER_STATE_JSON
 
     output_dir = Path(args.output_dir)
     manager = CheckpointManager(output_dir, args.keep_last)
@@ -300,8 +301,8 @@ def check_disk(args, model_params: int, log) -> None:
 def build_drafter(args, inputs: Inputs, tensors: dict, device: str, dtype):
     """A new drafter (embedding and lm_head rows from the verifier), or the --finetune-from one."""
     import torch
-    from common.drafter import DrafterConfig, Eagle3Drafter, load_drafter
-    from common.training import cast_parameters
+    from common.model.drafter import DrafterConfig, Eagle3Drafter, load_drafter
+    from common.train.training import cast_parameters
 
     if args.finetune_from:
         return load_drafter(args.finetune_from, embed=tensors["embed_tokens"], device=device, dtype=dtype)
@@ -329,7 +330,7 @@ def report_vocab_of_finetuned(args, model, inputs: Inputs, log) -> None:
 def count_parameters(inputs: Inputs) -> int:
     """Trainable parameters, counted on the meta device (no memory, no time)."""
     import torch
-    from common.drafter import DrafterConfig, Eagle3Drafter
+    from common.model.drafter import DrafterConfig, Eagle3Drafter
 
     config = DrafterConfig.from_verifier(inputs.verifier, len(inputs.mapping.d2t), inputs.aux_layers)
     with torch.device("meta"):
@@ -354,7 +355,7 @@ def check_fp8(args, device: str) -> None:
     if not args.fp8:
         return
     import torch
-    from common.kernels import fp8_available
+    from common.model.kernels import fp8_available
 
     if not fp8_available(torch.device(device)):
         raise UsageError(f"--fp8 needs FP8 tensor cores (compute capability 8.9+: Ada, Hopper, Blackwell), "
@@ -362,7 +363,7 @@ def check_fp8(args, device: str) -> None:
 
 
 def work(args, log, hooks=()):
-    from common import distributed
+    from common.cli import distributed
 
     rank = distributed.rank_info()
     # Every rank checks everything (read-only), so a bad input stops all of them with exit code 2.
@@ -377,7 +378,7 @@ def work(args, log, hooks=()):
     with distributed.process_group("cuda" if device.startswith("cuda") else "cpu") as rank:
         distributed.barrier()  # every rank has read the output folder before rank 0 changes it
         if clear_first and rank.is_main:  # only now that every check has passed
-            from common.training import CheckpointManager
+            from common.train.training import CheckpointManager
 
             log.info("removing the earlier run's checkpoints and metrics in %s", args.output_dir)
             CheckpointManager(args.output_dir, args.keep_last).clear()
@@ -387,10 +388,10 @@ def work(args, log, hooks=()):
 
 def train(args, log, inputs: Inputs, run_config: dict, resume_from: Path | None, device: str, rank, hooks) -> None:
     import torch
-    from common.drafter import check_drafter_dir
-    from common.training import HiddenStateDataset, LoopConfig, TrainConfig, Trainer, VAL_SPLIT_FILE, \
-        seed_everything, signal_hooks_for_tests, split_train_val
-    from common.verifier import read_embedding_tensors
+    from common.model.drafter import check_drafter_dir
+    from common.train.training import (HiddenStateDataset, LoopConfig, TrainConfig, Trainer, VAL_SPLIT_FILE,
+        seed_everything, signal_hooks_for_tests, split_train_val)
+    from common.verifier.loading import read_embedding_tensors
 
     output_dir = Path(args.output_dir)
     manifest = Manifest(output_dir, STAGE, vars(args))
@@ -446,7 +447,7 @@ def train(args, log, inputs: Inputs, run_config: dict, resume_from: Path | None,
                       save_interval=args.save_interval, log_interval=args.log_interval)
     parallel = None
     if rank.distributed:
-        from common.data_parallel import make_data_parallel
+        from common.train.data_parallel import make_data_parallel
 
         parallel = make_data_parallel(rank, device, args.fsdp)
     trainer = Trainer(model, verifier_lm_head, cfg, loop, train_set, val_set, output_dir, args.keep_last,

@@ -34,9 +34,11 @@ import sys
 import time
 from pathlib import Path
 
-from common.artifacts import MANIFEST, Manifest, read_json, relocated
-from common.flags import EVAL_DATA_FILE, RUN_LAYOUT, UsageError, parse_stage_args, require
-from common.stage import Progress, run_stage
+from common.formats.manifest import MANIFEST, Manifest, relocated
+from common.formats.files import read_json
+from common.cli.flags import EVAL_DATA_FILE, RUN_LAYOUT, parse_stage_args, require
+from common.cli.errors import UsageError
+from common.cli.stage import Progress, run_stage
 
 STAGE = "05_benchmark"
 HASHES_FILE = "train_prompt_hashes.txt"
@@ -52,7 +54,7 @@ def parse(argv):
 # --- prompts and the overlap check ----------------------------------------------------------------------
 
 def resolve_prompts(args):
-    from common.prompts import load_prompts
+    from common.bench.prompts import load_prompts
 
     spec = args.prompts
     if spec is None and args.run_dir:
@@ -115,7 +117,7 @@ def training_lineage(draft_dir: str | Path) -> tuple[Path | None, list[str]]:
 
 def check_overlap(prompts, draft_dir: str | None, allow_overlap: bool, log) -> dict:
     """Refuse benchmark prompts whose turns were training prompts of the drafter (unless allowed)."""
-    from common.chat_data import prompt_hash
+    from common.data.chat_data import prompt_hash
 
     if not draft_dir or not Path(draft_dir).exists():
         log.warning("overlap check SKIPPED: no drafter folder to trace the training data from (give "
@@ -166,13 +168,13 @@ def check_drafter(args, verifier_info, log) -> dict:
                          f"or point --draft-model-path at a checkpoint folder such as RUN_DIR/checkpoints/best")
     config = read_json(folder / "config.json")
     if verifier_info is not None:
-        from common.drafter import check_drafter_dir
+        from common.model.drafter import check_drafter_dir
 
         problems = check_drafter_dir(folder, verifier_info=verifier_info)
         if problems:
             raise UsageError(f"--draft-model-path {folder} does not fit --model-path {args.model_path}:\n  "
                              + "\n  ".join(problems))
-    from common.drafter import DrafterConfig
+    from common.model.drafter import DrafterConfig
 
     log.info("drafter %s (%s): hidden %s, draft vocabulary %s of %s, aux layers %s (inputs of those decoder "
              "layers; eagle_config ids %s in SGLang's convention)", folder, folder.resolve().name,
@@ -184,10 +186,10 @@ def check_drafter(args, verifier_info, log) -> dict:
 
 def load_models(args, log):
     import torch
-    from common.drafter import load_drafter
-    from common.verifier import load_verifier_model, pick_device
+    from common.model.drafter import load_drafter
+    from common.verifier.loading import load_verifier_model, pick_device
 
-    from common.training import compute_dtype_for
+    from common.train.training import compute_dtype_for
 
     device = pick_device(args.device)
     # --dtype on GPU; float32 on CPU, where bf16 is slow and its rounding makes greedy ties differ.
@@ -231,7 +233,7 @@ def _settings(args, extra: dict) -> dict:
 
 
 def _turn_record(prompt, turn, ids, spec, plain, hf, greedy: bool, answer: str) -> dict:
-    from common.bench_report import repetition_share
+    from common.bench.report import repetition_share
 
     spec_tokens, spec_stats = spec
     plain_tokens, plain_stats = plain
@@ -249,14 +251,14 @@ def _turn_record(prompt, turn, ids, spec, plain, hf, greedy: bool, answer: str) 
 
 
 def run_offline(args, log, begin, prompt_spec, prompts, overlap) -> dict:
-    from common.bench_report import BaselineCache, by_category, summarize_generations
-    from common.chat_data import end_of_turn_ids
-    from common.extraction import find_text_model, sample_states
-    from common.prompts import has_chat_template, render_conversation
-    from common.speculative import (GenerationStats, SpeculativeDecoder, hf_generate, plain_decode,
-                                    resolve_draft_shape)
-    from common.training import evaluate
-    from common.verifier import load_tokenizer, read_verifier_info, resolve_model_path
+    from common.bench.report import BaselineCache, by_category, summarize_generations
+    from common.data.chat_data import end_of_turn_ids
+    from common.extract.extraction import find_text_model, sample_states
+    from common.bench.prompts import has_chat_template, render_conversation
+    from common.bench.speculative import (GenerationStats, SpeculativeDecoder, hf_generate, plain_decode,
+        resolve_draft_shape)
+    from common.train.training import evaluate
+    from common.verifier.loading import load_tokenizer, read_verifier_info, resolve_model_path
 
     require(args, "model_path")
     try:
@@ -369,7 +371,7 @@ def run_offline(args, log, begin, prompt_spec, prompts, overlap) -> dict:
 
 
 def offline_summary_line(results: dict) -> str:
-    from common.bench_report import fmt
+    from common.bench.report import fmt
 
     overall = results["overall"]
     tps = overall["tokens_per_s"]
@@ -391,14 +393,14 @@ def offline_summary_line(results: dict) -> str:
 # --- server ---------------------------------------------------------------------------------------------
 
 def run_server(args, log, begin, prompt_spec, prompts, overlap) -> dict:
-    from common.server_bench import check_reachable, run_server_benchmark
+    from common.bench.server import check_reachable, run_server_benchmark
 
     require(args, "url")
     render = None
     if args.server_api == "generate":
         require(args, "model_path")
-        from common.prompts import has_chat_template, render_conversation
-        from common.verifier import load_tokenizer
+        from common.bench.prompts import has_chat_template, render_conversation
+        from common.verifier.loading import load_tokenizer
 
         tokenizer = load_tokenizer(args.model_path, args.trust_remote_code, args.chat_template)
         raw = not has_chat_template(tokenizer)
@@ -425,7 +427,7 @@ def run_server(args, log, begin, prompt_spec, prompts, overlap) -> dict:
 
 
 def server_summary_line(results: dict) -> str:
-    from common.bench_report import fmt
+    from common.bench.report import fmt
 
     spec = results["speculative"]
     line = (f"accept length {fmt(spec['accept_length'])} ({spec['accept_length_source'] or 'not reported'}) | "
@@ -460,10 +462,10 @@ def validation_entries(draft_dir: Path, entries: list[dict], log) -> tuple[list[
 
 def run_eval(args, log, begin, *_ignored) -> dict:
     import torch
-    from common.drafter import aux_layers_from_eagle_config, load_drafter
-    from common.extraction import load_sample, open_hidden_states
-    from common.training import compute_dtype_for, evaluate
-    from common.verifier import pick_device, read_embedding_tensors, read_verifier_info
+    from common.model.drafter import aux_layers_from_eagle_config, load_drafter
+    from common.extract.extraction import load_sample, open_hidden_states
+    from common.train.training import compute_dtype_for, evaluate
+    from common.verifier.loading import pick_device, read_embedding_tensors, read_verifier_info
 
     require(args, "data_dir", "draft_model_path")
     data_dir = Path(args.data_dir)
@@ -511,7 +513,7 @@ def run_eval(args, log, begin, *_ignored) -> dict:
 
 
 def eval_summary_line(results: dict) -> str:
-    from common.bench_report import fmt
+    from common.bench.report import fmt
 
     metrics = results["metrics"]
     return (f"simulated acceptance length {fmt(metrics['sim_accept_len'])} | top-1 agreement per step "
@@ -522,7 +524,7 @@ def eval_summary_line(results: dict) -> str:
 # --- the stage ------------------------------------------------------------------------------------------
 
 def work(args, log):
-    from common.bench_report import results_stem, write_reports
+    from common.bench.report import results_stem, write_reports
 
     if args.temperature < 0 or not 0 < args.top_p <= 1:
         raise UsageError(f"--temperature must be >= 0 and --top-p in (0, 1] (got {args.temperature}, {args.top_p})")

@@ -30,9 +30,11 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from common.artifacts import MANIFEST, STATUS_COMPLETE, read_json  # noqa: E402
-from common.flags import FLAGS, RUN_LAYOUT, STAGE_FLAGS, USAGE_ERROR, StageArgumentParser, \
-    _all_option_strings, parse_stage_args  # noqa: E402
+from common.formats.manifest import MANIFEST, STATUS_COMPLETE  # noqa: E402
+from common.formats.files import read_json  # noqa: E402
+from common.cli.flags import (FLAGS, RUN_LAYOUT, STAGE_FLAGS, StageArgumentParser, _all_option_strings,
+    parse_stage_args)  # noqa: E402
+from common.cli.errors import USAGE_ERROR  # noqa: E402
 
 REPO = Path(__file__).resolve().parent
 STAGES = list(STAGE_FLAGS)  # "01_prepare_data", ...

@@ -245,7 +245,7 @@ def _disable_save_crc() -> None:
 
 
 class SampleFileWriter:
-    """Writes captured requests as stage-02 sample folders (common.extraction.write_samples), off the forward.
+    """Writes captured requests as stage-02 sample folders (common.extract.extraction.write_samples), off the forward.
 
     Each batch is gathered on the device (the requests' rows, in the stored dtype) and copied to the host once,
     into one of PENDING_BATCHES reusable buffers (page-locked on a GPU); writer threads save the samples from
@@ -256,7 +256,7 @@ class SampleFileWriter:
     def __init__(self, output_dir: str | os.PathLike, samples: Sequence[Any], store_dtype: torch.dtype,
                  num_workers: int, journal: Callable[[int], None] | None = None,
                  on_error: Callable[[str], None] | None = None, pending_batches: int = PENDING_BATCHES):
-        from common.extraction import write_samples
+        from common.extract.extraction import write_samples
 
         self._write_samples = write_samples
         self.num_workers = max(1, num_workers)
@@ -396,7 +396,7 @@ class CapturePlan:
         return self.folder / PLAN_FILE
 
     def write(self) -> Path:
-        from common.artifacts import write_text_atomic
+        from common.formats.files import write_text_atomic
 
         write_text_atomic(self.path, json.dumps(asdict(self), indent=2) + "\n")
         return self.path
@@ -424,7 +424,7 @@ class CapturePlan:
 
     def open_writer(self) -> SampleFileWriter:
         """The sink in the writing SGLang process: the prepared data read the same way stage 02 read it."""
-        from common.extraction import read_prepared_data
+        from common.extract.extraction import read_prepared_data
 
         samples, _ = read_prepared_data(self.prepared_data, self.vocab_size, self.max_seq_len)
         journal_path = self.folder / JOURNAL_FILE

@@ -3,7 +3,7 @@
 
 On the same synthetic batches, in one process, it measures:
   forward_only  the base model's forward (no LM head, nothing captured or copied), twice (before and after);
-  extraction    common.extraction.Extractor.run, the exact code the stage runs: hooks, gather, side-stream
+  extraction    common.extract.extraction.Extractor.run, the exact code the stage runs: hooks, gather, side-stream
                 copies into page-locked staging buffers, writer processes saving .pt files;
   naive         (optional) output_hidden_states=True, synchronous .cpu() copies, torch.save in the loop;
   disk          the raw sequential write rate of the output disk (one big file + fsync), before and after
@@ -38,8 +38,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import torch  # noqa: E402
 
-from common.extraction import (SAMPLE_FILES, Extractor, Sample, batch_inputs, find_text_model,  # noqa: E402
-                               forward_only, plan_batches, synchronize_all)
+from common.extract.extraction import (SAMPLE_FILES, Extractor, Sample, batch_inputs, find_text_model, forward_only,
+    plan_batches, synchronize_all)  # noqa: E402
 
 LLAMA_8B = dict(hidden_size=4096, num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8,
                 intermediate_size=14336, vocab_size=128256, max_position_embeddings=8192, rope_theta=500000.0,
@@ -102,7 +102,7 @@ def build_random_llama8b(device: str, dtype: torch.dtype):
 
 
 def load_model(args, device: str, compute_dtype: str):
-    from common.verifier import load_verifier_model, read_verifier_info
+    from common.verifier.loading import load_verifier_model, read_verifier_info
 
     info = read_verifier_info(args.model_path, args.trust_remote_code, with_tokenizer_hash=False)
     return info, lambda: load_verifier_model(args.model_path, device, compute_dtype, args.trust_remote_code)
@@ -182,7 +182,7 @@ def main(argv=None) -> int:
         info, make_model = load_model(args, device, compute_dtype)
         num_layers, hidden, vocab = info.num_layers, info.hidden_size, info.vocab_size
         model_name = args.model_path
-    from common.verifier import check_aux_layers, default_aux_layers
+    from common.verifier.loading import check_aux_layers, default_aux_layers
 
     layers = check_aux_layers([int(x) for x in args.aux_layers.split(",")] if args.aux_layers
                               else default_aux_layers(num_layers), num_layers)

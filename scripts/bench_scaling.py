@@ -121,8 +121,8 @@ def write_prepared_data(run: Path, model_path: str, args) -> Path:
     """Stage 01's output without stage 01: random token ids, loss on the last three quarters of each sample.
     Kept when --work-dir already holds it for the same settings (so a later call can reuse its stage 02)."""
     import torch
-    from common.artifacts import Manifest
-    from common.verifier import read_verifier_info
+    from common.formats.manifest import Manifest
+    from common.verifier.loading import read_verifier_info
 
     data_dir = run / "data"
     key = {"model": model_path, "num_samples": args.num_samples, "min_len": args.min_len, "max_len": args.max_len,

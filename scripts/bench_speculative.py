@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Speed of stage 05's speculative decoding loop (common.speculative) on one GPU, batch 1.
+"""Speed of stage 05's speculative decoding loop (common.bench.speculative) on one GPU, batch 1.
 
 For each prompt: the same loop without drafting (plain_decode), transformers' generate, and speculative
 decoding with a drafter, all greedy (the speculative output is checked token for token against
@@ -84,8 +84,8 @@ class OracleDrafter(torch.nn.Module):
 
 
 def build_drafter(args, verifier, info, device, dtype):
-    from common.drafter import DrafterConfig, Eagle3Drafter, load_drafter
-    from common.verifier import default_aux_layers
+    from common.model.drafter import DrafterConfig, Eagle3Drafter, load_drafter
+    from common.verifier.loading import default_aux_layers
 
     embed = verifier.get_input_embeddings().weight.detach()
     if args.draft_model_path:
@@ -103,7 +103,7 @@ def build_drafter(args, verifier, info, device, dtype):
 
 def timed(fn, device, repeats: int) -> float:
     """Median seconds of fn() over `repeats` runs, synchronised."""
-    from common.speculative import synchronize
+    from common.bench.speculative import synchronize
 
     times = []
     for _ in range(repeats):
@@ -118,8 +118,8 @@ def timed(fn, device, repeats: int) -> float:
 @torch.inference_mode()
 def component_costs(verifier, drafter, ids, k: int, device, repeats: int) -> dict:
     """Seconds per verifier forward (1 and k+1 tokens on a cache), drafter step and extend."""
-    from common.drafter import DrafterCache
-    from common.speculative import AuxCapture, VerifierRunner, decoder_layers
+    from common.model.drafter import DrafterCache
+    from common.bench.speculative import AuxCapture, VerifierRunner, decoder_layers
 
     runner = VerifierRunner(verifier)
     cache = runner.new_cache()
@@ -180,16 +180,16 @@ def main(argv=None) -> int:
                         help="random weights at the shape of --model-path's config.json (timing only)")
     parser.add_argument("--cudnn-attention", action="store_true",
                         help="let PyTorch pick cuDNN's attention for the verifier (EAGLE3_CUDNN_ATTENTION=1), "
-                             "which the loops otherwise switch off (common.verifier.inference_attention)")
+                             "which the loops otherwise switch off (common.verifier.loading.inference_attention)")
     parser.add_argument("--hf-mask", action="store_true",
                         help="verify with transformers' own causal mask instead of the explicit one")
     args = parser.parse_args(argv)
     if args.cudnn_attention:
         os.environ["EAGLE3_CUDNN_ATTENTION"] = "1"
 
-    from common.prompts import has_chat_template, render_conversation
-    from common.speculative import SpeculativeDecoder, hf_generate, plain_decode
-    from common.verifier import load_tokenizer, load_verifier_model, read_verifier_info
+    from common.bench.prompts import has_chat_template, render_conversation
+    from common.bench.speculative import SpeculativeDecoder, hf_generate, plain_decode
+    from common.verifier.loading import load_tokenizer, load_verifier_model, read_verifier_info
 
     device = torch.device(args.device)
     dtype = getattr(torch, args.dtype)
@@ -264,7 +264,7 @@ def random_verifier(model_path: str, device, dtype):
     """A causal LM at the shape of model_path's config.json, randomly initialised (seed 0)."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from common.verifier import resolve_model_path
+    from common.verifier.loading import resolve_model_path
 
     folder, _ = resolve_model_path(model_path)
     config = AutoConfig.from_pretrained(folder)

@@ -30,7 +30,7 @@ def main(argv=None) -> int:
     parser.add_argument("--json", action="store_true", help="print {problems, warnings} as JSON")
     args = parser.parse_args(argv)
 
-    from common.drafter import inspect_drafter_dir
+    from common.model.drafter import inspect_drafter_dir
 
     manifest = None
     if args.data_dir:
@@ -42,8 +42,8 @@ def main(argv=None) -> int:
             return 2
     info = None
     if args.model_path:
-        from common.flags import UsageError
-        from common.verifier import read_verifier_info
+        from common.cli.errors import UsageError
+        from common.verifier.loading import read_verifier_info
 
         try:
             info = read_verifier_info(args.model_path, args.trust_remote_code, with_tokenizer_hash=False)

@@ -11,7 +11,7 @@ export PYTHONUNBUFFERED=1
 [ -f "$DENSE/config.json" ] || python3 -c "
 import sys; sys.path.insert(0, '.')
 from pathlib import Path
-from common.verifier import densify_gguf
+from common.verifier.loading import densify_gguf
 densify_gguf(Path('$GGUF'), Path('$DENSE'))"
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
 OUT=${OUT:-/tmp/out}

@@ -4,7 +4,7 @@
 # split, HumanEval, MT-bench) at k=3 and k=7, temperature 0 and 1.
 #
 #   scripts/gpu_smollm2.sh VERIFIER DATA_DIR RUN_DIR
-#     VERIFIER  dense SmolLM2 folder, or its .gguf file (converted once with common.verifier.densify_gguf)
+#     VERIFIER  dense SmolLM2 folder, or its .gguf file (converted once with common.verifier.loading.densify_gguf)
 #     DATA_DIR  made by scripts/prepare_device_data.py: sharegpt.json, humaneval.jsonl, mt_bench.jsonl
 # Sizes through the environment (defaults below): NPROC (GPUs for stages 02 and 04; stage 01 regenerates with a copy
 # of the verifier on every visible GPU), BENCH_GPUS (GPUs sharing stage 05's prompt sets), SAMPLES, EPOCHS, LR,
@@ -53,7 +53,7 @@ fi
 if [[ "$VERIFIER" == *.gguf ]]; then
   DENSE=$(dirname "$VERIFIER")/smollm2-dense
   [ -f "$DENSE/config.json" ] || python3 -c "import sys; sys.path.insert(0, '.')
-from pathlib import Path; from common.verifier import densify_gguf
+from pathlib import Path; from common.verifier.loading import densify_gguf
 densify_gguf(Path('$VERIFIER'), Path('$DENSE'))"
   VERIFIER=$DENSE
 fi

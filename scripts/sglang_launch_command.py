@@ -22,7 +22,7 @@ if str(REPO) not in sys.path:
 
 
 def main(argv=None) -> int:
-    from common import sglang_launch as launch
+    from common.verifier import sglang_launch as launch
 
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0], epilog=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -40,7 +40,7 @@ def main(argv=None) -> int:
     parser.add_argument("--json", action="store_true", help="print {argv, command, notes, problems} as JSON")
     args = parser.parse_args(argv)
 
-    from common.flags import UsageError
+    from common.cli.errors import UsageError
 
     try:
         command = launch.build_launch_command(

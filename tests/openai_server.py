@@ -35,7 +35,7 @@ if str(REPO) not in sys.path:
 class ModelServer:
     def __init__(self, model, tokenizer, name: str = "test-model", decoder=None, eos_token_ids=(),
                  info_layout: str = "nested", fail_first: int = 0, fail_when=None):
-        from common.prompts import has_chat_template
+        from common.bench.prompts import has_chat_template
 
         self.model, self.tokenizer, self.name, self.decoder = model, tokenizer, name, decoder
         self.eos = list(eos_token_ids) or ([tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else [])
@@ -52,7 +52,7 @@ class ModelServer:
 
     # --- generation ---------------------------------------------------------------------------------
     def complete(self, input_ids: list[int], max_new_tokens: int, temperature: float, top_p: float) -> dict:
-        from common.speculative import plain_decode
+        from common.bench.speculative import plain_decode
 
         with self.lock:
             if self.decoder is not None:
@@ -76,7 +76,7 @@ class ModelServer:
         return {"text": text, "meta_info": meta}
 
     def render(self, messages: list[dict]) -> list[int]:
-        from common.prompts import render_conversation
+        from common.bench.prompts import render_conversation
 
         return render_conversation(self.tokenizer, messages, raw=self.raw)
 
@@ -194,14 +194,14 @@ def main(argv=None) -> int:
     parser.add_argument("--dtype", default="float32")
     args = parser.parse_args(argv)
 
-    from common.verifier import load_tokenizer, load_verifier_model
+    from common.verifier.loading import load_tokenizer, load_verifier_model
 
     tokenizer = load_tokenizer(args.model_path)
     model = load_verifier_model(args.model_path, args.device, args.dtype)
     decoder = None
     if args.draft_model_path:
-        from common.drafter import load_drafter
-        from common.speculative import SpeculativeDecoder
+        from common.model.drafter import load_drafter
+        from common.bench.speculative import SpeculativeDecoder
 
         drafter = load_drafter(args.draft_model_path, embed=model.get_input_embeddings().weight.detach(),
                                device=args.device, dtype=args.dtype)

@@ -1,6 +1,6 @@
 """Stage 05 (benchmark) on real models, on CPU: speculative decoding, its baselines, the three modes, reports.
 
-The verifier is stories260K. Drafters are built with common.drafter: a randomly initialised one (nothing
+The verifier is stories260K. Drafters are built with common.model.drafter: a randomly initialised one (nothing
 accepted, yet the output must still be exactly the verifier's greedy output), and one trained here for a
 few seconds with the real TTT loss on the verifier's own hidden states (so drafts are accepted and the
 rollback paths of the caches run). The last tests build a whole run directory with the real stages 01-04
@@ -45,16 +45,16 @@ def stage05():
 
 @pytest.fixture(scope="module")
 def verifier(stories260k):
-    from common.verifier import load_tokenizer, load_verifier_model
+    from common.verifier.loading import load_tokenizer, load_verifier_model
 
     torch.set_num_threads(1)
     return load_verifier_model(str(stories260k), "cpu", "float32"), load_tokenizer(str(stories260k))
 
 
 def _new_drafter(model, stories260k, counts):
-    from common.drafter import DrafterConfig, Eagle3Drafter
-    from common.verifier import default_aux_layers, read_verifier_info
-    from common.vocab import select_draft_vocab
+    from common.model.drafter import DrafterConfig, Eagle3Drafter
+    from common.verifier.loading import default_aux_layers, read_verifier_info
+    from common.formats.vocab_map import select_draft_vocab
 
     info = read_verifier_info(str(stories260k))
     mapping = select_draft_vocab(counts, DRAFT_VOCAB)  # 320 of 512: d2t is not the identity
@@ -68,10 +68,10 @@ def _new_drafter(model, stories260k, counts):
 def drafters(verifier, stories260k, tmp_path_factory):
     """{"random": untrained (random lm_head), "trained": a few TTT steps on the verifier's own greedy
     continuations, "trained_dir": that drafter saved as an SGLang-ready folder}."""
-    from common.drafter import save_drafter, ttt_loss
-    from common.speculative import AuxCapture, decoder_layers, plain_decode
-    from common.training import collate
-    from common.vocab import count_target_tokens
+    from common.model.drafter import save_drafter, ttt_loss
+    from common.bench.speculative import AuxCapture, decoder_layers, plain_decode
+    from common.train.training import collate
+    from common.formats.vocab_map import count_target_tokens
 
     model, tokenizer = verifier
     torch.manual_seed(0)
@@ -110,7 +110,7 @@ def drafters(verifier, stories260k, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def greedy_refs(verifier):
-    from common.speculative import plain_decode
+    from common.bench.speculative import plain_decode
 
     model, tokenizer = verifier
     return {start: plain_decode(model, tokenizer(start).input_ids, 40, [2])[0] for start in STARTS[:4]}
@@ -124,7 +124,7 @@ SETTINGS = [  # (num_steps, topk, num_draft_tokens)
 
 @pytest.mark.parametrize("kind", ["random", "trained"])
 def test_greedy_speculative_output_is_the_verifiers_greedy_output(kind, verifier, drafters, greedy_refs):
-    from common.speculative import SpeculativeDecoder, hf_generate
+    from common.bench.speculative import SpeculativeDecoder, hf_generate
 
     model, tokenizer = verifier
     taus = {}
@@ -154,7 +154,7 @@ def test_every_first_draft_is_the_drafters_teacher_forced_prediction(num_steps, 
     every t and predicts token t+2. In decoding, the first draft of each verify step must be exactly that
     prediction at the committed position, whatever was accepted or rolled back before: otherwise the live
     acceptance falls below the validation agreement that training reports."""
-    from common.speculative import AuxCapture, SpeculativeDecoder, decoder_layers
+    from common.bench.speculative import AuxCapture, SpeculativeDecoder, decoder_layers
 
     model, tokenizer = verifier
     drafter = drafters["trained"]
@@ -189,9 +189,9 @@ def test_stage05_scores_its_decoded_text_with_stage04s_validation(verifier, draf
     """Stage 05 reports the drafter's teacher-forced agreement on the text it decoded (stage 02's capture,
     stage 04's validation). Step 0 must count exactly the output tokens that the drafter predicts from the
     position two before, among those whose verifier argmax is a draft token."""
-    from common.extraction import find_text_model, sample_states
-    from common.speculative import AuxCapture, decoder_layers
-    from common.training import evaluate
+    from common.extract.extraction import find_text_model, sample_states
+    from common.bench.speculative import AuxCapture, decoder_layers
+    from common.train.training import evaluate
 
     model, tokenizer = verifier
     drafter = drafters["trained"]
@@ -217,7 +217,7 @@ def test_stage05_scores_its_decoded_text_with_stage04s_validation(verifier, draf
 
 
 def test_stop_token_inside_an_accepted_block_and_the_token_budget(verifier, drafters):
-    from common.speculative import SpeculativeDecoder, plain_decode
+    from common.bench.speculative import SpeculativeDecoder, plain_decode
 
     model, tokenizer = verifier
     period = tokenizer.convert_tokens_to_ids(".")
@@ -237,8 +237,8 @@ def test_verifier_attention_runs_without_cudnn_in_every_generation_loop(verifier
     token: speculative decoding, both of its baselines and stage 01's regeneration run the verifier with
     cuDNN's SDPA kernel switched off (the flag is real PyTorch state, checked at every verifier forward),
     and switch it back on afterwards."""
-    from common.regenerate import HFResponder
-    from common.speculative import SpeculativeDecoder, hf_generate, plain_decode
+    from common.data.regenerate import HFResponder
+    from common.bench.speculative import SpeculativeDecoder, hf_generate, plain_decode
 
     model, tokenizer = verifier
     ids = tokenizer(STARTS[0]).input_ids
@@ -266,7 +266,7 @@ def test_verifier_attention_runs_without_cudnn_in_every_generation_loop(verifier
 
 def test_rejection_sampling_preserves_the_target_distribution():
     """Standard speculative sampling with explicit p and q over a small vocabulary (20000 draws)."""
-    from common.speculative import Sampler, make_generator, rejection_sample
+    from common.bench.speculative import Sampler, make_generator, rejection_sample
 
     V = 6
     draft_to_target = torch.tensor([0, 2, 3, 5])  # a draft vocabulary of 4 of the 6 tokens
@@ -301,7 +301,7 @@ def test_rejection_sampling_preserves_the_target_distribution():
 def test_top_p_keeps_the_same_tokens_as_transformers():
     from transformers.generation.logits_process import TopPLogitsWarper
 
-    from common.speculative import Sampler
+    from common.bench.speculative import Sampler
 
     logits = torch.randn(4, 50, generator=torch.Generator().manual_seed(0)) * 3
     for top_p in (0.5, 0.9):
@@ -326,7 +326,7 @@ def _exact_two_token_distribution(model, ids, sampler) -> dict[tuple[int, int], 
 def test_sampled_first_two_tokens_follow_the_verifier(topk, num_steps, verifier, drafters):
     """End to end: the first two tokens (the second from the first verify step) against the exact joint
     distribution of the verifier at temperature 1, top-p 0.6 (loose bound: 400 samples)."""
-    from common.speculative import Sampler, SpeculativeDecoder
+    from common.bench.speculative import Sampler, SpeculativeDecoder
 
     model, tokenizer = verifier
     ids = tokenizer("Once upon a time").input_ids
@@ -367,8 +367,7 @@ def assert_valid_png(path: Path) -> tuple[int, int]:
 
 
 def test_report_helpers():
-    from common.bench_report import acceptance_by_position, percentile, render_bar_png, repetition_share, \
-        results_stem
+    from common.bench.report import acceptance_by_position, percentile, render_bar_png, repetition_share, results_stem
 
     assert repetition_share([1, 2, 3, 4, 5, 6, 7, 8]) == 0.0
     assert repetition_share([1, 2, 3, 4, 1, 2, 3, 4]) == 0.5  # the second 1 2 3 4 repeats the first
@@ -402,8 +401,8 @@ def bench_prompts(tmp_path: Path) -> Path:
 
 
 def test_prompt_files_of_every_supported_format(tmp_path):
-    from common.flags import UsageError
-    from common.prompts import load_prompts
+    from common.cli.errors import UsageError
+    from common.bench.prompts import load_prompts
 
     mt = load_prompts(str(REPO.parent / "shared" / "bench" / "mt_bench.jsonl"))
     assert len(mt) == 80 and all(len(p.turns) == 2 for p in mt) and len({p.category for p in mt}) == 8
@@ -505,7 +504,7 @@ def servers(verifier, drafters):
     sys.path.insert(0, str(REPO / "tests"))
     from openai_server import ModelServer
 
-    from common.speculative import SpeculativeDecoder
+    from common.bench.speculative import SpeculativeDecoder
 
     model, tokenizer = verifier
     spec = ModelServer(model, tokenizer, name="stories-spec", decoder=SpeculativeDecoder(model, drafters["trained"]),
@@ -553,7 +552,7 @@ def test_server_mode_generate_route(stage05, servers, stories260k, tmp_path):
 
 
 def test_server_info_layouts_and_unreachable_server(stage05, tmp_path):
-    from common.server_bench import avg_spec_accept_length
+    from common.bench.server import avg_spec_accept_length
 
     assert avg_spec_accept_length({"avg_spec_accept_length": 2.5}) == 2.5
     assert avg_spec_accept_length({"internal_states": [{"avg_spec_accept_length": 3.25}]}) == 3.25
@@ -618,7 +617,7 @@ def test_offline_defaults_come_from_the_run_directory(stage05, pipeline_run):
 
 
 def test_prompts_from_the_training_data_are_refused(stage05, pipeline_run, tmp_path):
-    from common.prompts import load_prompts
+    from common.bench.prompts import load_prompts
 
     run = pipeline_run["run"]
     train_ids = {json.loads(line)["id"] for line in (run / "data" / "tokenized_data.jsonl").read_text().splitlines()}
@@ -642,7 +641,7 @@ def test_a_copied_run_directory_is_traced_at_its_new_place(stage05, pipeline_run
     import logging
     import shutil
 
-    from common.prompts import load_prompts
+    from common.bench.prompts import load_prompts
 
     copy = tmp_path / "elsewhere" / "run_copy"
     shutil.copytree(pipeline_run["run"], copy, ignore=shutil.ignore_patterns("*.pt", "*.safetensors.tmp*"))
@@ -652,7 +651,7 @@ def test_a_copied_run_directory_is_traced_at_its_new_place(stage05, pipeline_run
 
 
 def test_relocated_follows_a_moved_tree_and_leaves_other_paths(tmp_path):
-    from common.artifacts import relocated
+    from common.formats.manifest import relocated
 
     manifest_file = tmp_path / "new" / "run" / "checkpoints" / "manifest.json"
     manifest_file.parent.mkdir(parents=True)

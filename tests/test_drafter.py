@@ -14,10 +14,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from common import drafter as D
-from common.drafter import (DrafterCache, DrafterConfig, Eagle3Drafter, aux_layers_from_eagle_config,
-                            check_drafter_dir, eagle_config_layer_ids, inspect_drafter_dir, load_drafter,
-                            make_optimizer, save_drafter, simulated_acceptance_length, ttt_attention, ttt_loss)
+from common.model import drafter as D
+from common.model.drafter import (DrafterCache, DrafterConfig, Eagle3Drafter, aux_layers_from_eagle_config,
+    check_drafter_dir, eagle_config_layer_ids, inspect_drafter_dir, load_drafter, make_optimizer, save_drafter,
+    simulated_acceptance_length, ttt_attention, ttt_loss)
 
 V, VD, H = 40, 16, 16
 
@@ -614,7 +614,7 @@ def test_check_drafter_dir_compares_layer_ids_with_the_hidden_state_manifest(tmp
 
 def stories260k_drafter(stories260k, **overrides):
     """A drafter on stories260K's shape, initialised from its real tensors, with draft ids 0, 2, ..., 198."""
-    from common.verifier import default_aux_layers, read_embedding_tensors, read_verifier_info
+    from common.verifier.loading import default_aux_layers, read_embedding_tensors, read_verifier_info
 
     info = read_verifier_info(str(stories260k))
     cfg = DrafterConfig.from_verifier(info, 100, default_aux_layers(info.num_layers), **overrides)
@@ -640,7 +640,7 @@ def test_from_verifier_and_init_on_real_stories260k(stories260k):
         bad[1] = True
         model.init_from_verifier(tensors["embed_tokens"].float(), tensors["lm_head"].float(),
                                  ids - torch.arange(100), bad)
-    from common.verifier import read_verifier_info
+    from common.verifier.loading import read_verifier_info
 
     info = read_verifier_info(str(stories260k))
     mla = type(info)(**{**info.__dict__, "model_type": "deepseek_v3", "hidden_size": 7168,

@@ -18,11 +18,12 @@ import pytest
 import torch
 
 from conftest import REPO, run_script, save_tiny_deepseek_v3
-from common.artifacts import Manifest, read_json, write_json_atomic
-from common.extraction import (AUX_FILES, CRASH_ENV, Extractor, FINAL_FILE, LAYER_CONVENTION, META_FILE,
-                               SAMPLE_FILES, TMP_PREFIX, find_text_model, load_sample, open_hidden_states,
-                               plan_batches, read_prepared_data, sample_dir_name)
-from common.verifier import load_verifier_model, read_verifier_info
+from common.formats.manifest import Manifest
+from common.formats.files import read_json, write_json_atomic
+from common.extract.extraction import (AUX_FILES, CRASH_ENV, Extractor, FINAL_FILE, LAYER_CONVENTION, META_FILE,
+    SAMPLE_FILES, TMP_PREFIX, find_text_model, load_sample, open_hidden_states, plan_batches, read_prepared_data,
+    sample_dir_name)
+from common.verifier.loading import load_verifier_model, read_verifier_info
 
 pytestmark = pytest.mark.usefixtures("one_intra_op_thread")
 
@@ -250,7 +251,7 @@ def test_find_text_model_in_multimodal_wrappers(deepseek_dir):
 
 
 def stage_sample(ids: torch.Tensor):
-    from common.extraction import Sample
+    from common.extract.extraction import Sample
 
     return Sample(position=0, id="s", input_ids=ids, loss_mask=torch.ones_like(ids, dtype=torch.uint8))
 

@@ -5,7 +5,7 @@ import json
 
 import pytest
 
-from common.flags import FLAGS, STAGE_FLAGS, build_parser, parse_stage_args
+from common.cli.flags import FLAGS, STAGE_FLAGS, build_parser, parse_stage_args
 from conftest import run_script
 
 STAGES = list(STAGE_FLAGS)

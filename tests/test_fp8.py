@@ -12,9 +12,9 @@ import shutil
 import pytest
 import torch
 
-from common.drafter import ttt_loss
-from common import kernels
-from common.kernels import E4M3, E5M2, Bf16Gemms, Fp8Gemms, linear, quantize
+from common.model.drafter import ttt_loss
+from common.model import kernels
+from common.model.kernels import E4M3, E5M2, Bf16Gemms, Fp8Gemms, linear, quantize
 from tests.test_drafter import assert_overfits_a_fixed_batch, random_batch, tiny_model
 
 pytestmark = pytest.mark.usefixtures("one_intra_op_thread")

@@ -116,7 +116,7 @@ def test_ctrl_c_reaches_stage_04_once_and_it_stops_with_a_checkpoint(tmp_path, t
 def test_progress_in_a_log_reports_the_end_once(tmp_path):
     """Under nohup (no terminal) progress goes to the log; an update that has just reported the last
     count is not repeated by the closing report, and a count reached between reports still is."""
-    from common.stage import Progress, setup_logging
+    from common.cli.stage import Progress, setup_logging
 
     setup_logging("progress_test", tmp_path)
     with Progress(total=4, desc="work", interval=0.0) as progress:

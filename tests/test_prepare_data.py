@@ -14,9 +14,9 @@ from pathlib import Path
 import pytest
 
 from conftest import REPO, STORIES_TEMPLATE, run_script
-from common.chat_data import (BadRecordError, BadRecords, ChatTokenizer, end_of_turn_ids, iter_json_array,
-                              prompt_hash, read_records, resolve_source)
-from common.regenerate import CACHE_FILE, RegenerationCache, prompts_hash, regenerate_conversations
+from common.data.chat_data import (BadRecordError, BadRecords, ChatTokenizer, end_of_turn_ids, iter_json_array,
+    prompt_hash, read_records, resolve_source)
+from common.data.regenerate import CACHE_FILE, RegenerationCache, prompts_hash, regenerate_conversations
 
 SCRIPT = "01_prepare_data.py"
 
@@ -220,7 +220,7 @@ def test_template_that_rewrites_history_splits_turns(smol_tokenizer):
 
 def test_plain_text_loss_everywhere_and_truncation(smol_tokenizer):
     chat = ChatTokenizer(smol_tokenizer, end_of_turn_ids(smol_tokenizer), max_seq_len=8)
-    from common.chat_data import Record
+    from common.data.chat_data import Record
 
     [text] = chat.record(Record("t", "x", 1, text="Once upon a time there was a small robot who loved to paint."))
     assert len(text.input_ids) == 8 and text.loss_mask == [1] * 8 and text.truncated
@@ -484,7 +484,7 @@ class ScriptedResponder:
 
 
 def test_regeneration_driver_turn_by_turn_and_resume(tmp_path):
-    from common.chat_data import Record
+    from common.data.chat_data import Record
 
     conversations = [
         Record("a", "d", 1, messages=[{"role": "system", "content": "S"}, {"role": "user", "content": "u1"},
@@ -528,9 +528,9 @@ def test_large_regeneration_batches_are_sorted_over_several_batches(stage, tmp_p
     """With --batch-size 1024 a round holds 8 batches, so length-sorted batches pad little: over 5000
     conversations the prompts reach the responder in one non-decreasing length order, and only the last
     batch holds the longest ones (a round of 2048 put the longest of every round into its second batch)."""
-    from common.chat_data import Record
-    from common.regenerate import Regenerator
-    from common.verifier import load_tokenizer
+    from common.data.chat_data import Record
+    from common.data.regenerate import Regenerator
+    from common.verifier.loading import load_tokenizer
 
     prompts = [f"{i:04d}" + "x" * ((i * 7919) % 997) for i in range(5000)]  # scrambled lengths, all distinct
     records = [Record(f"r{i}", "d", i + 1, messages=[{"role": "user", "content": p}]) for i, p in enumerate(prompts)]
@@ -549,8 +549,8 @@ def test_large_regeneration_batches_are_sorted_over_several_batches(stage, tmp_p
 def test_regeneration_on_two_copies_gives_the_same_replies_in_order(stories260k):
     """With one copy of the verifier per device, the batches of a call run on whichever copy is free (one
     thread each); every conversation still gets the reply one copy gives it, in its own place."""
-    from common.regenerate import HFResponder
-    from common.verifier import load_tokenizer, load_verifier_model
+    from common.data.regenerate import HFResponder
+    from common.verifier.loading import load_tokenizer, load_verifier_model
 
     tokenizer = load_tokenizer(str(stories260k))
     tokenizer.chat_template = STORIES_TEMPLATE
@@ -639,7 +639,7 @@ def test_regenerate_with_stories260k_and_resume(stage, tmp_path, stories260k, st
 
 
 def test_max_turns_keeps_the_first_user_turns_and_their_replies():
-    from common.chat_data import keep_first_user_turns
+    from common.data.chat_data import keep_first_user_turns
 
     messages = [{"role": "system", "content": "s"}, {"role": "user", "content": "u1"},
                 {"role": "assistant", "content": "a1"}, {"role": "user", "content": "u2"},
@@ -657,7 +657,7 @@ def endpoint(stories260k):
     sys.path.insert(0, str(REPO / "tests"))
     from openai_server import ModelServer
 
-    from common.verifier import load_tokenizer, load_verifier_model
+    from common.verifier.loading import load_tokenizer, load_verifier_model
 
     tokenizer = load_tokenizer(str(stories260k))
     tokenizer.chat_template = STORIES_TEMPLATE
@@ -744,7 +744,7 @@ def test_unreachable_endpoint_exits_2_before_any_work(stage, tmp_path, stories26
 def test_device_data_with_prompts_only_keeps_every_prompt_and_no_reply(sharegpt_path, tmp_path):
     """scripts/prepare_device_data.py --prompts-only: the first N ShareGPT conversations, each with its first
     exchange's prompt and no assistant message (stage 01 --regenerate writes the replies), plus HumanEval."""
-    from common.chat_data import ASSISTANT, ROLE_ALIASES
+    from common.data.chat_data import ASSISTANT, ROLE_ALIASES
 
     result = run_script("scripts/prepare_device_data.py", str(tmp_path), "--conversations", "40", "--prompts-only",
                         timeout=300)

@@ -26,7 +26,7 @@ import torch
 import sglang_source as src
 from conftest import REPO, save_tiny_deepseek_v3
 from sglang_standin import SGLangStyleTextModel, StandinForwardMode, pack
-from common.flags import UsageError
+from common.cli.errors import UsageError
 from patches import SUPPORTED_SGLANG_VERSION, installed_sglang_version, sglang_version_problem
 from patches.sglang_capture import (ACTIVE_FILE, CAPTURE_MODE, ERROR_FILE, FORWARD_BATCH_FIELDS, HOOKED_TEXT_MODELS,
                                     JOURNAL_FILE, TEXT_MODEL_ATTRIBUTES, CaptureError, CaptureHooks, CapturePlan,
@@ -129,7 +129,7 @@ def test_decoder_layers_capture_their_input_before_attention(pinned_sglang, modu
 
 
 def test_the_verifier_classes_run_the_hooked_text_models(pinned_sglang):
-    from common.sglang_backend import SUPPORTED_ARCHITECTURES
+    from common.verifier.sglang_backend import SUPPORTED_ARCHITECTURES
 
     models = "sglang.srt.models."
     deepseek = src.self_attributes_assigned(src.find_method(models + "deepseek_v2", "DeepseekV2ForCausalLM",
@@ -188,7 +188,7 @@ def test_sglang_processes_import_the_hooks_through_the_model_package_variable(pi
 
 
 def test_engine_settings_and_calls_exist_in_the_pinned_engine(pinned_sglang):
-    from common.sglang_backend import CAPTURE_SETTINGS, engine_kwargs
+    from common.verifier.sglang_backend import CAPTURE_SETTINGS, engine_kwargs
 
     args = Namespace(tp_size=8, dtype="bfloat16", trust_remote_code=True, gpu_memory_utilization=0.85)
     kwargs = engine_kwargs(args, "/models/kimi", 64, 32768)
@@ -222,7 +222,7 @@ def test_layer_id_rules_of_the_pinned_release(pinned_sglang):
                                          "set_eagle3_layers_to_capture"))
     assert "self.language_model.set_eagle3_layers_to_capture(layer_ids)" in kimi
 
-    from common.sglang_launch import captured_layers, eagle_ids_for
+    from common.verifier.sglang_launch import captured_layers, eagle_ids_for
 
     assert captured_layers("LlamaForCausalLM", [1, 14, 26], 30) == [2, 15, 27]
     assert captured_layers("KimiK25ForConditionalGeneration", [1, 29, 57], 61) == [2, 30, 58]
@@ -235,7 +235,7 @@ def test_layer_id_rules_of_the_pinned_release(pinned_sglang):
 
 
 def test_server_benchmark_reads_what_the_pinned_server_returns(pinned_sglang):
-    from common.server_bench import SERVER_INFO_PATHS
+    from common.bench.server import SERVER_INFO_PATHS
 
     manager = src.source_of(src.parse("sglang.srt.managers.tokenizer_manager"))
     for key in ("spec_verify_ct", "spec_accept_length"):
@@ -273,8 +273,8 @@ def _prepared(folder: Path, lengths: list[int], seed: int = 0) -> Path:
 
 
 def _setup(model_dir: Path, tmp_path: Path, layers: list[int], lengths: list[int]):
-    from common.extraction import find_text_model, read_prepared_data
-    from common.verifier import load_verifier_model
+    from common.extract.extraction import find_text_model, read_prepared_data
+    from common.verifier.loading import load_verifier_model
 
     data = _prepared(tmp_path / "data", lengths)
     samples, _ = read_prepared_data(data, 512, 2048)
@@ -292,7 +292,7 @@ def _setup(model_dir: Path, tmp_path: Path, layers: list[int], lengths: list[int
 def test_capture_hooks_on_hf_models_in_sglang_calling_convention(which, verifiers, tmp_path):
     """Forwards as SGLang runs them: one request alone (exact), several packed with a request that is not stage
     02's in between, a decode forward (untouched), and a prefill of an already written sample (written once)."""
-    from common.extraction import AUX_FILES, FINAL_FILE, META_FILE, SAMPLE_FILES, scan_output
+    from common.extract.extraction import AUX_FILES, FINAL_FILE, META_FILE, SAMPLE_FILES, scan_output
 
     layers = [0, 2, 4]  # the embedding output, a middle layer's input, the last layer's input
     lengths = [13, 9, 21, 1, 16, 7]
@@ -374,8 +374,8 @@ def test_capture_refuses_forwards_that_are_not_one_row_per_prompt_token(verifier
 
 
 def test_journal_follower_and_request_order(tmp_path):
-    from common.extraction import Sample
-    from common.sglang_backend import JournalFollower, request_chunks
+    from common.extract.extraction import Sample
+    from common.verifier.sglang_backend import JournalFollower, request_chunks
 
     path = tmp_path / JOURNAL_FILE
     follower = JournalFollower(path)
@@ -399,8 +399,8 @@ def test_stage02_backend_sglang_refuses_before_any_engine_starts(stories260k, tm
     message naming the fix, before reading the data or starting an engine."""
     import importlib.util
 
-    from common.sglang_backend import check_sglang_verifier
-    from common.verifier import read_verifier_info
+    from common.verifier.sglang_backend import check_sglang_verifier
+    from common.verifier.loading import read_verifier_info
 
     spec = importlib.util.spec_from_file_location("stage02_sglang", REPO / "02_extract_hidden_states.py")
     stage02 = importlib.util.module_from_spec(spec)

@@ -19,8 +19,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from common.artifacts import MANIFEST, Manifest, read_json, write_json_atomic
-from common.verifier import read_verifier_info
+from common.formats.manifest import MANIFEST, Manifest
+from common.formats.files import read_json, write_json_atomic
+from common.verifier.loading import read_verifier_info
 from conftest import REPO, run_script
 
 pytestmark = pytest.mark.usefixtures("one_intra_op_thread")
@@ -136,7 +137,7 @@ def stage04():
 # --- batching, split, schedule, pointers (no model needed) ----------------------------------------------
 
 def test_batch_plan_packs_by_length_under_the_token_budget_and_is_seeded():
-    from common.training import plan_batches
+    from common.train.training import plan_batches
 
     generator = torch.Generator().manual_seed(3)
     lengths = torch.randint(5, 200, (500,), generator=generator).tolist()
@@ -153,7 +154,7 @@ def test_batch_plan_packs_by_length_under_the_token_budget_and_is_seeded():
 
 
 def test_validation_split_is_by_sample_seeded_and_independent_of_index_order():
-    from common.training import split_train_val
+    from common.train.training import split_train_val
 
     ids = [f"id{i}" for i in range(200)]
     train, val = split_train_val(ids, 0.1, seed=0)
@@ -167,7 +168,7 @@ def test_validation_split_is_by_sample_seeded_and_independent_of_index_order():
 
 @pytest.mark.parametrize("kind", ["cosine", "linear", "constant"])
 def test_scheduler_warms_up_then_decays(kind):
-    from common.training import make_scheduler
+    from common.train.training import make_scheduler
 
     param = torch.nn.Parameter(torch.zeros(1))
     optimizer = torch.optim.AdamW([param], lr=1.0)
@@ -194,7 +195,7 @@ def _fake_checkpoint(root: Path, name: str, step: int) -> None:
 
 @pytest.mark.parametrize("symlinks", [True, False])
 def test_pointers_and_pruning(tmp_path, monkeypatch, symlinks):
-    from common.training import CheckpointManager
+    from common.train.training import CheckpointManager
 
     if not symlinks:  # a filesystem without symlinks (fault injected: os.symlink raises as it would there)
         def no_symlink(*args, **kwargs):
@@ -260,8 +261,8 @@ def trained(run_a, nested_verifier, tmp_path_factory) -> Path:
 
 @pytest.mark.slow
 def test_training_learns_and_writes_sglang_ready_checkpoints(trained, run_a, nested_verifier):
-    from common.drafter import check_drafter_dir
-    from common.extraction import open_hidden_states
+    from common.model.drafter import check_drafter_dir
+    from common.extract.extraction import open_hidden_states
 
     train, evals = records(trained, "train"), records(trained, "eval")
     # The loss falls and the agreement with the verifier rises, at every TTT step, on held-out samples.
@@ -305,8 +306,8 @@ def test_training_learns_and_writes_sglang_ready_checkpoints(trained, run_a, nes
 def test_fp8_training_learns_like_bf16_and_exports_the_same_format(trained, run_a, stories260k, tmp_path):
     """Stage 04 --fp8 on the same data (CPU FP8 GEMMs; the intermediate size made a multiple of 16 so every
     GEMM runs in FP8): the validation agreement rises as in the full-precision run and checkpoints pass."""
-    from common.drafter import check_drafter_dir
-    from common.extraction import open_hidden_states
+    from common.model.drafter import check_drafter_dir
+    from common.extract.extraction import open_hidden_states
 
     out = tmp_path / "fp8"
     done = run_script("04_train.py", *train_argv(run_a, out, stories260k, epochs=EPOCHS, eval_interval=1000,
@@ -326,7 +327,7 @@ def test_embedding_and_lm_head_are_the_only_tensors_read(nested_verifier, storie
     """A spy (not a mock: the real safe_open reads the real files) records every shard opened and tensor read."""
     import safetensors
 
-    from common.verifier import read_embedding_tensors
+    from common.verifier.loading import read_embedding_tensors
 
     opened, read = [], []
     real_safe_open = safetensors.safe_open
@@ -469,7 +470,7 @@ def test_a_signal_stops_after_the_step_with_a_checkpoint_and_resume_continues_ex
 @pytest.mark.slow
 def test_weights_only_resume_would_be_caught(run_a, stories260k, stage04, tmp_path, monkeypatch):
     """Negative control for the test above: resuming only the weights (SpecForge #496) gives other results."""
-    from common import training
+    from common.train import training
 
     whole, broken = tmp_path / "whole", tmp_path / "broken"
     assert stage04.main(train_argv(run_a, whole, stories260k, **RESUME_FLAGS)) == 0
@@ -530,8 +531,8 @@ def test_unfinished_hidden_states_are_refused(run_a, stories260k, stage04, tmp_p
 
 
 def test_finetune_from_a_drafter_of_another_shape_is_refused(run_a, stories260k, stage04, tmp_path):
-    from common.drafter import DrafterConfig, Eagle3Drafter, save_drafter
-    from common.extraction import open_hidden_states
+    from common.model.drafter import DrafterConfig, Eagle3Drafter, save_drafter
+    from common.extract.extraction import open_hidden_states
 
     manifest, _ = open_hidden_states(run_a / "hidden_states")
     info = read_verifier_info(str(stories260k))
@@ -565,10 +566,10 @@ def test_resume_with_other_settings_is_refused(run_a, stories260k, stage04, tmp_
 @pytest.mark.slow
 def test_finetune_from_trained_drafter_and_evaluate_reproduces_validation(trained, run_a, nested_verifier,
                                                                           stories260k, stage04, tmp_path):
-    from common.drafter import load_drafter
-    from common.extraction import load_sample, open_hidden_states
-    from common.training import evaluate
-    from common.verifier import read_embedding_tensors
+    from common.model.drafter import load_drafter
+    from common.extract.extraction import load_sample, open_hidden_states
+    from common.train.training import evaluate
+    from common.verifier.loading import read_embedding_tensors
 
     # evaluate() on the held-out samples (single samples, as stage 05 --mode eval may pass them) reproduces
     # what training logged for the best checkpoint: the export, the load and the metric agree.
@@ -605,8 +606,8 @@ def test_without_validation_split_best_is_the_latest_epoch(run_a, stories260k, s
 
 def test_a_checkpoint_failing_its_check_stops_the_run(stories260k, tmp_path):
     """check_drafter_dir runs after every save; a failure raises and `latest` keeps the last good folder."""
-    from common.drafter import DrafterConfig, Eagle3Drafter, check_drafter_dir
-    from common.training import CheckpointManager
+    from common.model.drafter import DrafterConfig, Eagle3Drafter, check_drafter_dir
+    from common.train.training import CheckpointManager
 
     info = read_verifier_info(str(stories260k))
     model = Eagle3Drafter(DrafterConfig.from_verifier(info, 512, [1, 2, 3]))
@@ -628,11 +629,11 @@ def test_bf16_resume_restores_fp32_master_weights_and_moments(run_a, stories260k
     """The GPU configuration (bf16 parameters, fp32 master weights and moments in the optimizer), run on CPU
     at the Trainer level: a resumed run must end bit-identical, which needs the fp32 optimizer state back
     in fp32 (torch's load_state_dict alone casts it to bf16)."""
-    from common.drafter import DrafterConfig, Eagle3Drafter
-    from common.extraction import open_hidden_states
-    from common.training import HiddenStateDataset, LoopConfig, TrainConfig, Trainer, cast_parameters
-    from common.verifier import read_embedding_tensors
-    from common.vocab import load_mapping
+    from common.model.drafter import DrafterConfig, Eagle3Drafter
+    from common.extract.extraction import open_hidden_states
+    from common.train.training import HiddenStateDataset, LoopConfig, TrainConfig, Trainer, cast_parameters
+    from common.verifier.loading import read_embedding_tensors
+    from common.formats.vocab_map import load_mapping
 
     manifest, entries = open_hidden_states(run_a / "hidden_states")
     info = read_verifier_info(str(stories260k))

@@ -38,7 +38,7 @@ from typing import Iterable, Sequence
 
 import torch
 
-from common.verifier import inference_attention
+from common.verifier.loading import inference_attention
 
 # --- small helpers -----------------------------------------------------------------------------------
 
@@ -411,7 +411,7 @@ def hf_generate(verifier: torch.nn.Module, input_ids, max_new_tokens: int, eos_t
 class SpeculativeDecoder:
     """EAGLE-3 speculative decoding: `generate(input_ids, max_new_tokens, eos_token_ids) -> (tokens, stats)`.
 
-    `verifier`: a transformers causal LM (SDPA attention for trees). `drafter`: common.drafter.Eagle3Drafter
+    `verifier`: a transformers causal LM (SDPA attention for trees). `drafter`: common.model.drafter.Eagle3Drafter
     on the same device. num_steps: draft depth; topk: branches per step (1 = chain); num_draft_tokens: tokens
     verified per step including the last committed one (tree only; chain = num_steps + 1).
     """
@@ -419,7 +419,7 @@ class SpeculativeDecoder:
     def __init__(self, verifier: torch.nn.Module, drafter: torch.nn.Module, num_steps: int = 3, topk: int = 1,
                  num_draft_tokens: int | None = None, temperature: float = 0.0, top_p: float = 1.0,
                  seed: int = 0, aux_layers: Sequence[int] | None = None, explicit_mask: bool = True):
-        from common.drafter import DrafterCache
+        from common.model.drafter import DrafterCache
 
         self.verifier = VerifierRunner(verifier)
         self.explicit_mask = explicit_mask

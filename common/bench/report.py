@@ -16,7 +16,7 @@ import zlib
 from pathlib import Path
 from typing import Any, Sequence
 
-from common.artifacts import atomic_path, write_json_atomic, write_text_atomic
+from common.formats.files import atomic_path, write_json_atomic, write_text_atomic
 
 REPETITION_NGRAM = 4
 

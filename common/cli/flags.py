@@ -15,7 +15,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
-USAGE_ERROR = 2  # exit code for a bad flag or bad input; 1 means a failure during work
+from common.cli.errors import USAGE_ERROR, UsageError
+
 
 
 def _csv_ints(text: str) -> list[int]:
@@ -263,10 +264,6 @@ _RUN_INPUTS = {
     "vocab_mapping_dir": ("03_build_vocab_mapping", ""),
     "draft_model_path": ("04_train", "best"),
 }
-
-
-class UsageError(Exception):
-    """A bad flag or bad input: the stage exits with code 2 before doing any heavy work."""
 
 
 def _all_option_strings() -> dict[str, str]:

@@ -47,9 +47,11 @@ from typing import Any, Iterable, Sequence
 
 import torch
 
-from common.artifacts import MANIFEST, load_manifest, write_text_atomic
-from common.flags import UsageError
-from common.verifier import inference_attention
+from common.batching import pack_by_length
+from common.formats.manifest import MANIFEST, load_manifest
+from common.formats.files import write_text_atomic
+from common.cli.errors import UsageError
+from common.verifier.loading import inference_attention
 
 STAGE = "02_extract_hidden_states"
 FORMAT_VERSION = 1
@@ -186,19 +188,7 @@ def plan_batches(samples: Sequence[Sample], batch_size: int, max_tokens_per_batc
     data and these two numbers, so a rerun with the same flags recomputes the very same batches.
     """
     order = sorted(range(len(samples)), key=lambda i: (-samples[i].num_tokens, samples[i].position))
-    batches: list[list[int]] = []
-    current: list[int] = []
-    longest = 0
-    for index in order:
-        length = samples[index].num_tokens
-        if current and (len(current) >= batch_size or max(longest, length) * (len(current) + 1) > max_tokens_per_batch):
-            batches.append(current)
-            current, longest = [], 0
-        current.append(index)
-        longest = max(longest, length)
-    if current:
-        batches.append(current)
-    return batches
+    return pack_by_length(order, [sample.num_tokens for sample in samples], max_tokens_per_batch, batch_size)
 
 
 def rank_batches(samples: Sequence[Sample], batches: Sequence[list[int]], world_size: int,
@@ -210,7 +200,7 @@ def rank_batches(samples: Sequence[Sample], batches: Sequence[list[int]], world_
     have had in a single process, so the files are bit-identical whatever the number of ranks, and a resume
     with another number of ranks simply shares out what is left.
     """
-    from common.distributed import share_by_cost
+    from common.cli.distributed import share_by_cost
 
     costs = [len(batch) * max(samples[i].num_tokens for i in batch) for batch in batches]
     return [batches[i] for i in share_by_cost(costs, world_size)[rank]]

@@ -31,8 +31,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from common.drafter import aux_layers_from_eagle_config, eagle_config_layer_ids
-from common.flags import UsageError
+from common.model.drafter import aux_layers_from_eagle_config, eagle_config_layer_ids
+from common.cli.errors import UsageError
 
 DEFAULT_NUM_STEPS, DEFAULT_TOPK, DEFAULT_NUM_DRAFT_TOKENS = 3, 1, 4
 SM120_ATTENTION_BACKEND = "triton"
@@ -120,7 +120,7 @@ def build_launch_command(drafter_dir: str | Path, model_path: str, tp_size: int 
                          draft_attention_backend: str = SM120_DRAFT_ATTENTION_BACKEND,
                          trust_remote_code: bool | None = None, port: int | None = None) -> LaunchCommand:
     """`python -m sglang.launch_server ...` for this drafter and verifier, with notes and problems."""
-    from common.verifier import read_raw_config, read_verifier_info, resolve_model_path
+    from common.verifier.loading import read_raw_config, read_verifier_info, resolve_model_path
 
     config = read_drafter_config(drafter_dir)
     folder, gguf_file = resolve_model_path(model_path)

@@ -13,8 +13,8 @@ from typing import Iterable, Iterator
 import numpy as np
 import torch
 
-from common.artifacts import atomic_path
-from common.flags import UsageError
+from common.formats.files import atomic_path
+from common.cli.errors import UsageError
 
 MAPPING_FILE = "vocab_mapping.safetensors"
 REPORT_FILE = "vocab_report.json"

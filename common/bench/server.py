@@ -26,9 +26,9 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
-from common.bench_report import latency_summary
-from common.flags import UsageError
-from common.prompts import BenchPrompt
+from common.bench.report import latency_summary
+from common.cli.errors import UsageError
+from common.bench.prompts import BenchPrompt
 
 RETRY_STATUS = (429, 500, 502, 503, 504)
 SERVER_INFO_PATHS = ("/server_info", "/get_server_info")  # current route first, then the older one

@@ -56,7 +56,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from common.kernels import Bf16Gemms, CompiledOnCuda, Fp8Gemms, fp8_available, linear
+from common.model.kernels import Bf16Gemms, CompiledOnCuda, Fp8Gemms, fp8_available, linear
 
 ARCHITECTURE = "LlamaForCausalLMEagle3"
 CONFIG_FILE = "config.json"
@@ -136,7 +136,7 @@ class DrafterConfig:
 
     @classmethod
     def from_verifier(cls, info, draft_vocab_size: int, aux_layers: list[int], **overrides) -> "DrafterConfig":
-        """Drafter shape from the verifier's config (common.verifier.VerifierInfo), then `overrides`.
+        """Drafter shape from the verifier's config (common.verifier.loading.VerifierInfo), then `overrides`.
 
         Llama-like verifiers: heads, KV heads, head_dim, intermediate size and RoPE are the verifier's.
         MLA verifiers (DeepSeek-V2/V3, Kimi-K2/K2.5): their attention has no Llama equivalent, so the
@@ -393,7 +393,7 @@ class _SwiGLU(torch.autograd.Function):
     Autograd would also keep silu(gate)*up ([tokens, intermediate], the biggest activation of the layer)
     for every TTT step; it is one cheap elementwise op to recompute. With recompute_gate_up the two
     projections are recomputed as well (more FLOPs, least memory). The elementwise parts are one fused
-    kernel each way on CUDA (common.kernels.CompiledOnCuda); the GEMMs go through `gemms` (bf16 or FP8).
+    kernel each way on CUDA (common.model.kernels.CompiledOnCuda); the GEMMs go through `gemms` (bf16 or FP8).
     """
 
     @staticmethod
@@ -694,7 +694,7 @@ class Eagle3Drafter(nn.Module):
 
     def use_fp8(self, enabled: bool = True) -> None:
         """Run the training step's GEMMs (fc, q/k/v/o, MLP, lm_head; forward and backward) on FP8 tensor
-        cores (common.kernels.Fp8Gemms). Parameters, gradients, optimizer and inference keep the model's
+        cores (common.model.kernels.Fp8Gemms). Parameters, gradients, optimizer and inference keep the model's
         dtype."""
         if enabled and not fp8_available(self.fc.weight.device):
             raise RuntimeError(f"--fp8 needs a GPU with FP8 tensor cores (compute capability 8.9+: Ada, "
@@ -1469,7 +1469,7 @@ def save_drafter(model: Eagle3Drafter, directory, extra: dict | None = None) -> 
 def load_drafter(directory, embed: Tensor | None = None, device="cpu", dtype=torch.float32) -> Eagle3Drafter:
     """Load a drafter folder (ours or a published LlamaForCausalLMEagle3 one).
 
-    `embed` is the verifier's embedding (common.verifier.read_embedding_tensors); a checkpoint's own
+    `embed` is the verifier's embedding (common.verifier.loading.read_embedding_tensors); a checkpoint's own
     embed_tokens.weight wins when present. Without either the embedding stays zero (and a warning says so).
     """
     from safetensors.torch import load_file

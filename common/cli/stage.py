@@ -17,11 +17,11 @@ from typing import Callable
 
 from tqdm import tqdm
 
-from common.artifacts import write_json_atomic
-from common.flags import USAGE_ERROR, UsageError, log_dir_for
+from common.formats.files import write_json_atomic
+from common.cli.errors import FAILURE, USAGE_ERROR, UsageError
+from common.cli.flags import log_dir_for
 
 LOGGER_NAME = "eagle3"
-FAILURE = 1
 CONFIG_FILE_SUFFIX = ".config.json"
 
 
@@ -30,7 +30,7 @@ def get_logger() -> logging.Logger:
 
 
 def setup_logging(stage: str, log_dir: Path) -> logging.Logger:
-    from common.distributed import rank_info
+    from common.cli.distributed import rank_info
 
     logger = get_logger()
     # Under torchrun every rank runs the stage: rank 0 reports, the others only warn and fail (tagged).

@@ -35,9 +35,10 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader, Dataset
 
-from common.artifacts import read_json, write_json_atomic, write_text_atomic
-from common.kernels import FP8_ALIGN
-from common.stage import Progress, get_logger
+from common.batching import pack_by_length
+from common.formats.files import read_json, write_json_atomic, write_text_atomic
+from common.model.kernels import FP8_ALIGN
+from common.cli.stage import Progress, get_logger
 
 TRAINING_STATE = "training_state.pt"
 TRAINER_STATE_JSON = "trainer_state.json"
@@ -75,7 +76,7 @@ def compute_dtype_for(device: str, dtype: str) -> str:
     """--dtype on GPU; float32 on CPU, where bf16 matmuls are slow (and float32 is exact, which the resume
     test compares).
 
-    Training computes in the parameters' dtype rather than under torch.autocast: common.drafter is built
+    Training computes in the parameters' dtype rather than under torch.autocast: common.model.drafter is built
     that way (its compute dtype is fc.weight.dtype; embeddings, RoPE tables and hidden states are cast to
     it), and scripts/bench_train_step.py times exactly that configuration. bf16 parameters are paired with
     fp32 master weights and fp32 moments in the optimizer (DrafterAdamW), so the update has autocast's
@@ -108,22 +109,6 @@ def split_train_val(ids: Sequence[str], val_ratio: float, seed: int) -> tuple[li
     return sorted(shuffled[n_val:]), sorted(shuffled[:n_val])
 
 
-def _pack(order: np.ndarray, lengths: np.ndarray, max_tokens: int, max_sequences: int) -> list[list[int]]:
-    """Greedy packing of positions sorted by descending length: padded tokens never exceed max_tokens."""
-    batches, current, longest = [], [], 0
-    for pos in order.tolist():
-        length = int(lengths[pos])
-        new_longest = max(longest, length)
-        if current and (len(current) >= max_sequences or (len(current) + 1) * new_longest > max_tokens):
-            batches.append(current)
-            current, new_longest = [], length
-        current.append(pos)
-        longest = new_longest
-    if current:
-        batches.append(current)
-    return batches
-
-
 def plan_batches(lengths: Sequence[int], max_tokens: int, max_sequences: int, seed: int, epoch: int,
                  shuffle: bool = True) -> list[list[int]]:
     """The batches of one epoch as lists of positions into `lengths`, deterministic from (seed, epoch).
@@ -140,7 +125,7 @@ def plan_batches(lengths: Sequence[int], max_tokens: int, max_sequences: int, se
     for start in range(0, len(order), window):
         chunk = order[start:start + window]
         chunk = chunk[np.argsort(-lengths[chunk], kind="stable")]
-        batches.extend(_pack(chunk, lengths, max_tokens, max_sequences))
+        batches.extend(pack_by_length(chunk.tolist(), lengths, max_tokens, max_sequences))
     if shuffle:
         batches = [batches[i] for i in rng.permutation(len(batches))]
     return batches
@@ -170,7 +155,7 @@ def step_shares(num_batches: int, start: int, micro_per_step: int, world_size: i
 
 
 class HiddenStateDataset(Dataset):
-    """One stage-02 sample per item, read through common.extraction and cut to max_seq_len."""
+    """One stage-02 sample per item, read through common.extract.extraction and cut to max_seq_len."""
 
     def __init__(self, data_dir: str | Path, entries: Sequence[dict], max_seq_len: int):
         self.data_dir = str(data_dir)
@@ -184,7 +169,7 @@ class HiddenStateDataset(Dataset):
         return [min(int(entry["num_tokens"]), self.max_seq_len) for entry in self.entries]
 
     def __getitem__(self, position: int) -> dict[str, torch.Tensor]:
-        from common.extraction import load_sample
+        from common.extract.extraction import load_sample
 
         sample = load_sample(self.data_dir, self.entries[position])
         return {key: sample[key][: self.max_seq_len] for key in ("input_ids", "loss_mask", "aux", "final")}
@@ -256,7 +241,7 @@ def model_device(model: torch.nn.Module) -> torch.device:
 def make_optimizer(model: torch.nn.Module, lr: float, weight_decay: float = 0.0) -> torch.optim.Optimizer:
     """AdamW (0.9, 0.95) over the trainable parameters (the frozen embedding is left out): the drafter's
     DrafterAdamW, with fp32 moments, and fp32 master weights when the parameters are narrower."""
-    from common.drafter import make_optimizer as drafter_adamw
+    from common.model.drafter import make_optimizer as drafter_adamw
 
     params = trainable_parameters(model)
     if not params:
@@ -308,12 +293,12 @@ def train_step(model: torch.nn.Module, batch: dict | Sequence[dict], optimizer: 
     used) and "finite". The finite-gradient check is the step's one device sync: a non-finite gradient
     skips the update (the step still counts, so the schedule stays aligned).
 
-    On several ranks (`parallel`: common.data_parallel), `batch` is this rank's part of the step and
+    On several ranks (`parallel`: common.train.data_parallel), `batch` is this rank's part of the step and
     `weights[i]` each micro-batch's share of the step's mean loss over all ranks (0 for a stand-in that only
     takes part in the gradient reduction); "loss", "sums" and "tokens" are then this rank's parts, to be
     summed over the ranks, and "grad_norm" and "finite" are global.
     """
-    from common.drafter import ttt_loss
+    from common.model.drafter import ttt_loss
 
     micro_batches = [batch] if isinstance(batch, dict) else list(batch)
     device = model_device(model)
@@ -361,7 +346,7 @@ def train_step(model: torch.nn.Module, batch: dict | Sequence[dict], optimizer: 
 
 def summarize(sums: dict[str, torch.Tensor] | None, decay: float) -> dict[str, Any]:
     """Per-step loss and top-1 agreement, the decay-weighted loss, and the simulated acceptance length."""
-    from common.drafter import simulated_acceptance_length
+    from common.model.drafter import simulated_acceptance_length
 
     if sums is None:
         return {"loss": float("nan"), "loss_per_step": [], "acc_per_step": [], "count_per_step": [],
@@ -406,7 +391,7 @@ def evaluate(model: torch.nn.Module, loader_or_samples: Iterable, verifier_lm_he
     weights (no backward here, so the drafter's fused functions are fine with it); stage 04 validates in
     the parameters' own dtype instead. Used by stage 04's validation and stage 05's --mode eval.
     """
-    from common.drafter import ttt_loss
+    from common.model.drafter import ttt_loss
 
     device = torch.device(device) if device is not None else model_device(model)
     was_training = model.training
@@ -532,7 +517,7 @@ class CheckpointManager:
              summary: dict[str, Any]) -> Path:
         """root/name with the drafter, training_state.pt and trainer_state.json, renamed into place only
         when complete; then checked (check_drafter_dir) and pointed to by `latest`."""
-        from common.drafter import save_drafter
+        from common.model.drafter import save_drafter
 
         final = self.root / name
         if not self.is_main:
@@ -730,7 +715,7 @@ class Trainer:
     `hooks` are called as hook(trainer) after every optimizer step (after any checkpoint of that step);
     an exception there stops the run as a crash would.
 
-    `parallel` (common.data_parallel, under torchrun): the model is wrapped in DDP or FSDP here, each rank
+    `parallel` (common.train.data_parallel, under torchrun): the model is wrapped in DDP or FSDP here, each rank
     trains on its part of every step (step_shares) and validates on every world_size-th validation batch,
     metrics are summed over the ranks before they are divided, and checkpoints (written by rank 0) hold
     the single-process state with the global data position, so a run resumes on any number of ranks.

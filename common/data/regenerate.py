@@ -28,9 +28,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
-from common.flags import UsageError
-from common.stage import Progress, get_logger
-from common.verifier import inference_attention
+from common.cli.errors import UsageError
+from common.cli.stage import Progress, get_logger
+from common.verifier.loading import inference_attention
 
 ASSISTANT = "assistant"
 CACHE_FILE = "regenerated.jsonl"
@@ -130,7 +130,7 @@ class RegenerationCache:
 
     def append(self, entries: Sequence[dict]) -> None:
         if not self.settings_path.exists():
-            from common.artifacts import write_json_atomic
+            from common.formats.files import write_json_atomic
 
             write_json_atomic(self.settings_path, self.settings)
         self._repair_torn_tail()

@@ -5,7 +5,7 @@ act on forward and backward calls, and `ttt_loss` reaches into the drafter's par
 drafter.forward. The frozen embedding (possibly kept in CPU memory) is left out of both: every rank reads
 the same rows from the verifier, and it takes no gradient.
 
-What the Trainer sees (common.training.Trainer, train_step):
+What the Trainer sees (common.train.training.Trainer, train_step):
   module(batch, lm_head, ttt_steps, decay, noise_std) -> (loss, metrics)  the wrapped loss
   no_sync()                       accumulate gradients locally (all but the last micro-batch of a step)
   clip_grad_norm(max_norm)        global gradient norm (same on every rank), gradients clipped in place
@@ -34,7 +34,7 @@ from typing import Any, Iterator
 import torch
 from torch import nn
 
-from common.distributed import RankInfo, all_reduce_sums
+from common.cli.distributed import RankInfo, all_reduce_sums
 
 
 class TTTLossModule(nn.Module):
@@ -46,7 +46,7 @@ class TTTLossModule(nn.Module):
 
     def forward(self, batch: dict, verifier_lm_head: torch.Tensor, ttt_steps: int, decay: float,
                 noise_std: float):
-        from common.drafter import ttt_loss
+        from common.model.drafter import ttt_loss
 
         loss, metrics = ttt_loss(self.drafter, batch, verifier_lm_head, ttt_steps, decay=decay, noise_std=noise_std)
         if batch["input_ids"].shape[1] <= 2 and torch.is_grad_enabled():
@@ -57,7 +57,7 @@ class TTTLossModule(nn.Module):
 
 
 class _Parameters:
-    """What common.drafter.make_optimizer reads of a model: its parameters."""
+    """What common.model.drafter.make_optimizer reads of a model: its parameters."""
 
     def __init__(self, params: list[nn.Parameter]):
         self._params = params
@@ -95,7 +95,7 @@ class DataParallel:
         return [p for p in self.drafter.parameters() if p.requires_grad]
 
     def make_optimizer(self, lr: float) -> torch.optim.Optimizer:
-        from common.training import make_optimizer
+        from common.train.training import make_optimizer
 
         return make_optimizer(self.drafter, lr)
 
@@ -118,12 +118,12 @@ class DataParallel:
         return optimizer.state_dict()
 
     def load_optimizer_state(self, optimizer: torch.optim.Optimizer, saved: dict[str, Any]) -> None:
-        from common.training import load_optimizer_state
+        from common.train.training import load_optimizer_state
 
         load_optimizer_state(optimizer, saved)
 
     def load_weights(self, folder: Path) -> None:
-        from common.training import load_weights_exactly
+        from common.train.training import load_weights_exactly
 
         load_weights_exactly(self.drafter, folder)
 
@@ -165,7 +165,7 @@ class ShardedDataParallel(DataParallel):
             self.local = [nn.Parameter(p.to_local(), requires_grad=True) for p in self.sharded]
 
     def make_optimizer(self, lr: float) -> torch.optim.Optimizer:
-        from common.training import make_optimizer
+        from common.train.training import make_optimizer
 
         return make_optimizer(_Parameters(self.local), lr)
 
@@ -227,7 +227,7 @@ class ShardedDataParallel(DataParallel):
         return part
 
     def export_model(self) -> nn.Module | None:
-        from common.drafter import Eagle3Drafter, expected_tensor_specs
+        from common.model.drafter import Eagle3Drafter, expected_tensor_specs
 
         names = expected_tensor_specs(self.drafter.config)
         params = dict(self.drafter.named_parameters())
@@ -271,7 +271,7 @@ class ShardedDataParallel(DataParallel):
         return {"state": state, "param_groups": local["param_groups"]}
 
     def load_optimizer_state(self, optimizer: torch.optim.Optimizer, saved: dict[str, Any]) -> None:
-        from common.training import load_optimizer_state
+        from common.train.training import load_optimizer_state
 
         state = {}
         for index, param in enumerate(self.sharded):

@@ -1,4 +1,4 @@
-"""Artifacts on disk: atomic writes, manifests, and the checks one stage makes of the stage before it.
+"""Manifests: what each stage records beside its output, and the checks a stage makes of the one before.
 
 Every stage writes `manifest.json` beside its output. The next stage reads it before doing anything
 heavy and refuses a mismatch (another tokenizer, vocabulary, hidden size or layer set, or an unfinished
@@ -6,72 +6,21 @@ upstream run) with an error naming both sides and the fix.
 """
 from __future__ import annotations
 
-import hashlib
 import json
 import os
-import tempfile
 import time
-from contextlib import contextmanager
 from importlib import metadata
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
-from common.flags import UsageError
+from common.cli.errors import UsageError
+from common.formats.files import read_json, sha256_file, write_json_atomic
 
 MANIFEST = "manifest.json"
 MANIFEST_VERSION = 1
 STATUS_RUNNING = "running"
 STATUS_COMPLETE = "complete"
-_UMASK = os.umask(0)
-os.umask(_UMASK)
 _PACKAGES = ("torch", "transformers", "safetensors", "tokenizers", "datasets", "numpy", "sglang")
-
-
-# --- atomic writes ---------------------------------------------------------------------------------
-
-@contextmanager
-def atomic_path(path: str | os.PathLike) -> Iterator[Path]:
-    """Yield a temporary path beside `path`; rename it into place only if the block succeeds."""
-    final = Path(path)
-    final.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp_name = tempfile.mkstemp(prefix=f".{final.name}.", suffix=".tmp", dir=final.parent)
-    os.close(fd)
-    tmp = Path(tmp_name)
-    os.chmod(tmp, 0o666 & ~_UMASK)  # mkstemp makes 0600; artifacts should be readable like any file
-    try:
-        yield tmp
-        os.replace(tmp, final)
-    finally:
-        if tmp.exists():
-            tmp.unlink()
-
-
-def write_text_atomic(path: str | os.PathLike, text: str) -> None:
-    with atomic_path(path) as tmp:
-        tmp.write_text(text)
-
-
-def write_json_atomic(path: str | os.PathLike, obj: Any) -> None:
-    write_text_atomic(path, json.dumps(obj, indent=2, sort_keys=False, default=str) + "\n")
-
-
-def read_json(path: str | os.PathLike) -> Any:
-    with open(path) as handle:
-        return json.load(handle)
-
-
-# --- hashes ----------------------------------------------------------------------------------------
-
-def sha256_file(path: str | os.PathLike, chunk: int = 1 << 20) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as handle:
-        while block := handle.read(chunk):
-            digest.update(block)
-    return digest.hexdigest()
-
-
-def sha256_text(text: str) -> str:
-    return hashlib.sha256(text.encode()).hexdigest()
 
 
 def package_versions() -> dict[str, str]:

@@ -1,0 +1,1 @@
+"""Stage 05: speculative decoding, prompts, the server benchmark, reports."""

@@ -1,0 +1,1 @@
+"""How a stage runs: flags, errors, logging, progress, torchrun ranks."""

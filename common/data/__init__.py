@@ -1,0 +1,1 @@
+"""Stage 01: chat data, tokenization with loss masks, regeneration."""

@@ -1,0 +1,1 @@
+"""Stage 02: batch planning, the extractor and its writers."""

@@ -1,0 +1,1 @@
+"""The on-disk contracts between stages: manifests, prepared data, hidden states, vocabulary map, drafter checkpoint."""

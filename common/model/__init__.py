@@ -1,0 +1,1 @@
+"""The EAGLE-3 drafter: config, modules, TTT attention, kernels."""

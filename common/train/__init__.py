@@ -1,0 +1,1 @@
+"""Stage 04: data, loss, optimizer, checkpoints, the trainer and data parallelism."""

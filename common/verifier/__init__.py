@@ -1,0 +1,1 @@
+"""The verifier: loading it, capturing its layers, and serving it with SGLang."""
