@@ -26,7 +26,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
-from common.bench.report import latency_summary
+from common.bench.metrics import latency_summary
 from common.cli.errors import UsageError
 from common.bench.prompts import BenchPrompt
 
