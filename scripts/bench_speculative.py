@@ -103,7 +103,7 @@ def build_drafter(args, verifier, info, device, dtype):
 
 def timed(fn, device, repeats: int) -> float:
     """Median seconds of fn() over `repeats` runs, synchronised."""
-    from common.bench.speculative import synchronize
+    from common.bench.decoding import synchronize
 
     times = []
     for _ in range(repeats):
@@ -119,7 +119,7 @@ def timed(fn, device, repeats: int) -> float:
 def component_costs(verifier, drafter, ids, k: int, device, repeats: int) -> dict:
     """Seconds per verifier forward (1 and k+1 tokens on a cache), drafter step and extend."""
     from common.model.drafter import DrafterCache
-    from common.bench.speculative import AuxCapture, VerifierRunner, decoder_layers
+    from common.bench.verifier_runner import AuxCapture, VerifierRunner, decoder_layers
 
     runner = VerifierRunner(verifier)
     cache = runner.new_cache()
@@ -188,7 +188,8 @@ def main(argv=None) -> int:
         os.environ["EAGLE3_CUDNN_ATTENTION"] = "1"
 
     from common.bench.prompts import has_chat_template, render_conversation
-    from common.bench.speculative import SpeculativeDecoder, hf_generate, plain_decode
+    from common.bench.decoding import hf_generate, plain_decode
+    from common.bench.speculative import SpeculativeDecoder
     from common.verifier.loading import load_tokenizer, load_verifier_model, read_verifier_info
 
     device = torch.device(args.device)

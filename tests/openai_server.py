@@ -52,7 +52,7 @@ class ModelServer:
 
     # --- generation ---------------------------------------------------------------------------------
     def complete(self, input_ids: list[int], max_new_tokens: int, temperature: float, top_p: float) -> dict:
-        from common.bench.speculative import plain_decode
+        from common.bench.decoding import plain_decode
 
         with self.lock:
             if self.decoder is not None:

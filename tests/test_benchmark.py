@@ -69,7 +69,8 @@ def drafters(verifier, stories260k, tmp_path_factory):
     """{"random": untrained (random lm_head), "trained": a few TTT steps on the verifier's own greedy
     continuations, "trained_dir": that drafter saved as an SGLang-ready folder}."""
     from common.model.drafter import save_drafter, ttt_loss
-    from common.bench.speculative import AuxCapture, decoder_layers, plain_decode
+    from common.bench.decoding import plain_decode
+    from common.bench.verifier_runner import AuxCapture, decoder_layers
     from common.train.training import collate
     from common.formats.vocab_map import count_target_tokens
 
@@ -110,7 +111,7 @@ def drafters(verifier, stories260k, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def greedy_refs(verifier):
-    from common.bench.speculative import plain_decode
+    from common.bench.decoding import plain_decode
 
     model, tokenizer = verifier
     return {start: plain_decode(model, tokenizer(start).input_ids, 40, [2])[0] for start in STARTS[:4]}
@@ -124,7 +125,8 @@ SETTINGS = [  # (num_steps, topk, num_draft_tokens)
 
 @pytest.mark.parametrize("kind", ["random", "trained"])
 def test_greedy_speculative_output_is_the_verifiers_greedy_output(kind, verifier, drafters, greedy_refs):
-    from common.bench.speculative import SpeculativeDecoder, hf_generate
+    from common.bench.decoding import hf_generate
+    from common.bench.speculative import SpeculativeDecoder
 
     model, tokenizer = verifier
     taus = {}
@@ -154,7 +156,8 @@ def test_every_first_draft_is_the_drafters_teacher_forced_prediction(num_steps, 
     every t and predicts token t+2. In decoding, the first draft of each verify step must be exactly that
     prediction at the committed position, whatever was accepted or rolled back before: otherwise the live
     acceptance falls below the validation agreement that training reports."""
-    from common.bench.speculative import AuxCapture, SpeculativeDecoder, decoder_layers
+    from common.bench.speculative import SpeculativeDecoder
+    from common.bench.verifier_runner import AuxCapture, decoder_layers
 
     model, tokenizer = verifier
     drafter = drafters["trained"]
@@ -190,7 +193,7 @@ def test_stage05_scores_its_decoded_text_with_stage04s_validation(verifier, draf
     stage 04's validation). Step 0 must count exactly the output tokens that the drafter predicts from the
     position two before, among those whose verifier argmax is a draft token."""
     from common.extract.extraction import find_text_model, sample_states
-    from common.bench.speculative import AuxCapture, decoder_layers
+    from common.bench.verifier_runner import AuxCapture, decoder_layers
     from common.train.training import evaluate
 
     model, tokenizer = verifier
@@ -217,7 +220,8 @@ def test_stage05_scores_its_decoded_text_with_stage04s_validation(verifier, draf
 
 
 def test_stop_token_inside_an_accepted_block_and_the_token_budget(verifier, drafters):
-    from common.bench.speculative import SpeculativeDecoder, plain_decode
+    from common.bench.decoding import plain_decode
+    from common.bench.speculative import SpeculativeDecoder
 
     model, tokenizer = verifier
     period = tokenizer.convert_tokens_to_ids(".")
@@ -238,7 +242,8 @@ def test_verifier_attention_runs_without_cudnn_in_every_generation_loop(verifier
     cuDNN's SDPA kernel switched off (the flag is real PyTorch state, checked at every verifier forward),
     and switch it back on afterwards."""
     from common.data.regenerate import HFResponder
-    from common.bench.speculative import SpeculativeDecoder, hf_generate, plain_decode
+    from common.bench.decoding import hf_generate, plain_decode
+    from common.bench.speculative import SpeculativeDecoder
 
     model, tokenizer = verifier
     ids = tokenizer(STARTS[0]).input_ids
@@ -266,7 +271,7 @@ def test_verifier_attention_runs_without_cudnn_in_every_generation_loop(verifier
 
 def test_rejection_sampling_preserves_the_target_distribution():
     """Standard speculative sampling with explicit p and q over a small vocabulary (20000 draws)."""
-    from common.bench.speculative import Sampler, make_generator, rejection_sample
+    from common.bench.sampling import Sampler, make_generator, rejection_sample
 
     V = 6
     draft_to_target = torch.tensor([0, 2, 3, 5])  # a draft vocabulary of 4 of the 6 tokens
@@ -301,7 +306,7 @@ def test_rejection_sampling_preserves_the_target_distribution():
 def test_top_p_keeps_the_same_tokens_as_transformers():
     from transformers.generation.logits_process import TopPLogitsWarper
 
-    from common.bench.speculative import Sampler
+    from common.bench.sampling import Sampler
 
     logits = torch.randn(4, 50, generator=torch.Generator().manual_seed(0)) * 3
     for top_p in (0.5, 0.9):
@@ -326,7 +331,8 @@ def _exact_two_token_distribution(model, ids, sampler) -> dict[tuple[int, int], 
 def test_sampled_first_two_tokens_follow_the_verifier(topk, num_steps, verifier, drafters):
     """End to end: the first two tokens (the second from the first verify step) against the exact joint
     distribution of the verifier at temperature 1, top-p 0.6 (loose bound: 400 samples)."""
-    from common.bench.speculative import Sampler, SpeculativeDecoder
+    from common.bench.sampling import Sampler
+    from common.bench.speculative import SpeculativeDecoder
 
     model, tokenizer = verifier
     ids = tokenizer("Once upon a time").input_ids
@@ -367,7 +373,9 @@ def assert_valid_png(path: Path) -> tuple[int, int]:
 
 
 def test_report_helpers():
-    from common.bench.report import acceptance_by_position, percentile, render_bar_png, repetition_share, results_stem
+    from common.bench.metrics import acceptance_by_position, percentile, repetition_share
+    from common.bench.plots import render_bar_png
+    from common.bench.report import results_stem
 
     assert repetition_share([1, 2, 3, 4, 5, 6, 7, 8]) == 0.0
     assert repetition_share([1, 2, 3, 4, 1, 2, 3, 4]) == 0.5  # the second 1 2 3 4 repeats the first
@@ -617,6 +625,7 @@ def test_offline_defaults_come_from_the_run_directory(stage05, pipeline_run):
 
 
 def test_prompts_from_the_training_data_are_refused(stage05, pipeline_run, tmp_path):
+    from common.bench.lineage import check_overlap
     from common.bench.prompts import load_prompts
 
     run = pipeline_run["run"]
@@ -630,23 +639,24 @@ def test_prompts_from_the_training_data_are_refused(stage05, pipeline_run, tmp_p
     log = (run / "logs" / "05_benchmark.log").read_text()  # --run-dir: the log lives in RUN_DIR/logs
     assert "1 of 2 benchmark prompts were training prompts" in log and "--allow-overlap" in log
     import logging
-    result = stage05.check_overlap(load_prompts(str(prompts)), str(run / "checkpoints" / "best"), True,
-                                   logging.getLogger("test"))
+    result = check_overlap(load_prompts(str(prompts)), str(run / "checkpoints" / "best"), True,
+                           logging.getLogger("test"))
     assert result["overlapping"] == 1 and result["prompts_checked"] == 2
 
 
 
-def test_a_copied_run_directory_is_traced_at_its_new_place(stage05, pipeline_run, tmp_path):
+def test_a_copied_run_directory_is_traced_at_its_new_place(pipeline_run, tmp_path):
     """rsync of a run to another path or machine: the manifests' absolute paths name the old place."""
     import logging
     import shutil
 
+    from common.bench.lineage import check_overlap
     from common.bench.prompts import load_prompts
 
     copy = tmp_path / "elsewhere" / "run_copy"
     shutil.copytree(pipeline_run["run"], copy, ignore=shutil.ignore_patterns("*.pt", "*.safetensors.tmp*"))
     prompts = load_prompts(str(write_jsonl(tmp_path / "p.jsonl", [{"prompt": "A prompt nobody trained on."}])))
-    result = stage05.check_overlap(prompts, str(copy / "checkpoints" / "best"), False, logging.getLogger("test"))
+    result = check_overlap(prompts, str(copy / "checkpoints" / "best"), False, logging.getLogger("test"))
     assert result["checked"] and Path(result["hash_file"]) == copy / "data" / "train_prompt_hashes.txt"
 
 

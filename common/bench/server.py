@@ -1,18 +1,6 @@
-"""Benchmark a running server: SGLang (with or without speculation) or any OpenAI-compatible server.
+"""Benchmark a running server (SGLang, or any OpenAI-compatible one): HTTP client, conversations, accept length.
 
-Each prompt is one client thread's conversation (turns answered one after another, the answers carried
-over); `concurrency` threads run at once. Acceptance length comes, in order of preference, from
-  1. the response metadata: SGLang's /generate returns meta_info {completion_tokens, spec_verify_ct, ...};
-     its /v1/chat/completions returns the same dict as choices[i].meta_info when the request asks for
-     "return_meta_info": true. Accept length = sum(completion_tokens) / sum(spec_verify_ct).
-  2. the per-request spec_accept_length in that metadata (newer SGLang), averaged.
-  3. GET /server_info (older SGLang: /get_server_info, deprecated in 0.5.23) -> avg_spec_accept_length (flat in
-     older SGLang, under internal_states[i] per data-parallel rank in newer ones): the server's running average
-     since it started, so it includes earlier traffic.
-Checked against SGLang 0.5.23 (the release patches/ pins): tokenizer_manager.py puts completion_tokens in every
-meta_info and spec_verify_ct / spec_accept_length only when the request was verified at least once;
-serving_chat.py returns choices[i].meta_info with "return_meta_info": true (not with streaming).
-Only the standard library is used (urllib), with retries and exponential backoff for transient errors.
+Where the accept length comes from, in order of preference: docs/benchmarking.md ("Server mode").
 """
 from __future__ import annotations
 
@@ -26,7 +14,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
-from common.bench.report import latency_summary
+from common.bench.metrics import latency_summary
 from common.cli.errors import UsageError
 from common.bench.prompts import BenchPrompt
 

@@ -1,0 +1,114 @@
+"""Benchmark metrics: acceptance by draft position, pooled tokens/s and speedups, repetition, percentiles."""
+from __future__ import annotations
+
+import math
+from typing import Any, Sequence
+
+REPETITION_NGRAM = 4
+
+
+def repetition_share(tokens: Sequence[int], n: int = REPETITION_NGRAM) -> float:
+    """Share of tokens that lie inside an n-gram which already occurred earlier in the same output.
+
+    Small verifiers loop under greedy decoding, and a loop is trivially predictable: a high share says
+    that a high acceptance length comes from repetition rather than from the drafter.
+    """
+    tokens = list(tokens)
+    if len(tokens) < n:
+        return 0.0
+    seen: set[tuple[int, ...]] = set()
+    repeated = [False] * len(tokens)
+    for start in range(len(tokens) - n + 1):
+        gram = tuple(tokens[start:start + n])
+        if gram in seen:
+            for i in range(start, start + n):
+                repeated[i] = True
+        else:
+            seen.add(gram)
+    return sum(repeated) / len(tokens)
+
+
+def repeated_token_count(tokens: Sequence[int], n: int = REPETITION_NGRAM) -> int:
+    return round(repetition_share(tokens, n) * len(tokens))
+
+
+def percentile(values: Sequence[float], q: float) -> float | None:
+    """The q-th percentile (0..100) with linear interpolation between order statistics."""
+    if not values:
+        return None
+    ordered = sorted(values)
+    rank = (len(ordered) - 1) * q / 100.0
+    low, high = math.floor(rank), math.ceil(rank)
+    return ordered[low] + (ordered[high] - ordered[low]) * (rank - low)
+
+
+def latency_summary(latencies: Sequence[float]) -> dict[str, float | None]:
+    return {"mean": sum(latencies) / len(latencies) if latencies else None,
+            "p50": percentile(latencies, 50), "p90": percentile(latencies, 90), "p99": percentile(latencies, 99)}
+
+
+def _ratio(num: float | None, den: float | None) -> float | None:
+    if num is None or den is None or den == 0:
+        return None
+    return num / den
+
+
+def acceptance_by_position(accept_lengths: Sequence[int], num_positions: int) -> dict[str, list]:
+    """Per draft position j (1-based): how often it was accepted.
+
+    `accept_lengths` are tokens per verify step (accepted drafts + 1 bonus). Position j is accepted when at
+    least j drafts were. Conditional rate = P(j accepted | j-1 accepted) (EAGLE's n-alpha); share =
+    P(j accepted) over all verify steps.
+    """
+    steps = len(accept_lengths)
+    accepted = [sum(1 for length in accept_lengths if length - 1 >= j) for j in range(1, num_positions + 1)]
+    reached = [steps] + accepted[:-1]
+    return {
+        "accepted": accepted,
+        "reached": reached,
+        "conditional_rate": [_ratio(a, r) for a, r in zip(accepted, reached)],
+        "share": [_ratio(a, steps) for a in accepted],
+    }
+
+
+def summarize_generations(runs: Sequence[dict[str, Any]], num_positions: int) -> dict[str, Any]:
+    """Pooled metrics over per-turn runs. Each run: spec/plain/hf dicts with new_tokens and wall_s, spec with
+    accept_lengths, and tokens (the speculative output) for the repetition measure."""
+    accept_lengths = [length for run in runs for length in run["spec"]["accept_lengths"]]
+    totals: dict[str, Any] = {}
+    for method in ("spec", "plain", "hf"):
+        present = [run[method] for run in runs if run.get(method)]
+        tokens = sum(r["new_tokens"] for r in present)
+        seconds = sum(r["wall_s"] for r in present)
+        totals[method] = {"new_tokens": tokens, "wall_s": seconds,
+                          "tokens_per_s": tokens / seconds if present and seconds > 0 else None}
+    all_tokens = sum(len(run["spec"]["tokens"]) for run in runs)
+    repeated = sum(repeated_token_count(run["spec"]["tokens"]) for run in runs)
+    verify_steps = len(accept_lengths)
+    summary = {
+        "turns": len(runs),
+        "tau": sum(accept_lengths) / verify_steps if verify_steps else None,
+        "verify_steps": verify_steps,
+        # What SGLang reports per request (completion_tokens / spec_verify_ct): the prefill's token counted
+        # in, the verify steps only in the denominator; comparable with --mode server.
+        "accept_length_sglang_style": _ratio(totals["spec"]["new_tokens"], verify_steps),
+        "acceptance": acceptance_by_position(accept_lengths, num_positions),
+        "tokens_per_s": {m: totals[m]["tokens_per_s"] for m in totals},
+        "new_tokens": {m: totals[m]["new_tokens"] for m in totals},
+        "wall_s": {m: totals[m]["wall_s"] for m in totals},
+        "speedup_vs_plain": _ratio(totals["spec"]["tokens_per_s"], totals["plain"]["tokens_per_s"]),
+        "speedup_vs_hf_generate": _ratio(totals["spec"]["tokens_per_s"], totals["hf"]["tokens_per_s"]),
+        "repetition_4gram_share": repeated / all_tokens if all_tokens else 0.0,
+    }
+    checked = [run["matches_plain"] for run in runs if run.get("matches_plain") is not None]
+    if checked:
+        summary["greedy_match"] = {"turns_checked": len(checked), "turns_identical": sum(checked)}
+    return summary
+
+
+def by_category(runs: Sequence[dict[str, Any]], num_positions: int) -> dict[str, dict[str, Any]]:
+    categories: dict[str, list] = {}
+    for run in runs:
+        if run.get("category"):
+            categories.setdefault(run["category"], []).append(run)
+    return {name: summarize_generations(group, num_positions) for name, group in sorted(categories.items())}

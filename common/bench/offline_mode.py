@@ -1,0 +1,200 @@
+"""--mode offline: speculative decoding in this process against its two baselines, prompt by prompt."""
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+from common.bench.baseline_cache import BaselineCache
+from common.bench.drafter_check import check_drafter
+from common.bench.metrics import by_category, repetition_share, summarize_generations
+from common.bench.prompts import has_chat_template, render_conversation
+from common.bench.report import fmt
+from common.bench.settings import STAGE, recorded_settings
+from common.cli.errors import UsageError
+from common.cli.flags import require
+from common.cli.stage import Progress
+
+ANSWER_PREVIEW_CHARS = 2000
+BASELINE_CACHE = "baselines_cache.jsonl"
+
+
+def gpu_name(device: str) -> str | None:
+    """The GPU's name for the report (None on CPU)."""
+    import torch
+
+    return torch.cuda.get_device_name(device) if device.startswith("cuda") else None
+
+
+def load_models(args, log):
+    """The verifier and the drafter on one device, in the compute dtype: (verifier, drafter, device)."""
+    import torch
+    from common.model.drafter import load_drafter
+    from common.verifier.loading import load_verifier_model, pick_device
+
+    from common.train.training import compute_dtype_for
+
+    device = pick_device(args.device)
+    # --dtype on GPU; float32 on CPU, where bf16 is slow and its rounding makes greedy ties differ.
+    dtype = compute_dtype_for(device, args.dtype)
+    started = time.time()
+    verifier = load_verifier_model(args.model_path, device, dtype, args.trust_remote_code)
+    embed = verifier.get_input_embeddings().weight.detach()
+    drafter = load_drafter(args.draft_model_path, embed=embed, device=device, dtype=getattr(torch, dtype))
+    drafter.eval()
+    log.info("loaded the verifier and the drafter on %s (%s) in %.1f s", device, dtype, time.time() - started)
+    return verifier, drafter, device
+
+
+def _turn_record(prompt, turn, ids, spec, plain, hf, greedy: bool, answer: str) -> dict:
+    """One turn's entry of the report: the three runs' statistics and whether greedy outputs agree."""
+    spec_tokens, spec_stats = spec
+    plain_tokens, plain_stats = plain
+    hf_tokens, hf_stats = hf
+    return {
+        "prompt_id": prompt.id, "turn": turn, "category": prompt.category, "prompt_tokens": len(ids),
+        "spec": {**spec_stats.as_dict(), "tokens": spec_tokens},
+        "plain": plain_stats.as_dict(),
+        "hf": hf_stats.as_dict(),
+        "matches_plain": (spec_tokens == plain_tokens) if greedy else None,
+        "matches_hf_generate": (spec_tokens == hf_tokens) if greedy else None,
+        "repetition_4gram_share": repetition_share(spec_tokens),
+        "answer": answer[:ANSWER_PREVIEW_CHARS],
+    }
+
+
+def run_offline(args, log, begin, prompt_spec, prompts, overlap) -> dict:
+    """Decode every prompt's turns with and without the drafter; the results of --mode offline."""
+    from common.data.chat_data import end_of_turn_ids
+    from common.extract.extraction import find_text_model, sample_states
+    from common.bench.decoding import GenerationStats, hf_generate, plain_decode
+    from common.bench.speculative import SpeculativeDecoder, resolve_draft_shape
+    from common.train.training import evaluate
+    from common.verifier.loading import load_tokenizer, read_verifier_info, resolve_model_path
+
+    require(args, "model_path")
+    try:
+        num_draft_tokens = resolve_draft_shape(args.num_steps, args.topk, args.num_draft_tokens)
+    except ValueError as err:
+        raise UsageError(f"--num-steps/--topk/--num-draft-tokens: {err}")
+    info = read_verifier_info(args.model_path, args.trust_remote_code)
+    check_drafter(args, info, log)
+    tokenizer = load_tokenizer(args.model_path, args.trust_remote_code, args.chat_template)
+    raw = not has_chat_template(tokenizer)
+    if raw:
+        log.warning("the tokenizer has no chat template (and no --chat-template was given): prompts are sent as "
+                    "plain text, turns and answers joined by blank lines")
+    eos = sorted(end_of_turn_ids(tokenizer, resolve_model_path(args.model_path)[0]))
+    log.info("stop tokens: %s", eos)
+    begin()
+
+    verifier, drafter, device = load_models(args, log)
+    decoder = SpeculativeDecoder(verifier, drafter, num_steps=args.num_steps, topk=args.topk,
+                                 num_draft_tokens=num_draft_tokens, temperature=args.temperature,
+                                 top_p=args.top_p, seed=args.seed)
+    greedy = args.temperature == 0
+    log.info("drafting: %s; verification: %s", decoder.drafting,
+             "greedy (output must equal the verifier's greedy output)" if greedy else
+             f"rejection sampling at temperature {args.temperature}, top-p {args.top_p}")
+
+    # Warm-up (kernels, allocator, caches) on the first prompt, untimed.
+    warm_ids = render_conversation(tokenizer, [{"role": "user", "content": prompts[0].turns[0]}], raw)
+    warm_tokens = min(16, args.max_new_tokens)
+    decoder.generate(warm_ids, warm_tokens, eos)
+    plain_decode(verifier, warm_ids, warm_tokens, eos, args.temperature, args.top_p, args.seed)
+    hf_generate(verifier, warm_ids, warm_tokens, eos, args.temperature, args.top_p, args.seed)
+
+    cache = BaselineCache(Path(args.output_dir) / BASELINE_CACHE,
+                          {"verifier": info.identity(), "device": str(device), "gpu": gpu_name(device),
+                           "dtype": str(next(verifier.parameters()).dtype), "stop": eos})
+
+    def baselines(ids, seed):
+        """The same loop without drafting, and transformers' generate: measured once per prompt and setting."""
+        key = cache.key(ids, max_new_tokens=args.max_new_tokens, temperature=args.temperature,
+                        top_p=args.top_p, seed=seed)
+        entry = cache.get(key)
+        if entry is None:
+            plain = plain_decode(verifier, ids, args.max_new_tokens, eos, args.temperature, args.top_p, seed)
+            hf = hf_generate(verifier, ids, args.max_new_tokens, eos, args.temperature, args.top_p, seed)
+            entry = {"plain": [plain[0], plain[1].as_dict()], "hf": [hf[0], hf[1].as_dict()]}
+            cache.put(key, entry)
+        return tuple((tokens, GenerationStats.from_dict(stats)) for tokens, stats in (entry["plain"], entry["hf"]))
+
+    runs, per_prompt, decoded = [], [], []  # decoded: each turn's text as stage 02 would store it
+    text_model = find_text_model(verifier)
+    total_turns = sum(len(p.turns) for p in prompts)
+    with Progress(total_turns, "05_benchmark offline", unit="turn") as progress:
+        for index, prompt in enumerate(prompts):
+            # The baselines hold their own conversation, on the verifier's own replies: the same one as the
+            # speculative run's at temperature 0, and when sampling it does not depend on the drafting
+            # settings, so a later turn's baselines are measured once and not again for every k and topk.
+            messages, plain_messages, turns = [], [], []
+            for turn, text in enumerate(prompt.turns):
+                messages.append({"role": "user", "content": text})
+                plain_messages.append({"role": "user", "content": text})
+                ids = render_conversation(tokenizer, messages, raw)
+                if len(ids) + args.max_new_tokens + args.num_steps + 1 > info.max_position_embeddings:
+                    log.warning("prompt %s turn %d: %d prompt tokens + %d new tokens exceed the verifier's %d "
+                                "positions", prompt.id, turn, len(ids), args.max_new_tokens,
+                                info.max_position_embeddings)
+                seed = args.seed + 1000 * index + turn
+                spec = decoder.generate(ids, args.max_new_tokens, eos)
+                plain, hf = baselines(render_conversation(tokenizer, plain_messages, raw), seed)
+                answer = tokenizer.decode(spec[0], skip_special_tokens=True)
+                record = _turn_record(prompt, turn, ids, spec, plain, hf, greedy, answer)
+                if greedy and not record["matches_plain"]:
+                    first = next((i for i, (a, b) in enumerate(zip(spec[0], plain[0])) if a != b),
+                                 min(len(spec[0]), len(plain[0])))
+                    log.warning("prompt %s turn %d: speculative output differs from greedy decoding at token %d "
+                                "(expected only from low-precision ties, e.g. bf16 on GPU)", prompt.id, turn, first)
+                turns.append(record)
+                decoded.append(sample_states(text_model, decoder.aux_layers, ids + spec[0], len(ids)))
+                messages.append({"role": "assistant", "content": answer})
+                plain_messages.append({"role": "assistant",
+                                       "content": tokenizer.decode(plain[0], skip_special_tokens=True)})
+                progress.update(1, f"tau {spec[1].tau or 0:.2f}")
+            runs.extend(turns)
+            per_prompt.append({"id": prompt.id, "category": prompt.category,
+                               "summary": summarize_generations(turns, args.num_steps), "turns": turns})
+    overall = summarize_generations(runs, args.num_steps)
+    # Stage 04's validation on the text just decoded. Far below training's validation: the prompts (or the
+    # sampled text) differ from the training data. Far above the live acceptance: the decoding loop loses
+    # something; a little above it at the first position is expected (verify steps often start right after
+    # a rejection, at the harder positions).
+    overall["teacher_forced"] = evaluate(drafter, decoded, text_model.lm_head.weight,
+                                         args.num_steps, device=device)
+    if cache.hits:
+        log.info("baselines: %d of %d turns reused from %s (same verifier, prompt and settings)", cache.hits,
+                 total_turns, cache.path)
+    return {
+        "mode": "offline",
+        "stage": STAGE,
+        "created_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        "settings": recorded_settings(args, {"prompts": prompt_spec, "num_draft_tokens": num_draft_tokens,
+                                     "drafting": decoder.drafting, "device": str(device),
+                                     "aux_layers": decoder.aux_layers, "raw_text_prompts": raw,
+                                     "stop_token_ids": eos, "prompt_count": len(prompts),
+                                     "gpu": gpu_name(device), "baselines_reused": cache.hits}),
+        "overlap_check": overlap,
+        "overall": overall,
+        "categories": by_category(runs, args.num_steps),
+        "prompts": per_prompt,
+    }
+
+
+def offline_summary_line(results: dict) -> str:
+    """The one-line SUMMARY of --mode offline: tau, tokens/s, speedups, acceptance by position."""
+    overall = results["overall"]
+    tps = overall["tokens_per_s"]
+    rates = ", ".join(fmt(r, 2) for r in overall["acceptance"]["conditional_rate"])
+    line = (f"tau {fmt(overall['tau'])} | tok/s: speculative {fmt(tps['spec'], 1)}, same loop without drafter "
+            f"{fmt(tps['plain'], 1)}, HF generate {fmt(tps['hf'], 1)} | speedup {fmt(overall['speedup_vs_plain'], 2)}x "
+            f"vs loop, {fmt(overall['speedup_vs_hf_generate'], 2)}x vs HF generate | acceptance by position "
+            f"[{rates}] | 4-gram repetition {fmt(overall['repetition_4gram_share'], 3)}")
+    if "greedy_match" in overall:
+        match = overall["greedy_match"]
+        line += f" | greedy-identical turns {match['turns_identical']}/{match['turns_checked']}"
+    taught = overall.get("teacher_forced")
+    if taught:
+        line += (" | teacher-forced top-1 on these outputs "
+                 f"[{', '.join(fmt(a, 2) for a in taught['acc_per_step'])}]")
+    return line

@@ -1,0 +1,55 @@
+"""--mode server: the prompts sent to a running server (and a baseline server), and the run's summary line."""
+from __future__ import annotations
+
+import time
+
+from common.bench.report import fmt
+from common.bench.settings import STAGE, recorded_settings
+from common.cli.flags import require
+
+
+def run_server(args, log, begin, prompt_spec, prompts, overlap) -> dict:
+    """Send the prompts to --url (and --baseline-url); the results of --mode server."""
+    from common.bench.server import check_reachable, run_server_benchmark
+
+    require(args, "url")
+    render = None
+    if args.server_api == "generate":
+        require(args, "model_path")
+        from common.bench.prompts import has_chat_template, render_conversation
+        from common.verifier.loading import load_tokenizer
+
+        tokenizer = load_tokenizer(args.model_path, args.trust_remote_code, args.chat_template)
+        raw = not has_chat_template(tokenizer)
+        render = lambda messages: render_conversation(tokenizer, messages, raw)  # noqa: E731
+    check_reachable(args.url, "--url")
+    if args.baseline_url:
+        check_reachable(args.baseline_url, "--baseline-url")
+    begin()
+    common = dict(api=args.server_api, max_new_tokens=args.max_new_tokens, temperature=args.temperature,
+                  top_p=args.top_p, concurrency=args.concurrency, render=render, log=log)
+    log.info("sending %d prompts to %s (%s API, concurrency %d)", len(prompts), args.url, args.server_api,
+             args.concurrency)
+    speculative = run_server_benchmark(args.url, prompts, flag="--url", **common)
+    baseline = None
+    if args.baseline_url:
+        log.info("sending the same prompts to the baseline %s", args.baseline_url)
+        baseline = run_server_benchmark(args.baseline_url, prompts, flag="--baseline-url", **common)
+    speedup = None
+    if baseline and baseline["output_tokens_per_s"] and speculative["output_tokens_per_s"]:
+        speedup = speculative["output_tokens_per_s"] / baseline["output_tokens_per_s"]
+    return {"mode": "server", "stage": STAGE, "created_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+            "settings": recorded_settings(args, {"prompts": prompt_spec, "prompt_count": len(prompts)}),
+            "overlap_check": overlap, "speculative": speculative, "baseline": baseline, "speedup": speedup}
+
+
+def server_summary_line(results: dict) -> str:
+    """The one-line SUMMARY of --mode server: accept length, tokens/s, latency, speedup."""
+    spec = results["speculative"]
+    line = (f"accept length {fmt(spec['accept_length'])} ({spec['accept_length_source'] or 'not reported'}) | "
+            f"output {fmt(spec['output_tokens_per_s'], 1)} tok/s | latency p50/p90/p99 "
+            f"{fmt(spec['latency_s']['p50'], 2)}/{fmt(spec['latency_s']['p90'], 2)}/{fmt(spec['latency_s']['p99'], 2)} s")
+    if results.get("baseline"):
+        line += (f" | baseline {fmt(results['baseline']['output_tokens_per_s'], 1)} tok/s, speedup "
+                 f"{fmt(results['speedup'], 2)}x")
+    return line

@@ -1,0 +1,142 @@
+"""Running the Hugging Face verifier: its decoder layers, the aux-state capture hooks, and KV-cache calls."""
+from __future__ import annotations
+
+import inspect
+from functools import partial
+from typing import Sequence
+
+import torch
+
+
+def _text_config(config):
+    getter = getattr(config, "get_text_config", None)
+    return getter() if callable(getter) else config
+
+
+def decoder_layers(model: torch.nn.Module) -> torch.nn.ModuleList:
+    """The verifier's list of decoder layers (Llama-style, or nested in a multimodal wrapper)."""
+    count = int(_text_config(model.config).num_hidden_layers)
+    for path in ("model.layers", "model.language_model.layers", "language_model.model.layers",
+                 "model.language_model.model.layers", "transformer.h", "model.decoder.layers"):
+        module = model
+        for name in path.split("."):
+            module = getattr(module, name, None)
+            if module is None:
+                break
+        if isinstance(module, torch.nn.ModuleList) and len(module) == count:
+            return module
+    for name, module in model.named_modules():
+        if isinstance(module, torch.nn.ModuleList) and len(module) == count and "vision" not in name \
+                and "visual" not in name:
+            return module
+    raise ValueError(f"cannot find the {count} decoder layers of {type(model).__name__}")
+
+
+class AuxCapture:
+    """Forward pre-hooks that keep the INPUT of decoder layers `indices` (= HF output_hidden_states[i]),
+    the convention of stage 02; `take()` returns them concatenated [B, T, len(indices) * H]."""
+
+    def __init__(self, layers: torch.nn.ModuleList, indices: Sequence[int]):
+        self.layers, self.indices = layers, list(indices)
+        self.captured: list[torch.Tensor | None] = [None] * len(self.indices)
+        self.handles: list = []
+
+    def _hook(self, slot: int, module, args, kwargs):
+        self.captured[slot] = args[0] if args else kwargs["hidden_states"]
+
+    def __enter__(self) -> "AuxCapture":
+        for slot, index in enumerate(self.indices):
+            self.handles.append(self.layers[index].register_forward_pre_hook(partial(self._hook, slot),
+                                                                             with_kwargs=True))
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for handle in self.handles:
+            handle.remove()
+        self.handles = []
+        self.captured = [None] * len(self.indices)
+
+    def take(self) -> torch.Tensor:
+        if any(t is None for t in self.captured):
+            raise RuntimeError("the verifier forward did not pass through every aux layer")
+        out = torch.cat(self.captured, dim=-1)
+        self.captured = [None] * len(self.indices)
+        return out
+
+
+class VerifierRunner:
+    """Calls a transformers causal LM with a KV cache, whatever its version names the cache argument."""
+
+    def __init__(self, model: torch.nn.Module):
+        self.model = model
+        params = inspect.signature(model.forward).parameters
+        self.cache_kw = "cache" if "cache" in params else "past_key_values"
+        self.keep_kw = next((k for k in ("logits_to_keep", "num_logits_to_keep") if k in params), None)
+        self.device = next(model.parameters()).device
+        self.attn_implementation = getattr(model.config, "_attn_implementation", None) or "sdpa"
+        self._negative_crop: bool | None = None
+        self._arange: torch.Tensor | None = None
+        self.dtype = next(model.parameters()).dtype
+
+    def new_cache(self):
+        from transformers import DynamicCache
+
+        try:
+            return DynamicCache(config=self.model.config)
+        except TypeError:  # transformers < 4.56
+            return DynamicCache()
+
+    def __call__(self, input_ids: torch.Tensor, cache, position_ids: torch.Tensor | None = None,
+                 attention_mask: torch.Tensor | None = None, last_only: bool = False) -> torch.Tensor:
+        kwargs = {self.cache_kw: cache, "use_cache": True}
+        if last_only and self.keep_kw is not None:
+            kwargs[self.keep_kw] = 1
+        out = self.model(input_ids=input_ids, position_ids=position_ids, attention_mask=attention_mask, **kwargs)
+        return out.logits[:, -1:] if last_only else out.logits
+
+    def tree_mask(self, allowed: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """A 4-D mask [1, 1, q, kv] in the form the attention implementation takes as a custom mask:
+        bool (True = attend) for SDPA and flex, additive float (0 / -inf-ish) for eager."""
+        if self.attn_implementation in ("sdpa", "flex_attention"):
+            return allowed[None, None]
+        if "flash" in self.attn_implementation:
+            raise ValueError("tree drafting needs a custom attention mask, which flash attention does not take; "
+                             "load the verifier with attn_implementation='sdpa' (or use --topk 1)")
+        additive = torch.zeros(allowed.shape, dtype=dtype, device=allowed.device)
+        return additive.masked_fill(~allowed, torch.finfo(dtype).min)[None, None]
+
+    def causal_mask(self, past: int, length: int, dtype: torch.dtype) -> torch.Tensor:
+        """The mask of `length` new tokens after `past` cached ones, built in one comparison.
+
+        Given explicitly, transformers uses it as is; left to itself, it builds the same mask through its
+        general masking code, which costs more host time than the verifier's layers on a small model.
+        """
+        if self._arange is None or self._arange.numel() < past + length:
+            self._arange = torch.arange(max(2 * (past + length), 4096), device=self.device)
+        kv = self._arange[:past + length]
+        allowed = kv[None, :] <= kv[past:, None]
+        return self.tree_mask(allowed, dtype)
+
+    def crop(self, cache, length: int) -> None:
+        """Keep the first `length` cached positions. transformers 5 takes the number of tokens to remove
+        (negative); older versions the length to keep."""
+        if self._negative_crop is None:
+            self._negative_crop = "tokens_to_remove" in inspect.signature(cache.crop).parameters
+        current = cache.get_seq_length()
+        if current > length:
+            cache.crop(length - current if self._negative_crop else length)
+
+    def keep(self, cache, base: int, relative: Sequence[int]) -> None:
+        """Keep positions [0, base) and then base + relative (ascending): a tree's accepted path."""
+        if list(relative) == list(range(len(relative))):
+            self.crop(cache, base + len(relative))
+            return
+        layers = getattr(cache, "layers", None)
+        if layers is None or any(not hasattr(layer, "keys") or getattr(layer, "is_sliding", False)
+                                 for layer in layers):
+            raise RuntimeError("tree verification gathers cache positions and needs a DynamicCache with "
+                               "full-attention layers (transformers >= 4.56); use --topk 1 here")
+        index = torch.tensor([base + r for r in relative], device=layers[0].keys.device)
+        for layer in layers:
+            layer.keys = torch.cat([layer.keys[..., :base, :], layer.keys.index_select(-2, index)], dim=-2)
+            layer.values = torch.cat([layer.values[..., :base, :], layer.values.index_select(-2, index)], dim=-2)
