@@ -253,7 +253,7 @@ def _turn_record(prompt, turn, ids, spec, plain, hf, greedy: bool, answer: str) 
 def run_offline(args, log, begin, prompt_spec, prompts, overlap) -> dict:
     from common.bench.report import BaselineCache, by_category, summarize_generations
     from common.data.chat_data import end_of_turn_ids
-    from common.extract.extraction import find_text_model, sample_states
+    from common.verifier.capture import find_text_model, sample_states
     from common.bench.prompts import has_chat_template, render_conversation
     from common.bench.speculative import (GenerationStats, SpeculativeDecoder, hf_generate, plain_decode,
         resolve_draft_shape)
@@ -463,7 +463,7 @@ def validation_entries(draft_dir: Path, entries: list[dict], log) -> tuple[list[
 def run_eval(args, log, begin, *_ignored) -> dict:
     import torch
     from common.model.drafter import aux_layers_from_eagle_config, load_drafter
-    from common.extract.extraction import load_sample, open_hidden_states
+    from common.formats.hidden_states import load_sample, open_hidden_states
     from common.train.training import compute_dtype_for, evaluate
     from common.verifier.loading import pick_device, read_embedding_tensors, read_verifier_info
 

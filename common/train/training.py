@@ -169,7 +169,7 @@ class HiddenStateDataset(Dataset):
         return [min(int(entry["num_tokens"]), self.max_seq_len) for entry in self.entries]
 
     def __getitem__(self, position: int) -> dict[str, torch.Tensor]:
-        from common.extract.extraction import load_sample
+        from common.formats.hidden_states import load_sample
 
         sample = load_sample(self.data_dir, self.entries[position])
         return {key: sample[key][: self.max_seq_len] for key in ("input_ids", "loss_mask", "aux", "final")}

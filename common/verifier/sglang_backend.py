@@ -8,7 +8,7 @@ Division of labour:
     (max_new_tokens=0, request id "eagle3-<position>"), follows the progress, and stops the engine once every
     sample is on disk;
   * patches/sglang_capture.py, inside SGLang's scheduler processes: takes the aux layers and the final hidden
-    state of each prefill forward and writes the sample folders with common.extract.extraction.write_samples, so the
+    state of each prefill forward and writes the sample folders with common.extract.writer.write_samples, so the
     output (files, index, manifest, resume) is the hf backend's.
 
 Engine settings and why (CAPTURE_SETTINGS): the prefix cache and chunked prefill would compute only part of a
@@ -169,7 +169,8 @@ def extract_with_sglang(args, info, samples, todo: Sequence[int], complete: set[
     (ExtractionStats.as_dict keys). Each sample folder is complete on disk when this returns."""
     import torch
 
-    from common.extract.extraction import ExtractionStats, estimate_disk_bytes, write_index
+    from common.extract.extractor import ExtractionStats
+    from common.formats.hidden_states import estimate_disk_bytes, write_index
     from common.cli.stage import Progress
     from common.verifier.loading import resolve_model_path
     from patches import SGLANG_PACKAGE_ENV
