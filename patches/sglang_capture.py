@@ -1,29 +1,5 @@
 """Capture hooks for stage 02's SGLang backend: the aux residual streams and the final hidden state of every
-prompt token, written as the same sample folders as the hf backend.
-
-What is hooked, in SGLang 0.5.23 (patches.SUPPORTED_SGLANG_VERSION; tests/test_sglang.py checks each target in
-that release's source): the text models `LlamaModel` (sglang/srt/models/llama.py) and `DeepseekV2Model`
-(sglang/srt/models/deepseek_v2.py, the decoder stack of DeepseekV2/V3ForCausalLM and of Kimi-K2.5's
-`KimiK25ForConditionalGeneration.language_model`). Their `forward(input_ids, positions, forward_batch, ...)`
-returns the final-norm output of every token [T, H]; while `self.layers_to_capture` lists layer indices it returns
-`(hidden_states, aux)` instead, with aux = the residual stream ENTERING each listed layer (the value SGLang's own
-EAGLE-3 capture hands the drafter: at layer i the layer's input boundary completes `hidden + residual`, the
-embedding output at layer 0). So `layers_to_capture = [l_0, l_1, l_2]` yields exactly transformers'
-`output_hidden_states[l_k]`, with no +1 shift (the shift lives only in `set_eagle3_layers_to_capture`, which is
-not used here). Using SGLang's own capture path, rather than hooks on the layers, is deliberate: in 0.5.23 the
-residual travels in `forward_batch.residual_stream`, not through the layers' arguments, and the capture path
-completes pending all-reduces and gathers rows the way the served drafter will see them.
-
-The wrapper sets `layers_to_capture` only for prefill forwards that hold stage-02 requests (request id
-"eagle3-<sample position>"), restores it afterwards, strips the aux from the result, and hands the tensors to a
-sink. Every TP rank runs the same capture path (it may involve collectives); only the first rank writes. After a
-TP all-reduce the hidden states are the same on every rank; data-parallel attention, which splits the rows over
-ranks, is refused by the engine settings (common/verifier/sglang_backend.py) and by the row-count check here.
-
-The capture logic works on any class with that text-model contract; tests/test_sglang.py runs it on CPU on a
-Hugging Face model arranged in SGLang's calling convention, because SGLang's model code does not import without
-its GPU packages.
-"""
+prompt token, written as the same sample folders as the hf backend. What is hooked and why: docs/extraction.md."""
 from __future__ import annotations
 
 import functools
