@@ -12,7 +12,6 @@ import torch
 from common.cli.errors import UsageError
 from common.formats.hidden_states import sample_path
 
-DATA_FILE = "tokenized_data.jsonl"
 FIX = "rerun 01_prepare_data.py (or point --prepared-data at its output)"
 
 
