@@ -16,8 +16,8 @@ from common.formats.files import read_json, write_json_atomic, sha256_file
 from common.cli.errors import UsageError
 from common.cli.flags import parse_stage_args, require
 from common.cli.stage import Progress, run_stage
-from common.formats.vocab_map import (REPORT_FILE, count_target_tokens, iter_tokenized, mapping_report, save_mapping,
-    select_draft_vocab)
+from common.formats.prepared_data import iter_prepared_data
+from common.formats.vocab_map import REPORT_FILE, count_target_tokens, mapping_report, save_mapping, select_draft_vocab
 from common.verifier.loading import load_tokenizer, read_verifier_info
 
 STAGE = "03_build_vocab_mapping"
@@ -79,10 +79,10 @@ def work(args, log):
     vocab_size = int(verifier["vocab_size"])
     total = data_manifest.get("counts", {}).get("samples")
     with Progress(total, "counting target tokens", unit="samples") as progress:
-        def records():
-            for _, record in iter_tokenized(data_path):
+        def records():  # whole samples (no --max-seq-len cut): every target stage 01 wrote counts
+            for sample in iter_prepared_data(data_path, vocab_size):
                 progress.update()
-                yield record
+                yield {"input_ids": sample.input_ids.numpy(), "loss_mask": sample.loss_mask.numpy()}
         counts = count_target_tokens(records(), vocab_size, source=str(data_path))
 
     mapping = select_draft_vocab(counts, args.draft_vocab_size)

@@ -72,7 +72,7 @@ class Inputs:
 # --- input checks (all before anything heavy) ------------------------------------------------------------
 
 def check_hidden_states(args) -> tuple[Path, dict, list[dict]]:
-    from common.extract.extraction import open_hidden_states
+    from common.formats.hidden_states import open_hidden_states
 
     if not args.data_dir:
         raise UsageError("give --data-dir (stage 02's hidden_states folder) or --run-dir")

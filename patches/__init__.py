@@ -1,17 +1,6 @@
-"""Run-time hooks into SGLang for stage 02's `--backend sglang` (never edits of SGLang's installed files).
-
-The hooks are written against ONE SGLang release, pinned here and nowhere else: requirements-test.txt names
-the same version (the tests read that release's source), and stage 02 refuses any other installed version
-before it starts the engine, because the hooks rely on SGLang internals (the text models' `layers_to_capture`
-and forward signatures, ForwardBatch fields) that change between releases.
-
-How SGLang picks the hooks up: the engine runs the model in its own scheduler processes (one per TP rank,
-started with multiprocessing "spawn"), so a patch applied in the stage's process would not reach them. SGLang
-imports every module of the package named by the environment variable SGLANG_EXTERNAL_MODEL_PACKAGE in each of
-those processes (sglang/srt/models/registry.py, meant for out-of-tree model classes); stage 02 names this
-package there, and `patches.sglang_capture` installs the hooks when it is imported with a capture plan in the
-environment. This module stays free of heavy imports, since SGLang imports it in every process.
-"""
+"""Run-time hooks into SGLang for stage 02's `--backend sglang` (never edits of SGLang's installed files), and the
+one pinned SGLang release they are written for. How SGLang imports them: docs/extraction.md. No heavy imports
+here: SGLang imports this package in every process."""
 from __future__ import annotations
 
 SUPPORTED_SGLANG_VERSION = "0.5.23"

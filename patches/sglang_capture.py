@@ -1,29 +1,5 @@
 """Capture hooks for stage 02's SGLang backend: the aux residual streams and the final hidden state of every
-prompt token, written as the same sample folders as the hf backend.
-
-What is hooked, in SGLang 0.5.23 (patches.SUPPORTED_SGLANG_VERSION; tests/test_sglang.py checks each target in
-that release's source): the text models `LlamaModel` (sglang/srt/models/llama.py) and `DeepseekV2Model`
-(sglang/srt/models/deepseek_v2.py, the decoder stack of DeepseekV2/V3ForCausalLM and of Kimi-K2.5's
-`KimiK25ForConditionalGeneration.language_model`). Their `forward(input_ids, positions, forward_batch, ...)`
-returns the final-norm output of every token [T, H]; while `self.layers_to_capture` lists layer indices it returns
-`(hidden_states, aux)` instead, with aux = the residual stream ENTERING each listed layer (the value SGLang's own
-EAGLE-3 capture hands the drafter: at layer i the layer's input boundary completes `hidden + residual`, the
-embedding output at layer 0). So `layers_to_capture = [l_0, l_1, l_2]` yields exactly transformers'
-`output_hidden_states[l_k]`, with no +1 shift (the shift lives only in `set_eagle3_layers_to_capture`, which is
-not used here). Using SGLang's own capture path, rather than hooks on the layers, is deliberate: in 0.5.23 the
-residual travels in `forward_batch.residual_stream`, not through the layers' arguments, and the capture path
-completes pending all-reduces and gathers rows the way the served drafter will see them.
-
-The wrapper sets `layers_to_capture` only for prefill forwards that hold stage-02 requests (request id
-"eagle3-<sample position>"), restores it afterwards, strips the aux from the result, and hands the tensors to a
-sink. Every TP rank runs the same capture path (it may involve collectives); only the first rank writes. After a
-TP all-reduce the hidden states are the same on every rank; data-parallel attention, which splits the rows over
-ranks, is refused by the engine settings (common/sglang_backend.py) and by the row-count check here.
-
-The capture logic works on any class with that text-model contract; tests/test_sglang.py runs it on CPU on a
-Hugging Face model arranged in SGLang's calling convention, because SGLang's model code does not import without
-its GPU packages.
-"""
+prompt token, written as the same sample folders as the hf backend. What is hooked and why: docs/extraction.md."""
 from __future__ import annotations
 
 import functools
@@ -38,6 +14,8 @@ from pathlib import Path
 from typing import Any, Callable, Sequence
 
 import torch
+
+from common.verifier.capture import capture_layer_ids
 
 PLAN_ENV = "EAGLE3_SGLANG_CAPTURE_PLAN"  # path of the capture plan; set by stage 02 for SGLang's processes
 RID_PREFIX = "eagle3-"
@@ -147,9 +125,7 @@ class CaptureHooks:
 
     def __init__(self, layer_ids: Sequence[int], sink: Callable[[], Any], is_writer: Callable[[], bool] = lambda: True,
                  on_error: Callable[[str], None] | None = None, on_first_batch: Callable[[Any], None] | None = None):
-        self.layer_ids = [int(layer) for layer in layer_ids]
-        if sorted(set(self.layer_ids)) != self.layer_ids:
-            raise ValueError(f"layer ids must be distinct and ascending, got {self.layer_ids}")
+        self.layer_ids = capture_layer_ids(layer_ids)  # the hf backend's rule: SGLang's layers_to_capture = [l]
         self._sink_factory, self._sink = sink, None
         self.is_writer = is_writer
         self.on_error = on_error
@@ -245,7 +221,7 @@ def _disable_save_crc() -> None:
 
 
 class SampleFileWriter:
-    """Writes captured requests as stage-02 sample folders (common.extract.extraction.write_samples), off the forward.
+    """Writes captured requests as stage-02 sample folders (common.extract.writer.write_samples), off the forward.
 
     Each batch is gathered on the device (the requests' rows, in the stored dtype) and copied to the host once,
     into one of PENDING_BATCHES reusable buffers (page-locked on a GPU); writer threads save the samples from
@@ -256,7 +232,7 @@ class SampleFileWriter:
     def __init__(self, output_dir: str | os.PathLike, samples: Sequence[Any], store_dtype: torch.dtype,
                  num_workers: int, journal: Callable[[int], None] | None = None,
                  on_error: Callable[[str], None] | None = None, pending_batches: int = PENDING_BATCHES):
-        from common.extract.extraction import write_samples
+        from common.extract.writer import write_samples
 
         self._write_samples = write_samples
         self.num_workers = max(1, num_workers)
@@ -424,7 +400,7 @@ class CapturePlan:
 
     def open_writer(self) -> SampleFileWriter:
         """The sink in the writing SGLang process: the prepared data read the same way stage 02 read it."""
-        from common.extract.extraction import read_prepared_data
+        from common.formats.prepared_data import read_prepared_data
 
         samples, _ = read_prepared_data(self.prepared_data, self.vocab_size, self.max_seq_len)
         journal_path = self.folder / JOURNAL_FILE

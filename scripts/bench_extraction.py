@@ -3,7 +3,7 @@
 
 On the same synthetic batches, in one process, it measures:
   forward_only  the base model's forward (no LM head, nothing captured or copied), twice (before and after);
-  extraction    common.extract.extraction.Extractor.run, the exact code the stage runs: hooks, gather, side-stream
+  extraction    common.extract.extractor.Extractor.run, the exact code the stage runs: hooks, gather, side-stream
                 copies into page-locked staging buffers, writer processes saving .pt files;
   naive         (optional) output_hidden_states=True, synchronous .cpu() copies, torch.save in the loop;
   disk          the raw sequential write rate of the output disk (one big file + fsync), before and after
@@ -38,8 +38,11 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import torch  # noqa: E402
 
-from common.extract.extraction import (SAMPLE_FILES, Extractor, Sample, batch_inputs, find_text_model, forward_only,
-    plan_batches, synchronize_all)  # noqa: E402
+from common.extract.extractor import Extractor, forward_only, synchronize_all  # noqa: E402
+from common.extract.plan import batch_inputs, plan_batches  # noqa: E402
+from common.formats.hidden_states import SAMPLE_FILES  # noqa: E402
+from common.formats.prepared_data import Sample  # noqa: E402
+from common.verifier.capture import find_text_model  # noqa: E402
 
 LLAMA_8B = dict(hidden_size=4096, num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8,
                 intermediate_size=14336, vocab_size=128256, max_position_embeddings=8192, rope_theta=500000.0,

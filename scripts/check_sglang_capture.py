@@ -66,7 +66,7 @@ def run_stage02(data: Path, out: Path, args, backend: str) -> None:
 
 
 def compare(hf_dir: Path, sglang_dir: Path) -> dict:
-    from common.extract.extraction import AUX_FILES, FINAL_FILE, open_hidden_states
+    from common.formats.hidden_states import AUX_FILES, FINAL_FILE, open_hidden_states
 
     _, hf_entries = open_hidden_states(hf_dir)
     _, sg_entries = open_hidden_states(sglang_dir)
@@ -101,7 +101,7 @@ def main(argv=None) -> int:
     data = prepare(work / "data", args.model_path, args.trust_remote_code, args.num_samples,
                    (args.min_len, args.max_len), args.seed)
     run_stage02(data, work / "sglang", args, "sglang")
-    from common.extract.extraction import open_hidden_states
+    from common.formats.hidden_states import open_hidden_states
 
     manifest, entries = open_hidden_states(work / "sglang")
     result = {"model_path": args.model_path, "tp_size": args.tp_size, "samples": len(entries),

@@ -192,7 +192,7 @@ def test_stage05_scores_its_decoded_text_with_stage04s_validation(verifier, draf
     """Stage 05 reports the drafter's teacher-forced agreement on the text it decoded (stage 02's capture,
     stage 04's validation). Step 0 must count exactly the output tokens that the drafter predicts from the
     position two before, among those whose verifier argmax is a draft token."""
-    from common.extract.extraction import find_text_model, sample_states
+    from common.verifier.capture import find_text_model, sample_states
     from common.bench.verifier_runner import AuxCapture, decoder_layers
     from common.train.training import evaluate
 

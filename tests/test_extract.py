@@ -20,9 +20,12 @@ import torch
 from conftest import REPO, run_script, save_tiny_deepseek_v3
 from common.formats.manifest import Manifest
 from common.formats.files import read_json, write_json_atomic
-from common.extract.extraction import (AUX_FILES, CRASH_ENV, Extractor, FINAL_FILE, LAYER_CONVENTION, META_FILE,
-    SAMPLE_FILES, TMP_PREFIX, find_text_model, load_sample, open_hidden_states, plan_batches, read_prepared_data,
-    sample_dir_name)
+from common.extract.extractor import CRASH_ENV, Extractor
+from common.extract.plan import plan_batches
+from common.formats.hidden_states import (AUX_FILES, FINAL_FILE, LAYER_CONVENTION, META_FILE, SAMPLE_FILES, TMP_PREFIX,
+    load_sample, open_hidden_states, sample_dir_name)
+from common.formats.prepared_data import read_prepared_data
+from common.verifier.capture import find_text_model
 from common.verifier.loading import load_verifier_model, read_verifier_info
 
 pytestmark = pytest.mark.usefixtures("one_intra_op_thread")
@@ -251,7 +254,7 @@ def test_find_text_model_in_multimodal_wrappers(deepseek_dir):
 
 
 def stage_sample(ids: torch.Tensor):
-    from common.extract.extraction import Sample
+    from common.formats.prepared_data import Sample
 
     return Sample(position=0, id="s", input_ids=ids, loss_mask=torch.ones_like(ids, dtype=torch.uint8))
 

@@ -1,4 +1,4 @@
-"""Stage 02's SGLang backend (patches/sglang_capture.py, common/sglang_backend.py), without a GPU.
+"""Stage 02's SGLang backend (patches/sglang_capture.py, common/verifier/sglang_backend.py), without a GPU.
 
 Three kinds of checks:
   * the pinned SGLang release's own source, read with ast from the installed wheel (installed with --no-deps,
@@ -273,7 +273,8 @@ def _prepared(folder: Path, lengths: list[int], seed: int = 0) -> Path:
 
 
 def _setup(model_dir: Path, tmp_path: Path, layers: list[int], lengths: list[int]):
-    from common.extract.extraction import find_text_model, read_prepared_data
+    from common.formats.prepared_data import read_prepared_data
+    from common.verifier.capture import find_text_model
     from common.verifier.loading import load_verifier_model
 
     data = _prepared(tmp_path / "data", lengths)
@@ -292,7 +293,8 @@ def _setup(model_dir: Path, tmp_path: Path, layers: list[int], lengths: list[int
 def test_capture_hooks_on_hf_models_in_sglang_calling_convention(which, verifiers, tmp_path):
     """Forwards as SGLang runs them: one request alone (exact), several packed with a request that is not stage
     02's in between, a decode forward (untouched), and a prefill of an already written sample (written once)."""
-    from common.extract.extraction import AUX_FILES, FINAL_FILE, META_FILE, SAMPLE_FILES, scan_output
+    from common.extract.output import scan_output
+    from common.formats.hidden_states import AUX_FILES, FINAL_FILE, META_FILE, SAMPLE_FILES
 
     layers = [0, 2, 4]  # the embedding output, a middle layer's input, the last layer's input
     lengths = [13, 9, 21, 1, 16, 7]
@@ -374,7 +376,7 @@ def test_capture_refuses_forwards_that_are_not_one_row_per_prompt_token(verifier
 
 
 def test_journal_follower_and_request_order(tmp_path):
-    from common.extract.extraction import Sample
+    from common.formats.prepared_data import Sample
     from common.verifier.sglang_backend import JournalFollower, request_chunks
 
     path = tmp_path / JOURNAL_FILE

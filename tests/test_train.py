@@ -262,7 +262,7 @@ def trained(run_a, nested_verifier, tmp_path_factory) -> Path:
 @pytest.mark.slow
 def test_training_learns_and_writes_sglang_ready_checkpoints(trained, run_a, nested_verifier):
     from common.model.drafter import check_drafter_dir
-    from common.extract.extraction import open_hidden_states
+    from common.formats.hidden_states import open_hidden_states
 
     train, evals = records(trained, "train"), records(trained, "eval")
     # The loss falls and the agreement with the verifier rises, at every TTT step, on held-out samples.
@@ -307,7 +307,7 @@ def test_fp8_training_learns_like_bf16_and_exports_the_same_format(trained, run_
     """Stage 04 --fp8 on the same data (CPU FP8 GEMMs; the intermediate size made a multiple of 16 so every
     GEMM runs in FP8): the validation agreement rises as in the full-precision run and checkpoints pass."""
     from common.model.drafter import check_drafter_dir
-    from common.extract.extraction import open_hidden_states
+    from common.formats.hidden_states import open_hidden_states
 
     out = tmp_path / "fp8"
     done = run_script("04_train.py", *train_argv(run_a, out, stories260k, epochs=EPOCHS, eval_interval=1000,
@@ -532,7 +532,7 @@ def test_unfinished_hidden_states_are_refused(run_a, stories260k, stage04, tmp_p
 
 def test_finetune_from_a_drafter_of_another_shape_is_refused(run_a, stories260k, stage04, tmp_path):
     from common.model.drafter import DrafterConfig, Eagle3Drafter, save_drafter
-    from common.extract.extraction import open_hidden_states
+    from common.formats.hidden_states import open_hidden_states
 
     manifest, _ = open_hidden_states(run_a / "hidden_states")
     info = read_verifier_info(str(stories260k))
@@ -567,7 +567,7 @@ def test_resume_with_other_settings_is_refused(run_a, stories260k, stage04, tmp_
 def test_finetune_from_trained_drafter_and_evaluate_reproduces_validation(trained, run_a, nested_verifier,
                                                                           stories260k, stage04, tmp_path):
     from common.model.drafter import load_drafter
-    from common.extract.extraction import load_sample, open_hidden_states
+    from common.formats.hidden_states import load_sample, open_hidden_states
     from common.train.training import evaluate
     from common.verifier.loading import read_embedding_tensors
 
@@ -630,7 +630,7 @@ def test_bf16_resume_restores_fp32_master_weights_and_moments(run_a, stories260k
     at the Trainer level: a resumed run must end bit-identical, which needs the fp32 optimizer state back
     in fp32 (torch's load_state_dict alone casts it to bf16)."""
     from common.model.drafter import DrafterConfig, Eagle3Drafter
-    from common.extract.extraction import open_hidden_states
+    from common.formats.hidden_states import open_hidden_states
     from common.train.training import HiddenStateDataset, LoopConfig, TrainConfig, Trainer, cast_parameters
     from common.verifier.loading import read_embedding_tensors
     from common.formats.vocab_map import load_mapping

@@ -37,7 +37,7 @@ def run_eval(args, log, begin, *_ignored) -> dict:
     """Score the drafter teacher-forced on stored hidden states; the results of --mode eval."""
     import torch
     from common.model.drafter import aux_layers_from_eagle_config, load_drafter
-    from common.extract.extraction import load_sample, open_hidden_states
+    from common.formats.hidden_states import load_sample, open_hidden_states
     from common.train.training import compute_dtype_for, evaluate
     from common.verifier.loading import pick_device, read_embedding_tensors, read_verifier_info
 

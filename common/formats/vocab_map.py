@@ -5,10 +5,9 @@ mask over the verifier vocabulary. Kept ids are sorted ascending; ties in freque
 """
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterable, Iterator
+from typing import Iterable
 
 import numpy as np
 import torch
@@ -18,21 +17,6 @@ from common.cli.errors import UsageError
 
 MAPPING_FILE = "vocab_mapping.safetensors"
 REPORT_FILE = "vocab_report.json"
-
-
-def iter_tokenized(path: str | Path) -> Iterator[tuple[int, dict]]:
-    """(line number, record) for each line of a stage-01 JSONL; a bad line is an input error."""
-    with open(path) as handle:
-        for line_number, line in enumerate(handle, start=1):
-            if not line.strip():
-                continue
-            try:
-                record = json.loads(line)
-                if len(record["input_ids"]) != len(record["loss_mask"]):
-                    raise ValueError("input_ids and loss_mask differ in length")
-            except (json.JSONDecodeError, KeyError, TypeError, ValueError) as err:
-                raise UsageError(f"{path}:{line_number}: not a stage-01 record ({err}); rerun 01_prepare_data.py")
-            yield line_number, record
 
 
 def count_target_tokens(records: Iterable[dict], vocab_size: int, source: str = "data") -> np.ndarray:

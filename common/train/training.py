@@ -155,7 +155,7 @@ def step_shares(num_batches: int, start: int, micro_per_step: int, world_size: i
 
 
 class HiddenStateDataset(Dataset):
-    """One stage-02 sample per item, read through common.extract.extraction and cut to max_seq_len."""
+    """One stage-02 sample per item, read through common.formats.hidden_states and cut to max_seq_len."""
 
     def __init__(self, data_dir: str | Path, entries: Sequence[dict], max_seq_len: int):
         self.data_dir = str(data_dir)
@@ -169,7 +169,7 @@ class HiddenStateDataset(Dataset):
         return [min(int(entry["num_tokens"]), self.max_seq_len) for entry in self.entries]
 
     def __getitem__(self, position: int) -> dict[str, torch.Tensor]:
-        from common.extract.extraction import load_sample
+        from common.formats.hidden_states import load_sample
 
         sample = load_sample(self.data_dir, self.entries[position])
         return {key: sample[key][: self.max_seq_len] for key in ("input_ids", "loss_mask", "aux", "final")}

@@ -390,7 +390,7 @@ def load_verifier_model(model_path: str, device: str = "auto", dtype: str = "bfl
 
     device_map None puts the whole model on `device` (weights go straight to the GPU); "auto", "balanced" or
     a dict is passed to transformers, which shards the layers over the visible GPUs (see choose_device_map).
-    Multimodal wrappers (a `language_model` inside) load whole; common.extract.extraction.find_text_model finds the
+    Multimodal wrappers (a `language_model` inside) load whole; common.verifier.capture.find_text_model finds the
     text model in them.
     """
     import torch

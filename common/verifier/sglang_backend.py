@@ -1,25 +1,5 @@
-"""Stage 02 with SGLang as the engine (`--backend sglang --tp-size 8`): for verifiers only SGLang can run, such as
-Kimi-K2.5 int4 on 8 GPUs.
-
-Division of labour:
-  * this module, in the stage's process: checks that cannot wait (the pinned SGLang version, GPUs, the
-    architecture) as part of stage 02's preflight; then writes the capture plan, starts SGLang's offline Engine
-    with the settings exact capture needs, sends every sample still to do as a prefill-only request
-    (max_new_tokens=0, request id "eagle3-<position>"), follows the progress, and stops the engine once every
-    sample is on disk;
-  * patches/sglang_capture.py, inside SGLang's scheduler processes: takes the aux layers and the final hidden
-    state of each prefill forward and writes the sample folders with common.extract.extraction.write_samples, so the
-    output (files, index, manifest, resume) is the hf backend's.
-
-Engine settings and why (CAPTURE_SETTINGS): the prefix cache and chunked prefill would compute only part of a
-prompt in a forward; mixed chunks put decode tokens into prefill forwards; two-batch overlap splits a forward
-into micro-batches; data-parallel attention and scattered attention input split a forward's rows over ranks;
-CUDA graphs and torch.compile would replay kernels without running the Python hooks; the overlap scheduler is
-off so each forward's copy to the host is finished before the next batch is prepared.
-
-SGLang picks its batches itself, so (unlike the hf backend) a resumed run is not bit-identical to an
-uninterrupted one: the same values up to the kernels' batch-dependent rounding.
-"""
+"""Stage 02 with SGLang as the engine (`--backend sglang --tp-size 8`), in the stage's process: preflight, the
+capture plan, the engine and its requests, progress. Division of labour and engine settings: docs/extraction.md."""
 from __future__ import annotations
 
 import importlib.util
@@ -169,7 +149,8 @@ def extract_with_sglang(args, info, samples, todo: Sequence[int], complete: set[
     (ExtractionStats.as_dict keys). Each sample folder is complete on disk when this returns."""
     import torch
 
-    from common.extract.extraction import ExtractionStats, estimate_disk_bytes, write_index
+    from common.extract.extractor import ExtractionStats
+    from common.formats.hidden_states import estimate_disk_bytes, write_index
     from common.cli.stage import Progress
     from common.verifier.loading import resolve_model_path
     from patches import SGLANG_PACKAGE_ENV

@@ -1,0 +1,265 @@
+"""Stage 02 from checked inputs to a finished output folder: the manifest, the resume and disk checks, the run on
+either backend, and the index and manifest at the end."""
+from __future__ import annotations
+
+import shutil
+import time
+from contextlib import nullcontext
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from common.cli import distributed
+from common.cli.errors import UsageError
+from common.cli.stage import Progress
+from common.extract.extractor import Extractor, merge_rank_stats
+from common.extract.output import (OutputLock, check_writable, owned_entries, remove_owned, resume_differences,
+    scan_output, tree_bytes)
+from common.extract.plan import padding_stats, plan_batches, rank_batches
+from common.formats.files import read_json, sha256_file
+from common.formats.hidden_states import (AUX_FILES, FINAL_CONVENTION, FINAL_FILE, FORMAT_VERSION, INDEX_FILE,
+    LAYER_CONVENTION, META_FILE, SAMPLE_FILES, SHARD_SIZE, STAGE, estimate_disk_bytes, human_bytes, write_index)
+from common.formats.manifest import MANIFEST, Manifest, check_verifier_matches, load_manifest
+from common.formats.prepared_data import Sample, read_prepared_data
+from common.verifier.capture import find_text_model
+from common.verifier.loading import choose_device_map, load_verifier_model, resolve_model_path
+
+UPSTREAM = "01_prepare_data"
+DEFAULT_BATCH_SIZE = {"cuda": 64, "cpu": 8}
+DEFAULT_MAX_TOKENS_PER_BATCH = {"cuda": 32768, "cpu": 4096}
+DISK_MARGIN = 1024 ** 3  # keep 1 GB free for logs, checkpoints and everything else on the disk
+
+
+@dataclass
+class ExtractionInputs:
+    """What the stage checked before anything is written: the verifier and the prepared data."""
+    info: object  # common.verifier.loading.VerifierInfo
+    aux_layers: list[int]
+    device: str
+    compute_dtype: str
+    samples: list[Sample]
+
+
+def check_prepared_data(args, info, log):
+    """The stage-01 output exists, is finished, comes from this verifier, and parses and matches its counts."""
+    data_file = Path(args.prepared_data)
+    if not data_file.is_file():
+        raise UsageError(f"--prepared-data {data_file}: no such file; run {UPSTREAM}.py first (or point "
+                         f"--prepared-data at its tokenized_data.jsonl)")
+    upstream = load_manifest(data_file.parent, UPSTREAM, "--prepared-data")
+    check_verifier_matches(upstream, str(data_file.parent / MANIFEST), info.identity(),
+                           f"--model-path {args.model_path}")
+    samples, found = read_prepared_data(data_file, info.vocab_size, args.max_seq_len)
+    expected = upstream.get("counts") or {}
+    for key in ("samples", "tokens", "loss_tokens"):
+        if key in expected and int(expected[key]) != found[key]:
+            raise UsageError(f"{data_file}: {found[key]} {key} but its manifest {data_file.parent / MANIFEST} says "
+                             f"{expected[key]}; the file changed after {UPSTREAM} wrote it. Rerun {UPSTREAM}.py")
+    truncated = sum(s.truncated for s in samples)
+    if truncated:
+        log.warning("%d of %d samples are longer than --max-seq-len %d and are truncated", truncated,
+                    len(samples), args.max_seq_len)
+    return samples, upstream
+
+
+def verifier_resolved_path(model_path: str) -> str:
+    folder, gguf_file = resolve_model_path(model_path)
+    path = Path(folder, gguf_file) if gguf_file else Path(folder)
+    return str(path.resolve()) if path.exists() else model_path
+
+
+def build_manifest(args, info, upstream_dir: Path, data_sha, aux_layers, compute_dtype) -> Manifest:
+    manifest = Manifest(args.output_dir, STAGE, {k: v for k, v in sorted(vars(args).items())})
+    manifest.add_input("prepared_data", args.prepared_data, upstream_dir / MANIFEST)
+    manifest.data["inputs"]["prepared_data"]["sha256"] = data_sha
+    manifest.data["verifier"] = info.identity()
+    manifest.data.update({
+        "format_version": FORMAT_VERSION,
+        "backend": args.backend,
+        "verifier_resolved_path": verifier_resolved_path(args.model_path),
+        "aux_layers": list(aux_layers),
+        "layer_convention": LAYER_CONVENTION,
+        "final": FINAL_CONVENTION,
+        "num_layers": info.num_layers,
+        "hidden_size": info.hidden_size,
+        "dtype": args.dtype,
+        "compute_dtype": compute_dtype,
+        "files": {"aux": list(AUX_FILES), "final": FINAL_FILE, "meta": META_FILE},
+        "tensor_shape": "[num_tokens, hidden_size]",
+        "shard_size": SHARD_SIZE,
+        "index": INDEX_FILE,
+    })
+    return manifest
+
+
+def check_existing_output(args, output_dir: Path, manifest: Manifest, log) -> dict | None:
+    """The earlier run's manifest when resuming it; refuses results made with other settings."""
+    path = output_dir / MANIFEST
+    if args.overwrite:
+        return None
+    if not path.exists():
+        if owned_entries(output_dir):
+            raise UsageError(f"--output-dir {output_dir} holds shard folders but no {MANIFEST}, so their origin is "
+                             f"unknown; pass --overwrite to replace them or choose another --output-dir")
+        return None
+    try:
+        existing = read_json(path)
+    except ValueError as err:
+        raise UsageError(f"{path} is not valid JSON ({err}); pass --overwrite to start over")
+    if existing.get("stage") != STAGE:
+        raise UsageError(f"{path} was written by {existing.get('stage')!r}, not {STAGE}; choose another "
+                         f"--output-dir")
+    differences = resume_differences(existing, manifest.data)
+    if differences:
+        raise UsageError(f"--output-dir {output_dir} holds hidden states made with other settings, which cannot be "
+                         f"resumed:\n    " + "\n    ".join(differences) +
+                         "\n  Pass --overwrite to replace them, or choose another --output-dir.")
+    return existing
+
+
+def check_disk(args, output_dir: Path, todo_tokens: int, todo_samples: int, info, log) -> int:
+    bytes_per_value = torch.empty(0, dtype=getattr(torch, args.dtype)).element_size()
+    needed = estimate_disk_bytes(todo_tokens, todo_samples, info.hidden_size, bytes_per_value)
+    free = shutil.disk_usage(output_dir).free
+    if args.overwrite:  # what --overwrite is about to delete will be free again
+        free += sum(tree_bytes(p) for p in owned_entries(output_dir))
+    log.info("disk: this run writes about %s (%d tokens x 4 tensors x %d x %d bytes, plus metadata); %s free at "
+             "%s", human_bytes(needed), todo_tokens, info.hidden_size, bytes_per_value, human_bytes(free), output_dir)
+    if needed + DISK_MARGIN > free:
+        message = (f"--output-dir {output_dir}: the run needs about {human_bytes(needed)} (+{human_bytes(DISK_MARGIN)} "
+                   f"margin) but only {human_bytes(free)} is free. Free space, choose another --output-dir, "
+                   f"use fewer samples or --aux-layers on a smaller --dtype, or pass --allow-low-disk to try anyway")
+        if not args.allow_low_disk:
+            raise UsageError(message)
+        log.warning("%s (continuing: --allow-low-disk)", message)
+    return needed
+
+
+def finish_output(output_dir: Path, samples, manifest: Manifest, summary: dict, log) -> None:
+    """6. Index and manifest over everything on disk (this run plus earlier ones), for either backend."""
+    complete = scan_output(output_dir, samples, clean=False)
+    if len(complete) != len(samples):
+        raise RuntimeError(f"{len(samples) - len(complete)} samples are missing after the run; rerun to resume")
+    write_index(output_dir, samples, complete)
+    manifest.data["counts"]["files"] = len(complete) * len(SAMPLE_FILES)
+    manifest.data["last_run"] = summary
+    manifest.complete()
+    log.info("wrote %s and %s", output_dir / "index.jsonl", output_dir / MANIFEST)
+
+
+def extract_hidden_states(args, inputs: ExtractionInputs, rank: distributed.RankInfo, log) -> None:
+    """Steps 3-6 of stage 02: claim and check the output folder, plan, run the backend, finish the output."""
+    info, aux_layers, device, compute_dtype, samples = (inputs.info, inputs.aux_layers, inputs.device,
+                                                        inputs.compute_dtype, inputs.samples)
+    data_file = Path(args.prepared_data)
+    data_sha = sha256_file(data_file)
+
+    # 3. The output folder: writable, not in use, and either empty, resumable, or --overwrite.
+    output_dir = Path(args.output_dir)
+    check_writable(output_dir)
+    with OutputLock(output_dir) if rank.is_main else nullcontext():  # rank 0 holds it for all ranks
+        manifest = build_manifest(args, info, data_file.parent, data_sha, aux_layers, compute_dtype)
+        existing = check_existing_output(args, output_dir, manifest, log)
+        batch_size = args.batch_size or DEFAULT_BATCH_SIZE["cpu" if device == "cpu" else "cuda"]
+        max_tokens = args.max_tokens_per_batch or DEFAULT_MAX_TOKENS_PER_BATCH["cpu" if device == "cpu" else "cuda"]
+        batches = plan_batches(samples, batch_size, max_tokens)
+        complete = set() if args.overwrite else distributed.from_main(
+            lambda: scan_output(output_dir, samples, clean=False))  # one scan, the same on every rank
+        todo_batches = [b for b in batches if any(i not in complete for i in b)]
+        todo_samples = [i for i in range(len(samples)) if i not in complete]
+        todo_tokens = sum(samples[i].num_tokens for i in todo_samples)
+        total_tokens = sum(s.num_tokens for s in samples)
+        counts = {"samples": len(samples), "tokens": total_tokens,
+                  "loss_tokens": int(sum(int(s.loss_mask.sum()) for s in samples)),
+                  "truncated_samples": sum(s.truncated for s in samples)}
+        manifest.data["counts"] = dict(counts)
+
+        if existing is not None and not todo_samples:
+            if existing.get("status") == "complete":
+                log.info("%s already holds all %d samples (%d tokens) extracted with these settings; nothing to do "
+                         "(pass --overwrite to extract again)", output_dir, len(samples), total_tokens)
+                return
+            if rank.is_main:
+                write_index(output_dir, samples, complete)  # killed after the last sample, before finishing
+                manifest.complete()
+            log.info("all %d samples were already on disk; manifest completed", len(samples))
+            return
+        if existing is not None:
+            log.info("resuming: %d of %d samples are complete; %d samples (%d tokens) to go", len(complete),
+                     len(samples), len(todo_samples), todo_tokens)
+
+        # 4. Disk, then (only now) clear an overwritten output.
+        needed = check_disk(args, output_dir, todo_tokens, len(todo_samples), info, log)
+        distributed.barrier()  # every rank has read the output folder before rank 0 changes it
+        if args.overwrite and rank.is_main:
+            removed = remove_owned(output_dir)
+            if removed:
+                log.info("--overwrite: removed %d earlier entries from %s", removed, output_dir)
+        if rank.is_main:
+            scan_output(output_dir, samples, clean=True)  # drop temp folders and partial samples of a killed run
+        pad = padding_stats(samples, todo_batches)
+        log.info("plan: %d batches (<= %d sequences, <= %d padded tokens each), padding waste %.1f%%",
+                 len(todo_batches), batch_size, max_tokens, 100 * pad["padding_waste"])
+        manifest.data["planned_bytes"] = needed
+        if rank.is_main:
+            manifest.write()
+        if rank.distributed:
+            distributed.barrier()  # cleaned up before any rank writes a sample
+            todo_batches = rank_batches(samples, todo_batches, rank.world_size, rank.rank)
+            todo_samples = [i for batch in todo_batches for i in batch if i not in complete]
+            log.info("%d ranks; rank 0 extracts %d batches (%d samples)", rank.world_size, len(todo_batches),
+                     len(todo_samples))
+
+        if args.backend == "sglang":  # SGLang's processes run the verifier; patches/sglang_capture.py writes
+            from common.verifier.sglang_backend import extract_with_sglang
+
+            summary = extract_with_sglang(args, info, samples, todo_samples, complete, aux_layers, output_dir,
+                                          batch_size, max_tokens, log)
+            log.info("extracted %d samples (%d tokens) in %.1f s: %.0f tokens/s, about %s written",
+                     summary["samples_written"], summary["tokens_written"], summary["elapsed_s"],
+                     summary["tokens_per_s"], human_bytes(summary["bytes_written"]))
+            finish_output(output_dir, samples, manifest, summary, log)
+            return
+
+        # 5. Writers first (forked without a model), then the verifier, then the batches.
+        with Extractor(output_dir, samples, batches, aux_layers, info.hidden_size, getattr(torch, args.dtype),
+                       args.num_workers) as extractor:
+            device_map = choose_device_map(args.model_path, device, args.device_map)
+            log.info("loading the verifier%s ...", " sharded over the visible GPUs" if device_map else f" on {device}")
+            started = time.time()
+            model = load_verifier_model(args.model_path, device, compute_dtype, args.trust_remote_code, device_map)
+            text = find_text_model(model, info.num_layers)
+            embedding = text.base.get_input_embeddings() if hasattr(text.base, "get_input_embeddings") else None
+            width = getattr(embedding, "embedding_dim", info.hidden_size)
+            if width != info.hidden_size:
+                raise RuntimeError(f"the text model found at {text.name} has hidden size {width}, but the config "
+                                   f"says {info.hidden_size}; this architecture needs support in "
+                                   f"common/verifier/capture.find_text_model")
+            log.info("verifier loaded in %.0f s; text model at %s", time.time() - started, text.name)
+            if getattr(model, "hf_device_map", None) and {"cpu", "disk"} & set(map(str, model.hf_device_map.values())):
+                log.warning("parts of the verifier were placed on cpu/disk: extraction will be very slow")
+            with Progress(total=len(todo_samples), desc="extract", unit="samples") as progress:
+                # index.jsonl grows during the run (run_pipeline.py --status reads it for progress)
+                def refresh(written):  # (rank 0 only: the others' samples join the index at the end)
+                    write_index(output_dir, samples, complete | written)
+
+                stats = extractor.run(text, todo_batches, complete, progress,
+                                      on_checkpoint=refresh if rank.is_main else None)
+        summary = stats.as_dict()
+        log.info("extracted %d samples (%d tokens) in %.1f s: %.0f tokens/s, %s written (%s/s), padding waste %.1f%%",
+                 summary["samples_written"], summary["tokens_written"], summary["elapsed_s"], summary["tokens_per_s"],
+                 human_bytes(summary["bytes_written"]), human_bytes(summary["write_bytes_per_s"]),
+                 100 * summary["padding_waste"])
+
+        if rank.distributed:  # once every rank has reported, all their samples are on disk
+            summary = merge_rank_stats(distributed.all_gather_object(summary))
+            if not rank.is_main:
+                distributed.shutdown()
+                return
+            log.info("all %d ranks: %d samples (%d tokens) in %.1f s: %.0f tokens/s", rank.world_size,
+                     summary["samples_written"], summary["tokens_written"], summary["elapsed_s"],
+                     summary["tokens_per_s"])
+
+        finish_output(output_dir, samples, manifest, summary, log)
+    distributed.shutdown()
