@@ -117,7 +117,7 @@ def training_lineage(draft_dir: str | Path) -> tuple[Path | None, list[str]]:
 
 def check_overlap(prompts, draft_dir: str | None, allow_overlap: bool, log) -> dict:
     """Refuse benchmark prompts whose turns were training prompts of the drafter (unless allowed)."""
-    from common.data.chat_data import prompt_hash
+    from common.data.records import prompt_hash
 
     if not draft_dir or not Path(draft_dir).exists():
         log.warning("overlap check SKIPPED: no drafter folder to trace the training data from (give "
@@ -252,7 +252,7 @@ def _turn_record(prompt, turn, ids, spec, plain, hf, greedy: bool, answer: str) 
 
 def run_offline(args, log, begin, prompt_spec, prompts, overlap) -> dict:
     from common.bench.report import BaselineCache, by_category, summarize_generations
-    from common.data.chat_data import end_of_turn_ids
+    from common.data.chat_tokenizer import end_of_turn_ids
     from common.extract.extraction import find_text_model, sample_states
     from common.bench.prompts import has_chat_template, render_conversation
     from common.bench.speculative import (GenerationStats, SpeculativeDecoder, hf_generate, plain_decode,
