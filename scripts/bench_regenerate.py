@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Speed of stage 01's regeneration with the Hugging Face verifier (common.data.regenerate.HFResponder).
+"""Speed of stage 01's regeneration with the Hugging Face verifier (common.data.responders.HFResponder).
 
 Runs the first user turns of a ShareGPT/JSONL file through the exact responder stage 01 uses, once per
 --batch-sizes entry, and prints conversations/s and generated tokens/s as JSON lines (also appended to
@@ -58,7 +58,7 @@ def main(argv=None) -> int:
     import torch
 
     from common.data.chat_tokenizer import end_of_turn_ids
-    from common.data.regenerate import HFResponder
+    from common.data.responders import HFResponder
     from common.verifier.loading import load_tokenizer, load_verifier_model, pick_device, resolve_model_path
 
     args = parse_args(argv)

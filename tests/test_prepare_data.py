@@ -551,7 +551,7 @@ def test_large_regeneration_batches_are_sorted_over_several_batches(tmp_path, st
 def test_regeneration_on_two_copies_gives_the_same_replies_in_order(stories260k):
     """With one copy of the verifier per device, the batches of a call run on whichever copy is free (one
     thread each); every conversation still gets the reply one copy gives it, in its own place."""
-    from common.data.regenerate import HFResponder
+    from common.data.responders import HFResponder
     from common.verifier.loading import load_tokenizer, load_verifier_model
 
     tokenizer = load_tokenizer(str(stories260k))

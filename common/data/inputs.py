@@ -75,7 +75,7 @@ def _check_endpoint(args) -> str | None:
     if not args.regenerate:
         raise UsageError("--regenerate-endpoint is set without --regenerate; add --regenerate to regenerate the "
                          "responses through it")
-    from common.data.regenerate import check_endpoint
+    from common.data.responders import check_endpoint
 
     return check_endpoint(args.regenerate_endpoint)
 
@@ -113,7 +113,7 @@ def _fingerprint(args, tokenizer_sha: str, template_sha: str | None, eval_file: 
 def generator_identity(args, served_model: str | None) -> dict:
     """What generates the responses: the in-process dtype, or the endpoint and the model it serves."""
     if args.regenerate_endpoint:
-        from common.data.regenerate import endpoint_base
+        from common.data.responders import endpoint_base
 
         return {"dtype": None, "regenerate_endpoint": endpoint_base(args.regenerate_endpoint),
                 "served_model": served_model}

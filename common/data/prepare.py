@@ -79,7 +79,8 @@ def read_data(args, inputs: Inputs, log) -> tuple[list[Record], BadRecords, list
 def make_regenerator(args, inputs: Inputs, stop_ids: set[int], cache, records: list[Record], log):
     """The verifier-backed regenerator (the model loads on first use, after the preflight), or the
     endpoint-backed one with --regenerate-endpoint (no model load here)."""
-    from common.data.regenerate import EndpointResponder, HFResponder, Regenerator
+    from common.data.regenerate import Regenerator
+    from common.data.responders import EndpointResponder, HFResponder
     from common.verifier.loading import load_verifier_model, regeneration_placement
 
     preflight(ChatTokenizer(inputs.tokenizer, stop_ids, args.max_seq_len), records, args.max_bad_fraction, log)
