@@ -80,7 +80,7 @@ def _check_endpoint(args) -> str | None:
     return check_endpoint(args.regenerate_endpoint)
 
 
-# --- the fingerprint: what the output depends on --------------------------------------------------------
+# --- the fingerprint: what the output depends on ------------------------------------------------------
 
 def _template_text(tokenizer) -> str | None:
     template = getattr(tokenizer, "chat_template", None)
@@ -120,7 +120,7 @@ def generator_identity(args, served_model: str | None) -> dict:
     return {"dtype": args.dtype}
 
 
-# --- an output already there ------------------------------------------------------------------------------
+# --- an output already there --------------------------------------------------------------------------
 
 def already_complete(out: Path, data_file: Path, fingerprint: dict, overwrite: bool, log) -> bool:
     """True when OUTPUT_DIR already holds this exact output; refuses one made with other settings."""

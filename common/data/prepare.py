@@ -19,7 +19,7 @@ from common.formats.manifest import Manifest
 DEFAULT_REGEN_BATCH = 16
 
 
-# --- reading and regenerating ---------------------------------------------------------------------------------
+# --- reading and regenerating -------------------------------------------------------------------------
 
 def regeneration_cache(args, inputs: Inputs, log):
     """The resumable cache of generated conversations.
@@ -102,7 +102,7 @@ def make_regenerator(args, inputs: Inputs, stop_ids: set[int], cache, records: l
     return Regenerator(responder, cache, batch_size)
 
 
-# --- the stage's work ----------------------------------------------------------------------------------------
+# --- the stage's work ---------------------------------------------------------------------------------
 
 def prepare_data(args, inputs: Inputs, log) -> dict:
     """Everything stage 01 does once its inputs are checked; returns the completed manifest's data."""

@@ -20,7 +20,7 @@ CHUNK_RECORDS = 2048         # records processed (regenerated, tokenized) per ro
 REGEN_SORT_BATCHES = 8       # with --regenerate a round holds at least this many batches, sorted by length
 
 
-# --- before the verifier loads ---------------------------------------------------------------------------
+# --- before the verifier loads ------------------------------------------------------------------------
 
 def preflight(chat: ChatTokenizer, records: list[Record], limit: float, log) -> None:
     """Render a sample of conversations before the verifier is loaded, so template problems stop early.

@@ -101,7 +101,7 @@ class BadRecords:
                 "examples": {reason: self.examples(reason, 10) for reason in self.counts}}
 
 
-# --- roles and normalisation ---------------------------------------------------------------------------------
+# --- roles and normalisation --------------------------------------------------------------------------
 
 def _content_text(content: Any) -> str:
     """A message's text: a string, or the text parts of OpenAI-style content lists."""
@@ -155,7 +155,7 @@ def normalise_messages(turns: Any) -> list[dict]:
     return [m for i, m in enumerate(messages) if i >= first_user or m["role"] == SYSTEM]
 
 
-# --- ids ------------------------------------------------------------------------------------------------
+# --- ids ----------------------------------------------------------------------------------------------
 
 def own_id(raw: Any) -> str | None:
     """A record's id as its data gives it, if usable (a non-blank string or an integer)."""
@@ -184,7 +184,7 @@ def normalise_record(obj: Any, source: str, line: int) -> Record:
     raise BadRecordError("missing_fields", "expected a conversations, messages or text field")
 
 
-# --- duplicates and unique ids -------------------------------------------------------------------------
+# --- duplicates and unique ids ------------------------------------------------------------------------
 
 def remove_duplicates(records: list[Record]) -> tuple[list[Record], int]:
     """Exact duplicates (same roles and contents, or same text) removed, keeping the first."""

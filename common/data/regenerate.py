@@ -122,7 +122,7 @@ class RegenerationCache:
             os.fsync(handle.fileno())
 
 
-# --- the turn-by-turn driver ---------------------------------------------------------------------------
+# --- the turn-by-turn driver --------------------------------------------------------------------------
 
 @dataclass
 class _Conversation:

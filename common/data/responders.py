@@ -125,7 +125,7 @@ class HFResponder:
         return self.tokenizer.decode(row[:stop], skip_special_tokens=True).strip()
 
 
-# --- the OpenAI-compatible endpoint responder ------------------------------------------------------------
+# --- the OpenAI-compatible endpoint responder ---------------------------------------------------------
 
 def endpoint_base(url: str) -> str:
     """The server root: "http://host:port", "http://host:port/" and "http://host:port/v1" are the same."""

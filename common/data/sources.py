@@ -211,7 +211,7 @@ def iter_raw(source: Source) -> Iterator[RawItem]:
             yield row, obj
 
 
-# --- records of every source ----------------------------------------------------------------------------
+# --- records of every source --------------------------------------------------------------------------
 
 def read_records(sources: Iterable[Source], bad: BadRecords,
                  on_source_done: Callable[[Source, int, int], None] | None = None) -> list[Record]:

@@ -31,7 +31,7 @@ class Written:
     processing_fraction: float = 0.0
 
 
-# --- bad records ------------------------------------------------------------------------------------------
+# --- bad records --------------------------------------------------------------------------------------
 
 def check_bad_fraction(bad: BadRecords, seen: int, limit: float, what: str, out: Path) -> float:
     """The fraction of `seen` records that are bad; above `limit` a usage error pointing at the bad-record file."""
@@ -51,7 +51,7 @@ def write_bad_records(path: Path, reading: BadRecords, processing: BadRecords) -
     write_text_atomic(path, "".join(lines))
 
 
-# --- the splits --------------------------------------------------------------------------------------------
+# --- the splits ---------------------------------------------------------------------------------------
 
 def remove_previous_output(inputs: Inputs) -> None:
     """--overwrite: every file an earlier run wrote (the regeneration cache is handled on its own)."""
