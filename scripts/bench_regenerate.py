@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Speed of stage 01's regeneration with the Hugging Face verifier (common.data.regenerate.HFResponder).
+"""Speed of stage 01's regeneration with the Hugging Face verifier (common.data.responders.HFResponder).
 
 Runs the first user turns of a ShareGPT/JSONL file through the exact responder stage 01 uses, once per
 --batch-sizes entry, and prints conversations/s and generated tokens/s as JSON lines (also appended to
@@ -38,7 +38,8 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 
 def first_turns(data: str, count: int) -> list[list[dict]]:
-    from common.data.chat_data import BadRecords, read_records, resolve_source
+    from common.data.records import BadRecords
+    from common.data.sources import read_records, resolve_source
 
     records = read_records([resolve_source(data)], BadRecords())
     chats = [r for r in records if r.is_chat]
@@ -56,8 +57,8 @@ def emit(record: dict) -> None:
 def main(argv=None) -> int:
     import torch
 
-    from common.data.chat_data import end_of_turn_ids
-    from common.data.regenerate import HFResponder
+    from common.data.chat_tokenizer import end_of_turn_ids
+    from common.data.responders import HFResponder
     from common.verifier.loading import load_tokenizer, load_verifier_model, pick_device, resolve_model_path
 
     args = parse_args(argv)

@@ -16,7 +16,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from common.data.chat_data import ASSISTANT, iter_json_array, role_of  # noqa: E402
+from common.data.records import ASSISTANT, role_of  # noqa: E402
+from common.data.sources import iter_json_array  # noqa: E402
 
 
 def without_replies(turns: list) -> list:

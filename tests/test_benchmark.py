@@ -241,7 +241,7 @@ def test_verifier_attention_runs_without_cudnn_in_every_generation_loop(verifier
     token: speculative decoding, both of its baselines and stage 01's regeneration run the verifier with
     cuDNN's SDPA kernel switched off (the flag is real PyTorch state, checked at every verifier forward),
     and switch it back on afterwards."""
-    from common.data.regenerate import HFResponder
+    from common.data.responders import HFResponder
     from common.bench.decoding import hf_generate, plain_decode
     from common.bench.speculative import SpeculativeDecoder
 

@@ -1,4 +1,4 @@
-"""Stage 01 (01_prepare_data.py, common/chat_data.py, common/regenerate.py) on real tokenizers and models.
+"""Stage 01 (01_prepare_data.py, common/data/) on real tokenizers and models.
 
 Loss masks are checked exactly: the masked tokens, decoded span by span, must be the assistant contents
 followed by the end-of-turn token, on SmolLM2's ChatML tokenizer, on a Kimi-style template over a BPE
@@ -14,8 +14,10 @@ from pathlib import Path
 import pytest
 
 from conftest import REPO, STORIES_TEMPLATE, run_script
-from common.data.chat_data import (BadRecordError, BadRecords, ChatTokenizer, end_of_turn_ids, iter_json_array,
-    prompt_hash, read_records, resolve_source)
+from common.data.chat_tokenizer import ChatTokenizer, end_of_turn_ids
+from common.data.processing import Processor, fill
+from common.data.records import BadRecordError, BadRecords, prompt_hash
+from common.data.sources import iter_json_array, read_records, resolve_source
 from common.data.regenerate import CACHE_FILE, RegenerationCache, prompts_hash, regenerate_conversations
 
 SCRIPT = "01_prepare_data.py"
@@ -220,7 +222,7 @@ def test_template_that_rewrites_history_splits_turns(smol_tokenizer):
 
 def test_plain_text_loss_everywhere_and_truncation(smol_tokenizer):
     chat = ChatTokenizer(smol_tokenizer, end_of_turn_ids(smol_tokenizer), max_seq_len=8)
-    from common.data.chat_data import Record
+    from common.data.records import Record
 
     [text] = chat.record(Record("t", "x", 1, text="Once upon a time there was a small robot who loved to paint."))
     assert len(text.input_ids) == 8 and text.loss_mask == [1] * 8 and text.truncated
@@ -484,7 +486,7 @@ class ScriptedResponder:
 
 
 def test_regeneration_driver_turn_by_turn_and_resume(tmp_path):
-    from common.data.chat_data import Record
+    from common.data.records import Record
 
     conversations = [
         Record("a", "d", 1, messages=[{"role": "system", "content": "S"}, {"role": "user", "content": "u1"},
@@ -524,11 +526,11 @@ def test_regeneration_driver_turn_by_turn_and_resume(tmp_path):
     assert prompts_hash(changed[0].messages) != prompts_hash(conversations[0].messages)
 
 
-def test_large_regeneration_batches_are_sorted_over_several_batches(stage, tmp_path, stories260k):
+def test_large_regeneration_batches_are_sorted_over_several_batches(tmp_path, stories260k):
     """With --batch-size 1024 a round holds 8 batches, so length-sorted batches pad little: over 5000
     conversations the prompts reach the responder in one non-decreasing length order, and only the last
     batch holds the longest ones (a round of 2048 put the longest of every round into its second batch)."""
-    from common.data.chat_data import Record
+    from common.data.records import Record
     from common.data.regenerate import Regenerator
     from common.verifier.loading import load_tokenizer
 
@@ -539,8 +541,8 @@ def test_large_regeneration_batches_are_sorted_over_several_batches(stage, tmp_p
     chat = ChatTokenizer(tokenizer, {tokenizer.eos_token_id}, 4096)
     responder = ScriptedResponder()
     regenerator = Regenerator(responder, RegenerationCache(tmp_path, {"model": "scripted"}), batch_size=1024)
-    process = stage.Processor(chat, BadRecords(), regenerator)
-    assert stage.fill(iter(records), None, process, lambda record, samples: None, "train split") == 5000
+    process = Processor(chat, BadRecords(), regenerator)
+    assert fill(iter(records), None, process, lambda record, samples: None, "train split") == 5000
     assert [len(call) for call in responder.calls] == [1024] * 4 + [904]
     seen = [len(c[-1]["content"]) for call in responder.calls for c in call]
     assert seen == sorted(len(p) for p in prompts)
@@ -549,7 +551,7 @@ def test_large_regeneration_batches_are_sorted_over_several_batches(stage, tmp_p
 def test_regeneration_on_two_copies_gives_the_same_replies_in_order(stories260k):
     """With one copy of the verifier per device, the batches of a call run on whichever copy is free (one
     thread each); every conversation still gets the reply one copy gives it, in its own place."""
-    from common.data.regenerate import HFResponder
+    from common.data.responders import HFResponder
     from common.verifier.loading import load_tokenizer, load_verifier_model
 
     tokenizer = load_tokenizer(str(stories260k))
@@ -639,7 +641,7 @@ def test_regenerate_with_stories260k_and_resume(stage, tmp_path, stories260k, st
 
 
 def test_max_turns_keeps_the_first_user_turns_and_their_replies():
-    from common.data.chat_data import keep_first_user_turns
+    from common.data.records import keep_first_user_turns
 
     messages = [{"role": "system", "content": "s"}, {"role": "user", "content": "u1"},
                 {"role": "assistant", "content": "a1"}, {"role": "user", "content": "u2"},
@@ -744,7 +746,7 @@ def test_unreachable_endpoint_exits_2_before_any_work(stage, tmp_path, stories26
 def test_device_data_with_prompts_only_keeps_every_prompt_and_no_reply(sharegpt_path, tmp_path):
     """scripts/prepare_device_data.py --prompts-only: the first N ShareGPT conversations, each with its first
     exchange's prompt and no assistant message (stage 01 --regenerate writes the replies), plus HumanEval."""
-    from common.data.chat_data import ASSISTANT, ROLE_ALIASES
+    from common.data.records import ASSISTANT, ROLE_ALIASES
 
     result = run_script("scripts/prepare_device_data.py", str(tmp_path), "--conversations", "40", "--prompts-only",
                         timeout=300)

@@ -60,7 +60,7 @@ def training_lineage(draft_dir: str | Path) -> tuple[Path | None, list[str]]:
 
 def check_overlap(prompts, draft_dir: str | None, allow_overlap: bool, log) -> dict:
     """Refuse benchmark prompts whose turns were training prompts of the drafter (unless allowed)."""
-    from common.data.chat_data import prompt_hash
+    from common.data.records import prompt_hash
 
     if not draft_dir or not Path(draft_dir).exists():
         log.warning("overlap check SKIPPED: no drafter folder to trace the training data from (give "

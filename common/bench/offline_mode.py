@@ -64,7 +64,7 @@ def _turn_record(prompt, turn, ids, spec, plain, hf, greedy: bool, answer: str) 
 
 def run_offline(args, log, begin, prompt_spec, prompts, overlap) -> dict:
     """Decode every prompt's turns with and without the drafter; the results of --mode offline."""
-    from common.data.chat_data import end_of_turn_ids
+    from common.data.chat_tokenizer import end_of_turn_ids
     from common.verifier.capture import find_text_model, sample_states
     from common.bench.decoding import GenerationStats, hf_generate, plain_decode
     from common.bench.speculative import SpeculativeDecoder, resolve_draft_shape

@@ -81,7 +81,8 @@ def _iter_records(path: Path) -> Iterator[tuple[str, Any]]:
     if head.startswith("["):
         # Read incrementally: a large file (ShareGPT, 125 MB) is not loaded whole, and one cut off
         # mid-record still yields every complete record before the cut.
-        from common.data.chat_data import BadRecordError, iter_json_array
+        from common.data.records import BadRecordError
+        from common.data.sources import iter_json_array
 
         for line_number, record in iter_json_array(path):
             if isinstance(record, BadRecordError):
@@ -153,12 +154,13 @@ def _ids_of(encoded) -> list[int]:
 def render_chat(tokenizer, messages: list[dict[str, str]]) -> list[int]:
     """Token ids of a conversation ending with a user turn, ready for the assistant's answer.
 
-    Rendered exactly as stage 01 renders the prompt of an assistant turn (common.data.chat_data.ChatTokenizer:
+    Rendered exactly as stage 01 renders the prompt of an assistant turn (common.data.chat_tokenizer.ChatTokenizer:
     apply_chat_template(tokenize=False, add_generation_prompt=True), then encoding without added special
     tokens, since the template writes its own), so benchmark prompts look like the training prompts.
     """
     try:
-        from common.data.chat_data import BadRecordError, ChatTokenizer
+        from common.data.chat_tokenizer import ChatTokenizer
+        from common.data.records import BadRecordError
     except ImportError:  # stage 01's module missing: the same two calls, made here
         text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
         return _ids_of(tokenizer(text, add_special_tokens=False)["input_ids"])

@@ -1,38 +1,19 @@
-"""Regenerating assistant turns with the verifier itself (stage 01 --regenerate).
-
-A drafter learns to predict the verifier, so training on the verifier's own responses raises acceptance.
-The user (and system) turns come from the data; each assistant turn is generated from the conversation so
-far, turn by turn. Two layers:
-
-  - a *responder*: any callable taking a list of conversations (message lists, each ending with a user
-    turn) and returning one reply per conversation: the text, or None when no reply can be made (the
-    prompt is too long). `HFResponder` runs batched `generate` on a transformers model;
-    `EndpointResponder` asks an OpenAI-compatible server (e.g. SGLang serving the verifier).
-  - `regenerate_conversations`: drives a responder over whole conversations in batches, appending each
-    finished batch to a JSONL cache (flushed and synced per batch) so an interrupted run resumes where it
-    stopped; ids already in the cache (for the same prompts) are not generated again.
+"""Regenerating assistant turns with the verifier itself (stage 01 --regenerate): the resumable cache and the
+turn-by-turn driver over a responder (common.data.responders); docs/data.md explains the design.
 """
 from __future__ import annotations
 
 import hashlib
 import json
 import os
-import queue
-import threading
-import time
-import urllib.error
-import urllib.request
-from concurrent.futures import ThreadPoolExecutor
-from contextlib import nullcontext
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
 from common.cli.errors import UsageError
 from common.cli.stage import Progress, get_logger
-from common.verifier.loading import inference_attention
+from common.data.records import ASSISTANT
 
-ASSISTANT = "assistant"
 CACHE_FILE = "regenerated.jsonl"
 SETTINGS_FILE = "regenerated.settings.json"
 # Bad reason of a conversation the endpoint failed to answer: transient, so it is not reused from the
@@ -141,7 +122,7 @@ class RegenerationCache:
             os.fsync(handle.fileno())
 
 
-# --- the turn-by-turn driver ---------------------------------------------------------------------------
+# --- the turn-by-turn driver --------------------------------------------------------------------------
 
 @dataclass
 class _Conversation:
@@ -227,214 +208,6 @@ def regenerate_conversations(conversations: Sequence[Any], respond: Responder, c
             cache.append(entries)
             progress.update(len(batch))
     return results, {"reused": reused, "generated": len(todo)}
-
-
-# --- the transformers responder ----------------------------------------------------------------------
-
-class HFResponder:
-    """Batched `generate` on a transformers causal LM (left padding), loaded on first use.
-
-    `load_model(device)` is called once per entry of `devices`, when the first prompt must actually be
-    generated, so a run whose responses are all cached never loads the verifier. With several devices (one
-    whole copy of the verifier on each GPU) the batches of a call are spread over the copies, each driven
-    by its own thread: `generate` on a small verifier waits mostly on its GPU, so the copies overlap.
-    """
-
-    def __init__(self, load_model: Callable[[str], Any], tokenizer, stop_ids: set[int], max_new_tokens: int,
-                 temperature: float, batch_size: int, max_prompt_tokens: int, seed: int = 0,
-                 devices: Sequence[str] = ("cpu",)):
-        self._load_model = load_model
-        self.devices = list(devices)
-        self.models: list[Any] = []
-        self.tokenizer = tokenizer
-        self.stop_ids = set(stop_ids)
-        self.max_new_tokens = max_new_tokens
-        self.temperature = temperature
-        self.batch_size = batch_size
-        self.max_prompt_tokens = max_prompt_tokens
-        self.seed = seed
-        self.hit_max_new_tokens = 0
-        # Any id works for padding (padded positions are masked out); left padding is done by hand.
-        self.pad_id = next(i for i in (tokenizer.pad_token_id, tokenizer.eos_token_id, min(stop_ids, default=0))
-                           if i is not None)
-
-    def _ensure_models(self) -> list[Any]:
-        if not self.models:
-            import torch
-
-            get_logger().info("loading the verifier for regeneration on %s", ", ".join(self.devices))
-            self.models = [self._load_model(device) for device in self.devices]
-            torch.manual_seed(self.seed)
-        return self.models
-
-    def _render(self, conversation: list[dict]) -> str | None:
-        try:
-            return self.tokenizer.apply_chat_template(conversation, tokenize=False, add_generation_prompt=True)
-        except Exception:  # noqa: BLE001 - an unrenderable conversation gets no reply
-            return None
-
-    def __call__(self, conversations: list[list[dict]]) -> list[str | None]:
-        texts = [self._render(c) for c in conversations]
-        encoded = [None if t is None else list(self.tokenizer(t, add_special_tokens=False)["input_ids"])
-                   for t in texts]
-        replies: list[str | None] = [None] * len(conversations)
-        usable = [i for i, ids in enumerate(encoded) if ids is not None and 0 < len(ids) < self.max_prompt_tokens]
-        usable.sort(key=lambda i: len(encoded[i]))  # similar lengths together: less padding
-        chunks = [usable[start:start + self.batch_size] for start in range(0, len(usable), self.batch_size)]
-        for chunk, rows in zip(chunks, self._generate_all([[encoded[i] for i in chunk] for chunk in chunks])):
-            for i, row in zip(chunk, rows):
-                replies[i] = self._decode(row)
-        return replies
-
-    def _generate_all(self, batches: list[list[list[int]]]) -> list[list[list[int]]]:
-        """Generated token rows of every batch, in order; with several copies, each batch goes to the next
-        free one."""
-        models = self._ensure_models()
-        if len(models) == 1 or len(batches) == 1:
-            return [self._generate(models[0], batch) for batch in batches]
-        free: queue.Queue = queue.Queue()
-        for model in models:
-            free.put(model)
-
-        def run(batch):
-            model = free.get()
-            try:
-                return self._generate(model, batch)
-            finally:
-                free.put(model)
-
-        # sdpa_kernel's backend choice is process-wide: set it once around all the threads.
-        with inference_attention(), ThreadPoolExecutor(len(models), thread_name_prefix="regenerate") as pool:
-            return list(pool.map(run, batches))
-
-    def _generate(self, model, prompts: list[list[int]]) -> list[list[int]]:
-        import torch
-        from transformers import GenerationConfig
-
-        device = next(model.parameters()).device
-        width = max(len(p) for p in prompts)
-        pad = self.pad_id
-        input_ids = torch.tensor([[pad] * (width - len(p)) + p for p in prompts], device=device)
-        attention = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts], device=device)
-        sampling = self.temperature > 0
-        config = GenerationConfig(max_new_tokens=self.max_new_tokens, do_sample=sampling,
-                                  temperature=self.temperature if sampling else None,
-                                  top_p=1.0 if sampling else None, top_k=0 if sampling else None,
-                                  eos_token_id=sorted(self.stop_ids), pad_token_id=pad)
-        on_gpu = torch.cuda.device(device) if device.type == "cuda" else nullcontext()
-        with on_gpu, torch.inference_mode(), inference_attention():
-            output = model.generate(input_ids=input_ids, attention_mask=attention, generation_config=config)
-        return output[:, width:].tolist()
-
-    def _decode(self, row: list[int]) -> str:
-        stop = next((i for i, token in enumerate(row) if token in self.stop_ids), None)
-        if stop is None:
-            self.hit_max_new_tokens += 1
-        return self.tokenizer.decode(row[:stop], skip_special_tokens=True).strip()
-
-
-# --- the OpenAI-compatible endpoint responder ------------------------------------------------------------
-
-def endpoint_base(url: str) -> str:
-    """The server root: "http://host:port", "http://host:port/" and "http://host:port/v1" are the same."""
-    base = url.strip().rstrip("/")
-    return base[:-len("/v1")] if base.endswith("/v1") else base
-
-
-def _is_transient(err: Exception) -> bool:
-    """Worth retrying: the server is busy or restarting (5xx, 429) or the connection broke."""
-    if isinstance(err, urllib.error.HTTPError):
-        return err.code >= 500 or err.code == 429
-    return isinstance(err, (urllib.error.URLError, ConnectionError, TimeoutError))
-
-
-def check_endpoint(url: str, timeout_s: float = 10.0) -> str | None:
-    """Preflight: the endpoint answers. Returns the served model name (first of GET /v1/models), or None
-    when the server has no such route; raises UsageError naming the URL when nothing answers."""
-    base = endpoint_base(url)
-    if not base.startswith(("http://", "https://")):
-        raise UsageError(f"--regenerate-endpoint {url!r}: expected an http(s) URL such as http://127.0.0.1:30000")
-    try:
-        with urllib.request.urlopen(base + "/v1/models", timeout=timeout_s) as response:
-            listing = json.loads(response.read() or b"{}")
-    except urllib.error.HTTPError:
-        return None  # it answered, just not this route: the chat route may still work
-    except (urllib.error.URLError, ConnectionError, TimeoutError, OSError) as err:
-        reason = getattr(err, "reason", err)
-        raise UsageError(f"--regenerate-endpoint {url}: no OpenAI-compatible server answers at {base}/v1/models "
-                         f"({reason}); start the server (e.g. sglang.launch_server --model-path ...) or fix the URL")
-    except json.JSONDecodeError:
-        return None
-    models = listing.get("data") if isinstance(listing, dict) else None
-    if models and isinstance(models[0], dict) and models[0].get("id"):
-        return str(models[0]["id"])
-    return None
-
-
-class EndpointResponder:
-    """Replies from an OpenAI-compatible /v1/chat/completions, `concurrency` requests in flight.
-
-    Transient failures (connection errors, 5xx, 429) are retried with exponential backoff; a
-    conversation still failing gets None and is counted in `failures` (the first errors are logged).
-    The server applies the chat template and stops at its end-of-turn tokens.
-    """
-
-    failure_reason = (ENDPOINT_FAILED, "the endpoint gave no reply after retries (see the log); asked again "
-                                       "on the next run")
-    LOGGED_ERRORS = 5
-
-    def __init__(self, url: str, model: str | None = None, max_new_tokens: int = 256, temperature: float = 0.0,
-                 concurrency: int = 1, retries: int = 3, timeout_s: float = 600, backoff_s: float = 0.5):
-        self.url = endpoint_base(url) + "/v1/chat/completions"
-        self.model = model or "default"
-        self.max_new_tokens, self.temperature = max_new_tokens, temperature
-        self.concurrency, self.retries, self.timeout_s, self.backoff_s = concurrency, retries, timeout_s, backoff_s
-        self.failures = 0
-        self.hit_max_new_tokens = 0
-        self.errors: list[str] = []  # the first few, for the manifest
-        self._lock = threading.Lock()
-
-    def __call__(self, conversations: list[list[dict]]) -> list[str | None]:
-        with ThreadPoolExecutor(max_workers=self.concurrency) as pool:
-            return list(pool.map(self._respond, conversations))
-
-    def _post(self, messages: list[dict]) -> dict:
-        body = json.dumps({"model": self.model, "messages": messages, "max_tokens": self.max_new_tokens,
-                           "temperature": self.temperature}).encode("utf-8")
-        request = urllib.request.Request(self.url, data=body, headers={"Content-Type": "application/json"})
-        with urllib.request.urlopen(request, timeout=self.timeout_s) as response:
-            return json.loads(response.read())
-
-    def _respond(self, messages: list[dict]) -> str | None:
-        for attempt in range(self.retries + 1):
-            try:
-                choice = self._post(messages)["choices"][0]
-                reply = choice["message"]["content"]
-            except Exception as err:  # noqa: BLE001 - every failure is either retried or counted
-                if _is_transient(err) and attempt < self.retries:
-                    time.sleep(self.backoff_s * 2 ** attempt)
-                    continue
-                self._record_failure(err, attempt + 1)
-                return None
-            if choice.get("finish_reason") == "length":
-                with self._lock:
-                    self.hit_max_new_tokens += 1
-            return (reply or "").strip()
-        return None  # not reached: the last attempt returns above
-
-    def _record_failure(self, err: Exception, attempts: int) -> None:
-        detail = f"{type(err).__name__}: {err}"
-        if isinstance(err, urllib.error.HTTPError):
-            try:
-                detail += f" ({err.read()[:200].decode('utf-8', 'replace')})"
-            except Exception:  # noqa: BLE001 - the body is only a hint
-                pass
-        with self._lock:
-            self.failures += 1
-            if len(self.errors) < self.LOGGED_ERRORS:
-                self.errors.append(detail)
-                get_logger().warning("%s: request failed after %d attempt(s): %s", self.url, attempts,
-                                     detail)
 
 
 class Regenerator:

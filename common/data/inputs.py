@@ -1,0 +1,151 @@
+"""Stage 01's checks before any heavy work: flags, paths, sources, tokenizer, and the already-complete check."""
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+from common.cli.errors import UsageError
+from common.cli.flags import EVAL_DATA_FILE, PREPARED_DATA_FILE, require
+from common.data.sources import Source, resolve_source
+from common.formats.files import read_json, sha256_text
+from common.formats.manifest import MANIFEST, STATUS_COMPLETE
+
+STAGE = "01_prepare_data"
+
+
+@dataclass
+class Inputs:
+    """Everything checked before heavy work."""
+    out: Path
+    data_file: Path
+    eval_file: Path
+    sources: list[Source]
+    tokenizer: object
+    verifier_identity: dict
+    template_sha: str | None
+    fingerprint: dict
+    device: str | None
+    served_model: str | None = None  # the model name the --regenerate-endpoint serves
+
+
+def check_writable(folder: Path, flag: str) -> None:
+    """Create the folder and write a probe file there, or stop with a usage error naming the flag."""
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        probe = folder / f".write_probe_{os.getpid()}"
+        probe.write_text("")
+        probe.unlink()
+    except OSError as err:
+        raise UsageError(f"{flag} {folder}: cannot write there ({err}); pick a writable folder")
+
+
+def check_inputs(args) -> Inputs:
+    """Paths, data sources, tokenizer, template and device: all checked in seconds, before any load."""
+    from common.verifier.loading import load_tokenizer, pick_device, read_verifier_info
+
+    require(args, "model_path", "dataset")
+    served_model = _check_endpoint(args)
+    out = Path(args.output_dir)
+    if args.eval_output and args.eval_ratio == 0:
+        raise UsageError("--eval-output is set but --eval-ratio is 0; give --eval-ratio (e.g. 0.01) for a "
+                         "held-out split")
+    eval_file = Path(args.eval_output) if args.eval_output else out / EVAL_DATA_FILE
+    check_writable(out, "--output-dir")
+    if args.eval_ratio > 0:
+        check_writable(eval_file.parent, "--eval-output")
+    sources = [resolve_source(spec) for spec in args.dataset]
+    for source in sources:
+        source.check()
+    device = pick_device(args.device) if args.regenerate and not args.regenerate_endpoint else None
+    verifier = read_verifier_info(args.model_path, args.trust_remote_code)
+    tokenizer = load_tokenizer(args.model_path, args.trust_remote_code, args.chat_template)
+    template = _template_text(tokenizer)
+    template_sha = sha256_text(template) if template else None
+    return Inputs(out, out / PREPARED_DATA_FILE, eval_file, sources, tokenizer, verifier.identity(), template_sha,
+                  _fingerprint(args, verifier.tokenizer_sha256, template_sha, eval_file, served_model), device,
+                  served_model)
+
+
+def _check_endpoint(args) -> str | None:
+    """--regenerate-endpoint answers (before any data is read); returns the model name it serves."""
+    if not args.regenerate_endpoint:
+        return None
+    if not args.regenerate:
+        raise UsageError("--regenerate-endpoint is set without --regenerate; add --regenerate to regenerate the "
+                         "responses through it")
+    from common.data.responders import check_endpoint
+
+    return check_endpoint(args.regenerate_endpoint)
+
+
+# --- the fingerprint: what the output depends on ------------------------------------------------------
+
+def _template_text(tokenizer) -> str | None:
+    template = getattr(tokenizer, "chat_template", None)
+    if isinstance(template, dict):
+        return json.dumps(template, sort_keys=True)
+    return template or None
+
+
+def _dataset_identity(spec: str) -> str:
+    path = Path(spec).expanduser()
+    return str(path.resolve()) if path.exists() else spec
+
+
+def _fingerprint(args, tokenizer_sha: str, template_sha: str | None, eval_file: Path,
+                 served_model: str | None = None) -> dict:
+    """The settings the output depends on; a complete output made with other settings is not reused."""
+    fingerprint = {
+        "model_path": args.model_path, "tokenizer_sha256": tokenizer_sha, "chat_template_sha256": template_sha,
+        "datasets": [_dataset_identity(spec) for spec in args.dataset], "max_seq_len": args.max_seq_len,
+        "num_samples": args.num_samples, "seed": args.seed, "eval_ratio": args.eval_ratio,
+        "eval_output": str(eval_file.resolve()) if args.eval_ratio > 0 else None, "regenerate": args.regenerate,
+        "max_turns": args.max_turns,
+    }
+    if args.regenerate:
+        fingerprint.update(max_new_tokens=args.max_new_tokens, temperature=args.temperature,
+                           **generator_identity(args, served_model))
+    return fingerprint
+
+
+def generator_identity(args, served_model: str | None) -> dict:
+    """What generates the responses: the in-process dtype, or the endpoint and the model it serves."""
+    if args.regenerate_endpoint:
+        from common.data.responders import endpoint_base
+
+        return {"dtype": None, "regenerate_endpoint": endpoint_base(args.regenerate_endpoint),
+                "served_model": served_model}
+    return {"dtype": args.dtype}
+
+
+# --- an output already there --------------------------------------------------------------------------
+
+def already_complete(out: Path, data_file: Path, fingerprint: dict, overwrite: bool, log) -> bool:
+    """True when OUTPUT_DIR already holds this exact output; refuses one made with other settings."""
+    path = out / MANIFEST
+    if not path.exists():
+        return False
+    try:
+        existing = read_json(path)
+    except json.JSONDecodeError:
+        if overwrite:
+            return False
+        raise UsageError(f"{path} is not valid JSON; rerun with --overwrite to start this stage again")
+    if existing.get("stage") != STAGE:  # even with --overwrite: never delete another stage's output
+        raise UsageError(f"--output-dir {out} holds the output of {existing.get('stage')!r}, not {STAGE}; "
+                         "choose another --output-dir (or --run-dir)")
+    if overwrite or existing.get("status") != STATUS_COMPLETE or not data_file.exists():
+        return False  # redone: --overwrite, or an unfinished run (regenerated responses are reused)
+    previous = existing.get("fingerprint", {})
+    differing = sorted(k for k in set(previous) | set(fingerprint) if previous.get(k) != fingerprint.get(k))
+    if differing:
+        details = "; ".join(f"{k}: {previous.get(k)!r} -> {fingerprint.get(k)!r}" for k in differing)
+        raise UsageError(f"{out} already holds a complete {STAGE} output made with different settings "
+                         f"({details}). Rerun with --overwrite to replace it, or choose another --output-dir "
+                         "/ --run-dir")
+    counts = existing.get("counts", {})
+    log.info("%s is already complete in %s (%s samples, %s tokens); nothing to do (--overwrite redoes it)",
+             STAGE, out, counts.get("samples"), counts.get("tokens"))
+    return True

@@ -1,0 +1,172 @@
+"""Stage 01 after its input checks: read the data, regenerate if asked, write the splits and the manifest."""
+from __future__ import annotations
+
+import random
+from dataclasses import replace
+
+from common.cli.errors import UsageError
+from common.cli.stage import resolved_config
+from common.cli.flags import PREPARED_DATA_FILE
+from common.data.chat_tokenizer import LOSS_MASK_CONVENTION, ChatTokenizer, end_of_turn_ids
+from common.data.inputs import STAGE, Inputs, generator_identity
+from common.data.processing import Processor, preflight
+from common.data.records import BadRecords, Record, keep_first_user_turns, make_ids_unique, remove_duplicates
+from common.data.sources import read_records
+from common.data.splits import (BAD_RECORDS_FILE, PROMPT_HASHES_FILE, check_bad_fraction, remove_previous_output,
+                                write_bad_records, write_splits)
+from common.formats.manifest import Manifest
+
+DEFAULT_REGEN_BATCH = 16
+
+
+# --- reading and regenerating -------------------------------------------------------------------------
+
+def regeneration_cache(args, inputs: Inputs, log):
+    """The resumable cache of generated conversations.
+
+    Responses made with the same generation settings (verifier, template, max tokens, temperature,
+    dtype) are reused even under --overwrite, so asking for more samples does not pay for the old ones
+    again; a cache made with other settings is refused, or removed by --overwrite.
+    """
+    from common.data.regenerate import RegenerationCache
+
+    settings = {k: inputs.fingerprint[k] for k in ("model_path", "tokenizer_sha256", "chat_template_sha256",
+                                                   "max_seq_len")}
+    settings.update(max_new_tokens=args.max_new_tokens, temperature=args.temperature,
+                    seed=args.seed if args.temperature > 0 else None,
+                    **generator_identity(args, inputs.served_model))
+    cache = RegenerationCache(inputs.out, settings)
+    if args.overwrite and cache.differences():
+        log.info("--overwrite: removing %s (generated with other settings)", cache.path)
+        cache.remove()
+    elif args.regenerate:
+        cache.check_settings()
+        if cache.path.exists():
+            log.info("responses already in %s are reused (same generation settings); delete that file to "
+                     "generate them again", cache.path)
+    return cache
+
+
+def read_data(args, inputs: Inputs, log) -> tuple[list[Record], BadRecords, list[dict], float]:
+    """Every usable record (streamed from each source), the bad ones, and the sources as described."""
+    bad = BadRecords()
+    described: list[dict] = []
+
+    def source_done(source, good, failed):
+        log.info("read %s: %d usable record(s), %d unusable", source.spec, good, failed)
+        described.append({**source.describe(), "records": good, "bad_records": failed})
+
+    records = read_records(inputs.sources, bad, source_done)
+    records_read = len(records) + bad.total
+    if args.max_turns:
+        records = [replace(r, messages=keep_first_user_turns(r.messages, args.max_turns)) if r.is_chat else r
+                   for r in records]
+    bad.log(log, "reading")
+    try:
+        if not records:
+            raise UsageError(f"--dataset {' '.join(args.dataset)}: no usable record among {records_read}; each "
+                             "record needs conversations (from/value), messages (role/content) or text")
+        fraction = check_bad_fraction(bad, records_read, args.max_bad_fraction, "reading", inputs.out)
+    except UsageError:
+        write_bad_records(inputs.out / BAD_RECORDS_FILE, bad, BadRecords())
+        raise
+    if any(r.is_chat for r in records) and inputs.fingerprint["chat_template_sha256"] is None:
+        raise UsageError(f"--model-path {args.model_path}: its tokenizer has no chat template, and the data has "
+                         "conversations; give --chat-template FILE (a Jinja template)")
+    return records, bad, described, fraction
+
+
+def make_regenerator(args, inputs: Inputs, stop_ids: set[int], cache, records: list[Record], log):
+    """The verifier-backed regenerator (the model loads on first use, after the preflight), or the
+    endpoint-backed one with --regenerate-endpoint (no model load here)."""
+    from common.data.regenerate import Regenerator
+    from common.data.responders import EndpointResponder, HFResponder
+    from common.verifier.loading import load_verifier_model, regeneration_placement
+
+    preflight(ChatTokenizer(inputs.tokenizer, stop_ids, args.max_seq_len), records, args.max_bad_fraction, log)
+    if args.regenerate_endpoint:
+        # conversations per cache append: enough to keep every concurrent request slot busy
+        batch_size = args.batch_size or max(DEFAULT_REGEN_BATCH, 4 * args.concurrency)
+        log.info("regenerating through %s (model %s, %d request(s) in flight)", args.regenerate_endpoint,
+                 inputs.served_model or "default", args.concurrency)
+        responder = EndpointResponder(args.regenerate_endpoint, inputs.served_model, args.max_new_tokens,
+                                      args.temperature, args.concurrency)
+        return Regenerator(responder, cache, batch_size)
+    batch_size = args.batch_size or DEFAULT_REGEN_BATCH
+    devices, device_map = regeneration_placement(args.model_path, inputs.device, args.device_map)
+    responder = HFResponder(
+        lambda device: load_verifier_model(args.model_path, device, args.dtype, args.trust_remote_code,
+                                           device_map),
+        inputs.tokenizer, stop_ids, args.max_new_tokens, args.temperature, batch_size, args.max_seq_len,
+        args.seed, devices)
+    return Regenerator(responder, cache, batch_size)
+
+
+# --- the stage's work ---------------------------------------------------------------------------------
+
+def prepare_data(args, inputs: Inputs, log) -> dict:
+    """Everything stage 01 does once its inputs are checked; returns the completed manifest's data."""
+    from common.verifier.loading import resolve_model_path
+
+    cache = regeneration_cache(args, inputs, log)
+    if args.overwrite:
+        remove_previous_output(inputs)
+    records, reading_bad, described, reading_fraction = read_data(args, inputs, log)
+
+    records, duplicates = remove_duplicates(records)
+    make_ids_unique(records)
+    random.Random(args.seed).shuffle(records)
+    total = min(args.num_samples or len(records), len(records))
+    n_eval = max(1, round(total * args.eval_ratio)) if args.eval_ratio > 0 and total >= 2 else 0
+    n_train = total - n_eval if args.num_samples else None  # None: every remaining record
+    log.info("%d usable record(s) after removing %d exact duplicate(s); taking %s for training and %d for "
+             "evaluation", len(records), duplicates, n_train if n_train is not None else "the rest", n_eval)
+
+    stop_ids = end_of_turn_ids(inputs.tokenizer, resolve_model_path(args.model_path)[0])
+    chat = ChatTokenizer(inputs.tokenizer, stop_ids, args.max_seq_len)
+    regenerator = make_regenerator(args, inputs, stop_ids, cache, records, log) if args.regenerate else None
+
+    manifest = Manifest(inputs.out, STAGE, resolved_config(args))
+    manifest.data.update(fingerprint=inputs.fingerprint, verifier=inputs.verifier_identity,
+                         chat_template_sha256=inputs.template_sha, sources=described,
+                         loss_mask_convention=LOSS_MASK_CONVENTION)
+    if args.chat_template:
+        manifest.add_input("chat_template", args.chat_template)
+    manifest.write()
+
+    process = Processor(chat, BadRecords(), regenerator)
+    written = write_splits(args, inputs, records, process, reading_bad, n_train, n_eval, log)
+
+    train, held_out = written.train.summary(), written.eval.summary()
+    all_bad = BadRecords()
+    for bad in (reading_bad, process.bad):
+        all_bad.counts.update(bad.counts)
+        all_bad.entries.extend(bad.entries)
+    manifest.data["counts"] = {
+        "samples": train["samples"], "tokens": train["tokens"], "loss_tokens": train["loss_tokens"],
+        "conversations": written.train_conversations, "truncated": train["truncated"],
+        "eval_samples": held_out["samples"], "eval_conversations": written.eval_conversations,
+        "eval_tokens": held_out["tokens"], "eval_loss_tokens": held_out["loss_tokens"],
+        "records_read": len(records) + duplicates + reading_bad.total, "duplicates_removed": duplicates,
+        "duplicate_samples_removed": process.duplicate_samples,
+        "eval_prompt_overlap_dropped": written.eval_prompt_overlap_dropped, "bad_records": all_bad.total,
+        "split_turn_samples": chat.split_turn_samples, "dropped_turns": chat.dropped_turns,
+    }
+    manifest.data["token_stats"] = {"train": train, "eval": held_out}
+    manifest.data["bad_records"] = {**all_bad.summary(), "file": BAD_RECORDS_FILE,
+                                    "fraction": {"reading": round(reading_fraction, 5),
+                                                 "processing": round(written.processing_fraction, 5)},
+                                    "max_bad_fraction": args.max_bad_fraction}
+    manifest.data["outputs"] = {"train": PREPARED_DATA_FILE,
+                                "eval": str(inputs.eval_file.resolve()) if n_eval else None}
+    manifest.data["train_prompt_hashes"] = {"file": PROMPT_HASHES_FILE, "count": len(written.train_prompt_hashes),
+                                            "normalisation": "whitespace collapsed, lowercased, sha256 "
+                                                             "(common.data.records.prompt_hash)"}
+    if regenerator is not None:
+        manifest.data["regeneration"] = {"settings": cache.settings, "cache": cache.path.name, **regenerator.counts,
+                                         "hit_max_new_tokens": regenerator.respond.hit_max_new_tokens}
+        if args.regenerate_endpoint:  # requests that failed after retries (their conversations are bad records)
+            manifest.data["regeneration"].update(failures=regenerator.respond.failures,
+                                                 failure_examples=regenerator.respond.errors)
+    manifest.complete()
+    return manifest.data

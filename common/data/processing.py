@@ -1,0 +1,109 @@
+"""Stage 01's processing of records in rounds: (regenerate,) tokenize, drop repeated samples, count bad records."""
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import replace
+from itertools import islice
+from typing import TYPE_CHECKING, Callable, Iterator
+
+from common.cli.errors import UsageError
+from common.cli.stage import Progress
+from common.data.chat_tokenizer import ChatTokenizer, Sample
+from common.data.records import BadRecordError, BadRecords, Record
+
+if TYPE_CHECKING:
+    from common.data.regenerate import Regenerator
+
+PREFLIGHT_RECORDS = 200      # conversations rendered before the verifier is loaded for --regenerate
+CHUNK_RECORDS = 2048         # records processed (regenerated, tokenized) per round
+REGEN_SORT_BATCHES = 8       # with --regenerate a round holds at least this many batches, sorted by length
+
+
+# --- before the verifier loads ------------------------------------------------------------------------
+
+def preflight(chat: ChatTokenizer, records: list[Record], limit: float, log) -> None:
+    """Render a sample of conversations before the verifier is loaded, so template problems stop early.
+
+    Only template failures count here: missing replies or lengths change once the verifier has replied.
+    """
+    placeholder = {"role": "assistant", "content": "(reply)"}
+    sample = [r for r in islice((r for r in records if r.is_chat), PREFLIGHT_RECORDS)]
+    failures = BadRecords()
+    for record in sample:
+        messages = record.messages if record.messages[-1]["role"] == "assistant" else record.messages + [placeholder]
+        try:
+            chat.conversation(record.id, messages)
+        except BadRecordError as err:
+            if err.reason.startswith("template"):
+                failures.add(err.reason, record.source, record.line, err.detail, record.id)
+    if sample and failures.total / len(sample) > limit:
+        failures.log(log, "preflight")
+        raise UsageError(f"{failures.total} of the first {len(sample)} conversations cannot be rendered and "
+                         f"masked with the chat template ({dict(failures.counts)}), above --max-bad-fraction "
+                         f"{limit}; fix the template (--chat-template) or the data before regenerating")
+
+
+# --- processing: (regenerate,) tokenize, deduplicate --------------------------------------------------
+
+class Processor:
+    """Turns a chunk of records into accepted (record, samples) pairs; the rest are counted."""
+
+    def __init__(self, chat: ChatTokenizer, bad: BadRecords, regenerate: Regenerator | None = None):
+        self.chat, self.bad, self.regenerate = chat, bad, regenerate
+        # A batch pads to its longest prompt and the regenerator sorts only within a round, so a round of
+        # two large batches puts every long prompt of the round into the second one.
+        batch = regenerate.batch_size if regenerate is not None else 0
+        self.chunk_records = max(CHUNK_RECORDS, REGEN_SORT_BATCHES * batch)
+        self.processed = 0
+        self.duplicate_samples = 0
+        self._seen: set[bytes] = set()
+
+    def __call__(self, chunk: list[Record]) -> list[tuple[Record, list[Sample]]]:
+        generated = self.regenerate([r for r in chunk if r.is_chat]) if self.regenerate else {}
+        accepted = []
+        for record in chunk:
+            self.processed += 1
+            to_tokenize = record
+            if record.id in generated:
+                entry = generated[record.id]
+                if "bad" in entry:
+                    self.bad.add(entry["bad"], record.source, record.line, entry.get("detail", ""), record.id)
+                    continue
+                to_tokenize = replace(record, messages=entry["messages"])
+            try:
+                samples = self.chat.record(to_tokenize)
+            except BadRecordError as err:
+                self.bad.add(err.reason, record.source, record.line, err.detail, record.id)
+                continue
+            samples = [s for s in samples if self._first_time(s)]
+            if samples:
+                accepted.append((record, samples))
+        return accepted
+
+    def _first_time(self, sample: Sample) -> bool:
+        """Identical token sequences (e.g. the same prompts regenerated greedily) are kept once."""
+        digest = hashlib.sha256(json.dumps(sample.input_ids).encode()).digest()
+        if digest in self._seen:
+            self.duplicate_samples += 1
+            return False
+        self._seen.add(digest)
+        return True
+
+
+def fill(candidates: Iterator[Record], need: int | None, process: Processor,
+         sink: Callable[[Record, list[Sample]], None], desc: str) -> int:
+    """Process candidates in order until `need` conversations are accepted (None: all of them)."""
+    accepted = 0
+    with Progress(total=need, desc=desc, unit="conv") as progress:
+        while need is None or accepted < need:
+            room = process.chunk_records if need is None else min(process.chunk_records, need - accepted)
+            chunk = list(islice(candidates, room))
+            if not chunk:
+                break
+            done = process(chunk)
+            for record, samples in done:
+                sink(record, samples)
+            accepted += len(done)
+            progress.update(len(done))  # once a round: a report after the round's first record said "ETA 400 h"
+    return accepted
