@@ -189,7 +189,7 @@ def load_models(args, log):
     from common.model.drafter import load_drafter
     from common.verifier.loading import load_verifier_model, pick_device
 
-    from common.train.training import compute_dtype_for
+    from common.train.parameters import compute_dtype_for
 
     device = pick_device(args.device)
     # --dtype on GPU; float32 on CPU, where bf16 is slow and its rounding makes greedy ties differ.
@@ -257,7 +257,7 @@ def run_offline(args, log, begin, prompt_spec, prompts, overlap) -> dict:
     from common.bench.prompts import has_chat_template, render_conversation
     from common.bench.speculative import (GenerationStats, SpeculativeDecoder, hf_generate, plain_decode,
         resolve_draft_shape)
-    from common.train.training import evaluate
+    from common.train.step import evaluate
     from common.verifier.loading import load_tokenizer, read_verifier_info, resolve_model_path
 
     require(args, "model_path")
@@ -464,7 +464,8 @@ def run_eval(args, log, begin, *_ignored) -> dict:
     import torch
     from common.model.drafter import aux_layers_from_eagle_config, load_drafter
     from common.extract.extraction import load_sample, open_hidden_states
-    from common.train.training import compute_dtype_for, evaluate
+    from common.train.parameters import compute_dtype_for
+    from common.train.step import evaluate
     from common.verifier.loading import pick_device, read_embedding_tensors, read_verifier_info
 
     require(args, "data_dir", "draft_model_path")

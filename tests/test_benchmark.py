@@ -70,7 +70,7 @@ def drafters(verifier, stories260k, tmp_path_factory):
     continuations, "trained_dir": that drafter saved as an SGLang-ready folder}."""
     from common.model.drafter import save_drafter, ttt_loss
     from common.bench.speculative import AuxCapture, decoder_layers, plain_decode
-    from common.train.training import collate
+    from common.train.data import collate
     from common.formats.vocab_map import count_target_tokens
 
     model, tokenizer = verifier
@@ -191,7 +191,7 @@ def test_stage05_scores_its_decoded_text_with_stage04s_validation(verifier, draf
     position two before, among those whose verifier argmax is a draft token."""
     from common.extract.extraction import find_text_model, sample_states
     from common.bench.speculative import AuxCapture, decoder_layers
-    from common.train.training import evaluate
+    from common.train.step import evaluate
 
     model, tokenizer = verifier
     drafter = drafters["trained"]

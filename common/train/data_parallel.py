@@ -118,12 +118,12 @@ class DataParallel:
         return optimizer.state_dict()
 
     def load_optimizer_state(self, optimizer: torch.optim.Optimizer, saved: dict[str, Any]) -> None:
-        from common.train.training import load_optimizer_state
+        from common.train.checkpoints import load_optimizer_state
 
         load_optimizer_state(optimizer, saved)
 
     def load_weights(self, folder: Path) -> None:
-        from common.train.training import load_weights_exactly
+        from common.train.checkpoints import load_weights_exactly
 
         load_weights_exactly(self.drafter, folder)
 
@@ -271,7 +271,7 @@ class ShardedDataParallel(DataParallel):
         return {"state": state, "param_groups": local["param_groups"]}
 
     def load_optimizer_state(self, optimizer: torch.optim.Optimizer, saved: dict[str, Any]) -> None:
-        from common.train.training import load_optimizer_state
+        from common.train.checkpoints import load_optimizer_state
 
         state = {}
         for index, param in enumerate(self.sharded):
