@@ -16,6 +16,7 @@ METRICS_FILE = "metrics.jsonl"
 
 
 def add_sums(total: dict[str, torch.Tensor] | None, metrics: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """`total` plus one batch's per-TTT-step loss_sum/correct/count (float64, still on the device)."""
     parts = {key: metrics[key].detach().double() for key in ("loss_sum", "correct", "count")}
     if total is None:
         return parts
