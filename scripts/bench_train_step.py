@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Benchmark one full EAGLE-3 drafter training step: tokens/s, peak GPU memory, MFU.
 
-The timed step is stage 04's own: common.train.training.train_step (ttt_loss from common.model.drafter + backward +
+The timed step is stage 04's own: common.train.step.train_step (ttt_loss from common.model.drafter + backward +
 grad clip + optimizer step + scheduler), with the optimizer stage 04 builds (common.train.training.make_optimizer)
 unless --optimizer says otherwise. Inputs are synthetic and already on the device: aux [B,S,3H] and final
 [B,S,H] hidden states (bf16), random input ids, all-ones masks, a random verifier lm_head [V,H], and a
@@ -180,6 +180,7 @@ def run_one(args) -> dict:
     # ---- optimizer + scheduler + step: stage 04's
     try:
         from common.train import training as TR
+        from common.train.step import TrainConfig, train_step
     except ImportError:  # stage 04 not present: the same steps inline
         TR = None
     if args.optimizer == "stage04" and TR is not None:
@@ -195,12 +196,12 @@ def run_one(args) -> dict:
                                               rec["ce_grad_stored"])
     if TR is not None:
         scheduler = TR.make_scheduler(optimizer, total_steps=100_000, warmup_ratio=0.015, kind="cosine")
-        train_cfg = TR.TrainConfig(lr=args.lr, max_grad_norm=0.5, ttt_steps=T, ttt_decay=0.8,
-                                   device=str(device), dtype=str(dtype).replace("torch.", ""), fp8=args.fp8)
+        train_cfg = TrainConfig(lr=args.lr, max_grad_norm=0.5, ttt_steps=T, ttt_decay=0.8,
+                                device=str(device), dtype=str(dtype).replace("torch.", ""), fp8=args.fp8)
 
         def step():
-            return TR.train_step(model, batch, optimizer, scheduler, lm_head, train_cfg)["loss"]
-        rec["code_path"] = "common.train.training.train_step (ttt_loss + backward + clip + optimizer + scheduler)"
+            return train_step(model, batch, optimizer, scheduler, lm_head, train_cfg)["loss"]
+        rec["code_path"] = "common.train.step.train_step (ttt_loss + backward + clip + optimizer + scheduler)"
     else:
         params = [p for p in model.parameters() if p.requires_grad]
 

@@ -71,7 +71,7 @@ def drafters(verifier, stories260k, tmp_path_factory):
     from common.model.drafter import save_drafter, ttt_loss
     from common.bench.decoding import plain_decode
     from common.bench.verifier_runner import AuxCapture, decoder_layers
-    from common.train.training import collate
+    from common.train.data import collate
     from common.formats.vocab_map import count_target_tokens
 
     model, tokenizer = verifier
@@ -194,7 +194,7 @@ def test_stage05_scores_its_decoded_text_with_stage04s_validation(verifier, draf
     position two before, among those whose verifier argmax is a draft token."""
     from common.verifier.capture import find_text_model, sample_states
     from common.bench.verifier_runner import AuxCapture, decoder_layers
-    from common.train.training import evaluate
+    from common.train.step import evaluate
 
     model, tokenizer = verifier
     drafter = drafters["trained"]

@@ -46,7 +46,7 @@ def torchrun(script: str, *args: str, nproc: int = 2, env: dict | None = None, t
 
 @pytest.mark.parametrize("world_size", [1, 2, 3])
 def test_step_shares_cover_each_global_step_once(world_size):
-    from common.train.training import step_shares
+    from common.train.data import step_shares
 
     num_batches, start, grad_accum = 11, 2, 2
     per_step = grad_accum * world_size
@@ -257,7 +257,7 @@ def test_a_signal_to_one_rank_stops_both_after_the_same_step_and_one_process_res
     10), as a scheduler may signal one process of a job: both ranks stop after step 4 (none waits forever for
     the other's gradients), its checkpoint holds the single-process state, and one process resumes it to the
     uninterrupted run's end."""
-    from common.train.training import SIGNAL_ENV
+    from common.train.stopping import SIGNAL_ENV
 
     out = tmp_path / "signalled"
     done = torchrun(STAGE04, *train_args(train_run, out, stories260k, grad_accum=1), env={SIGNAL_ENV: "4:1"})

@@ -137,7 +137,7 @@ def stage04():
 # --- batching, split, schedule, pointers (no model needed) ----------------------------------------------
 
 def test_batch_plan_packs_by_length_under_the_token_budget_and_is_seeded():
-    from common.train.training import plan_batches
+    from common.train.data import plan_batches
 
     generator = torch.Generator().manual_seed(3)
     lengths = torch.randint(5, 200, (500,), generator=generator).tolist()
@@ -154,7 +154,7 @@ def test_batch_plan_packs_by_length_under_the_token_budget_and_is_seeded():
 
 
 def test_validation_split_is_by_sample_seeded_and_independent_of_index_order():
-    from common.train.training import split_train_val
+    from common.train.data import split_train_val
 
     ids = [f"id{i}" for i in range(200)]
     train, val = split_train_val(ids, 0.1, seed=0)
@@ -195,7 +195,7 @@ def _fake_checkpoint(root: Path, name: str, step: int) -> None:
 
 @pytest.mark.parametrize("symlinks", [True, False])
 def test_pointers_and_pruning(tmp_path, monkeypatch, symlinks):
-    from common.train.training import CheckpointManager
+    from common.train.checkpoints import CheckpointManager
 
     if not symlinks:  # a filesystem without symlinks (fault injected: os.symlink raises as it would there)
         def no_symlink(*args, **kwargs):
@@ -365,6 +365,31 @@ def test_embedding_and_lm_head_are_the_only_tensors_read(nested_verifier, storie
     assert (info.hidden_size, info.vocab_size, info.num_layers) == (64, 512, 5) and info.nested_text_config
 
 
+def test_drafter_config_sets_the_shape_of_the_trained_and_exported_drafter(run_a, stories260k, stage04, tmp_path):
+    """--drafter-config overrides a field of the shape derived from the verifier: the drafter trains with it,
+    config.json and the safetensors carry it, a --resume with another value is refused, and so is a
+    --finetune-from drafter of another shape."""
+    from safetensors import safe_open
+
+    out = tmp_path / "out"
+    flags = dict(epochs=1, eval_interval=1000, save_interval=1000, drafter_config='{"intermediate_size": 176}')
+    assert stage04.main(train_argv(run_a, out, stories260k, **flags)) == 0
+    with safe_open(str(out / "best" / "model.safetensors"), framework="pt") as handle:
+        assert handle.get_slice("midlayer.mlp.gate_proj.weight").get_shape()[0] == 176
+    assert read_json(out / "best" / "config.json")["intermediate_size"] == 176
+    assert read_json(out / "best" / "trainer_state.json")["run_config"]["drafter_config"] == {"intermediate_size": 176}
+
+    assert stage04.main(train_argv(run_a, out, stories260k, resume=True,
+                                   **{**flags, "drafter_config": '{"intermediate_size": 192}'})) == 2
+    assert "drafter_config: was {'intermediate_size': 176}, now {'intermediate_size': 192}" in log_text(out)
+    other = tmp_path / "other"
+    _refused(stage04, train_argv(run_a, other, stories260k, finetune_from=out / "best", epochs=1,
+                                 drafter_config='{"intermediate_size": 192}'), other,
+             "--drafter-config", "intermediate_size", "192", "176")
+    _refused(stage04, train_argv(run_a, other, stories260k, drafter_config='{"no_such_field": 1}'), other,
+             "--drafter-config", "no_such_field")
+
+
 # --- resume ----------------------------------------------------------------------------------------------
 
 class Crash(RuntimeError):
@@ -470,15 +495,15 @@ def test_a_signal_stops_after_the_step_with_a_checkpoint_and_resume_continues_ex
 @pytest.mark.slow
 def test_weights_only_resume_would_be_caught(run_a, stories260k, stage04, tmp_path, monkeypatch):
     """Negative control for the test above: resuming only the weights (SpecForge #496) gives other results."""
-    from common.train import training
+    from common.train import checkpoints, trainer
 
     whole, broken = tmp_path / "whole", tmp_path / "broken"
     assert stage04.main(train_argv(run_a, whole, stories260k, **RESUME_FLAGS)) == 0
     assert stage04.main(train_argv(run_a, broken, stories260k, **RESUME_FLAGS), hooks=[crash_at(CRASH_STEP)]) == 1
 
     def weights_only(self, folder):
-        training.load_weights_exactly(self.model, folder)
-    monkeypatch.setattr(training.Trainer, "load_training_state", weights_only)
+        checkpoints.load_weights_exactly(self.model, folder)
+    monkeypatch.setattr(trainer.Trainer, "load_training_state", weights_only)
     assert stage04.main(train_argv(run_a, broken, stories260k, resume=True, **RESUME_FLAGS)) == 0
     expected, got = final_weights(whole), final_weights(broken)
     assert any(not torch.allclose(got[n], expected[n], rtol=1e-4, atol=1e-5) for n in expected if n != "t2d")
@@ -568,7 +593,7 @@ def test_finetune_from_trained_drafter_and_evaluate_reproduces_validation(traine
                                                                           stories260k, stage04, tmp_path):
     from common.model.drafter import load_drafter
     from common.formats.hidden_states import load_sample, open_hidden_states
-    from common.train.training import evaluate
+    from common.train.step import evaluate
     from common.verifier.loading import read_embedding_tensors
 
     # evaluate() on the held-out samples (single samples, as stage 05 --mode eval may pass them) reproduces
@@ -607,7 +632,7 @@ def test_without_validation_split_best_is_the_latest_epoch(run_a, stories260k, s
 def test_a_checkpoint_failing_its_check_stops_the_run(stories260k, tmp_path):
     """check_drafter_dir runs after every save; a failure raises and `latest` keeps the last good folder."""
     from common.model.drafter import DrafterConfig, Eagle3Drafter, check_drafter_dir
-    from common.train.training import CheckpointManager
+    from common.train.checkpoints import CheckpointManager
 
     info = read_verifier_info(str(stories260k))
     model = Eagle3Drafter(DrafterConfig.from_verifier(info, 512, [1, 2, 3]))
@@ -631,7 +656,10 @@ def test_bf16_resume_restores_fp32_master_weights_and_moments(run_a, stories260k
     in fp32 (torch's load_state_dict alone casts it to bf16)."""
     from common.model.drafter import DrafterConfig, Eagle3Drafter
     from common.formats.hidden_states import open_hidden_states
-    from common.train.training import HiddenStateDataset, LoopConfig, TrainConfig, Trainer, cast_parameters
+    from common.train.data import HiddenStateDataset
+    from common.train.parameters import cast_parameters
+    from common.train.step import TrainConfig
+    from common.train.trainer import LoopConfig, Trainer
     from common.verifier.loading import read_embedding_tensors
     from common.formats.vocab_map import load_mapping
 

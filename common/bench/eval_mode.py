@@ -38,7 +38,8 @@ def run_eval(args, log, begin, *_ignored) -> dict:
     import torch
     from common.model.drafter import aux_layers_from_eagle_config, load_drafter
     from common.formats.hidden_states import load_sample, open_hidden_states
-    from common.train.training import compute_dtype_for, evaluate
+    from common.train.parameters import compute_dtype_for
+    from common.train.step import evaluate
     from common.verifier.loading import pick_device, read_embedding_tensors, read_verifier_info
 
     require(args, "data_dir", "draft_model_path")

@@ -31,7 +31,7 @@ def load_models(args, log):
     from common.model.drafter import load_drafter
     from common.verifier.loading import load_verifier_model, pick_device
 
-    from common.train.training import compute_dtype_for
+    from common.train.parameters import compute_dtype_for
 
     device = pick_device(args.device)
     # --dtype on GPU; float32 on CPU, where bf16 is slow and its rounding makes greedy ties differ.
@@ -68,7 +68,7 @@ def run_offline(args, log, begin, prompt_spec, prompts, overlap) -> dict:
     from common.verifier.capture import find_text_model, sample_states
     from common.bench.decoding import GenerationStats, hf_generate, plain_decode
     from common.bench.speculative import SpeculativeDecoder, resolve_draft_shape
-    from common.train.training import evaluate
+    from common.train.step import evaluate
     from common.verifier.loading import load_tokenizer, read_verifier_info, resolve_model_path
 
     require(args, "model_path")

@@ -1,30 +1,5 @@
-"""Stage 04 on several ranks: DDP (the default) or FSDP2 (`--fsdp`), behind one small interface for the Trainer.
-
-Both run the drafter's TTT loss through `TTTLossModule`, a module whose forward is that loss: DDP and FSDP
-act on forward and backward calls, and `ttt_loss` reaches into the drafter's parts instead of calling
-drafter.forward. The frozen embedding (possibly kept in CPU memory) is left out of both: every rank reads
-the same rows from the verifier, and it takes no gradient.
-
-What the Trainer sees (common.train.training.Trainer, train_step):
-  module(batch, lm_head, ttt_steps, decay, noise_std) -> (loss, metrics)  the wrapped loss
-  no_sync()                       accumulate gradients locally (all but the last micro-batch of a step)
-  clip_grad_norm(max_norm)        global gradient norm (same on every rank), gradients clipped in place
-  make_optimizer(lr), zero_grad() the optimizer over what this rank updates
-  optimizer_state / load_optimizer_state / load_weights   checkpoints in the single-process format, so a
-                                  run resumes with any number of ranks (and with or without --fsdp)
-  full_parameters()               a context in which the drafter holds whole tensors (validation)
-  export_model()                  a drafter with whole tensors on rank 0 for save_drafter (None elsewhere)
-  reduce_sums(dict)               metric sums and counts added over the ranks
-
-Gradients: DDP and FSDP average over the ranks, so a micro-batch's loss is scaled by
-world_size x (its share of the step's mean): the averaged gradient is then the single-process gradient of
-the same global batch.
-
-FSDP here shards the drafter as one unit (its forward is the whole loss): parameters are gathered for the
-forward and backward of each micro-batch, while gradients after the reduce-scatter, fp32 master weights
-and AdamW moments stay sharded, which is where a large drafter's memory goes. The optimizer (the
-drafter's own DrafterAdamW) steps on each rank's local shards as plain tensors.
-"""
+"""Stage 04 on several ranks: DDP (the default) or FSDP2 (`--fsdp`), behind one small interface for the Trainer
+(the interface and how gradients are scaled: docs/training.md)."""
 from __future__ import annotations
 
 from contextlib import contextmanager, nullcontext
@@ -118,12 +93,12 @@ class DataParallel:
         return optimizer.state_dict()
 
     def load_optimizer_state(self, optimizer: torch.optim.Optimizer, saved: dict[str, Any]) -> None:
-        from common.train.training import load_optimizer_state
+        from common.train.checkpoints import load_optimizer_state
 
         load_optimizer_state(optimizer, saved)
 
     def load_weights(self, folder: Path) -> None:
-        from common.train.training import load_weights_exactly
+        from common.train.checkpoints import load_weights_exactly
 
         load_weights_exactly(self.drafter, folder)
 
@@ -271,7 +246,7 @@ class ShardedDataParallel(DataParallel):
         return {"state": state, "param_groups": local["param_groups"]}
 
     def load_optimizer_state(self, optimizer: torch.optim.Optimizer, saved: dict[str, Any]) -> None:
-        from common.train.training import load_optimizer_state
+        from common.train.checkpoints import load_optimizer_state
 
         state = {}
         for index, param in enumerate(self.sharded):

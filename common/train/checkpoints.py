@@ -1,0 +1,227 @@
+"""Checkpoints of stage 04: folders written atomically, the latest/best pointers and pruning, and putting a
+checkpoint's weights, optimizer state and RNG state back exactly (see docs/training.md)."""
+from __future__ import annotations
+
+import json
+import os
+import random
+import shutil
+from pathlib import Path
+from typing import Any, Callable
+
+import numpy as np
+import torch
+
+from common.formats.files import read_json, write_json_atomic
+from common.cli.stage import get_logger
+from common.train.data import VAL_SPLIT_FILE
+from common.train.metrics import METRICS_FILE
+
+TRAINING_STATE = "training_state.pt"
+TRAINER_STATE_JSON = "trainer_state.json"
+LATEST, BEST = "latest", "best"
+
+
+def checkpoint_name(step: int, epoch_end: int | None = None) -> str:
+    return f"epoch_{epoch_end}" if epoch_end is not None else f"step_{step:06d}"
+
+
+class CheckpointManager:
+    """Writes checkpoint folders atomically, keeps the latest/best pointers, prunes old step folders."""
+
+    def __init__(self, root: str | Path, keep_last: int, is_main: bool = True,
+                 validate: Callable[[Path], list[str]] | None = None):
+        self.root = Path(root)
+        self.keep_last = keep_last
+        self.is_main = is_main
+        self.validate = validate
+
+    # writing
+    def save(self, name: str, model: torch.nn.Module, training_state: dict[str, Any],
+             summary: dict[str, Any]) -> Path:
+        """root/name with the drafter, training_state.pt and trainer_state.json, renamed into place only
+        when complete; then checked (check_drafter_dir) and pointed to by `latest`."""
+        from common.model.drafter import save_drafter
+
+        final = self.root / name
+        if not self.is_main:
+            return final
+        staging = self.root / f".{name}.tmp-{os.getpid()}"
+        shutil.rmtree(staging, ignore_errors=True)
+        save_drafter(model, staging, extra={"training": {k: summary.get(k) for k in
+                                                        ("checkpoint", "step", "epoch", "val_sim_accept_len")}})
+        torch.save(training_state, staging / TRAINING_STATE)
+        write_json_atomic(staging / TRAINER_STATE_JSON, summary)
+        self._replace_dir(staging, final)
+        if self.validate is not None:
+            problems = self.validate(final)
+            if problems:
+                raise RuntimeError(f"checkpoint {final} fails check_drafter_dir:\n  " + "\n  ".join(problems))
+        self.point(LATEST, name, summary)
+        return final
+
+    def _replace_dir(self, staging: Path, final: Path) -> None:
+        # A folder of the same name exists when a resumed run redoes a step that a crashed run saved
+        # after its last `latest` update: the new one replaces it.
+        if final.exists() or final.is_symlink():
+            trash = self.root / f".{final.name}.old-{os.getpid()}"
+            shutil.rmtree(trash, ignore_errors=True)
+            os.replace(final, trash)
+            os.replace(staging, final)
+            shutil.rmtree(trash, ignore_errors=True)
+        else:
+            os.replace(staging, final)
+
+    def point(self, pointer: str, name: str, summary: dict[str, Any]) -> None:
+        """`pointer` -> root/name as a relative symlink (swapped atomically), or a copy of the drafter files
+        where the filesystem has no symlinks; pointer.json names the target either way."""
+        if not self.is_main:
+            return
+        link = self.root / pointer
+        tmp_link = self.root / f".{pointer}.tmp-{os.getpid()}"
+        try:
+            if tmp_link.is_symlink() or tmp_link.exists():
+                tmp_link.unlink()
+            os.symlink(name, tmp_link, target_is_directory=True)
+            if link.is_dir() and not link.is_symlink():
+                shutil.rmtree(link)
+            os.replace(tmp_link, link)
+        except OSError:
+            self._copy_pointer(link, self.root / name)
+        write_json_atomic(self.root / f"{pointer}.json", {"checkpoint": name, **summary})
+
+    def _copy_pointer(self, link: Path, target: Path) -> None:
+        staging = self.root / f".{link.name}.copy-{os.getpid()}"
+        shutil.rmtree(staging, ignore_errors=True)
+        staging.mkdir(parents=True)
+        for item in target.iterdir():
+            if item.is_file() and item.name != TRAINING_STATE:
+                shutil.copy2(item, staging / item.name)
+        if link.is_symlink():
+            link.unlink()
+        self._replace_dir(staging, link)
+
+    def prune(self) -> list[str]:
+        """Delete step folders beyond the newest keep_last, never a target of latest or best."""
+        if not self.is_main:
+            return []
+        protected = {self.pointer_target(LATEST), self.pointer_target(BEST)}
+        steps = sorted((p for p in self.root.glob("step_*") if p.is_dir() and not p.is_symlink()),
+                       key=lambda p: int(p.name.split("_")[1]))
+        removed = []
+        for path in steps[: max(len(steps) - self.keep_last, 0)]:
+            if path.name not in protected:
+                shutil.rmtree(path)
+                removed.append(path.name)
+        return removed
+
+    # reading
+    def pointer_target(self, pointer: str) -> str | None:
+        path = self.root / f"{pointer}.json"
+        if not path.exists():
+            return None
+        try:
+            return read_json(path).get("checkpoint")
+        except json.JSONDecodeError:
+            return None
+
+    def complete_checkpoints(self) -> list[tuple[int, Path]]:
+        """(step, folder) of every finished checkpoint, oldest first."""
+        found = []
+        for path in list(self.root.glob("step_*")) + list(self.root.glob("epoch_*")):
+            summary = path / TRAINER_STATE_JSON
+            if path.is_dir() and not path.is_symlink() and summary.exists() and (path / TRAINING_STATE).exists():
+                try:
+                    found.append((int(read_json(summary)["step"]), path))
+                except (json.JSONDecodeError, KeyError, ValueError):
+                    continue
+        return sorted(found, key=lambda item: (item[0], item[1].name.startswith("epoch")))
+
+    def resume_point(self) -> Path | None:
+        """The newest complete checkpoint (the `latest` pointer may lag one that was renamed into place
+        just before a crash)."""
+        found = self.complete_checkpoints()
+        return found[-1][1] if found else None
+
+    def has_outputs(self) -> bool:
+        names = ("step_*", "epoch_*", LATEST, BEST, f"{LATEST}.json", f"{BEST}.json", METRICS_FILE)
+        return any(any(self.root.glob(pattern)) for pattern in names)
+
+    def clear(self) -> None:
+        """--overwrite: remove what a previous run of this stage wrote here (and nothing else)."""
+        for pattern in ("step_*", "epoch_*", ".step_*", ".epoch_*", f".{LATEST}*", f".{BEST}*", LATEST, BEST,
+                        f"{LATEST}.json", f"{BEST}.json", METRICS_FILE, VAL_SPLIT_FILE, "tensorboard"):
+            for path in self.root.glob(pattern):
+                if path.is_symlink() or path.is_file():
+                    path.unlink()
+                else:
+                    shutil.rmtree(path)
+
+
+def load_optimizer_state(optimizer: torch.optim.Optimizer, saved: dict[str, Any]) -> None:
+    """optimizer.load_state_dict, then the saved dtypes back: torch casts every floating state tensor to its
+    parameter's dtype on load, which would turn the fp32 moments and master weights of bf16 parameters into
+    bf16 (a resumed run would then drift from the original)."""
+    optimizer.load_state_dict(saved)
+    saved_ids = [i for group in saved["param_groups"] for i in group["params"]]
+    params = [p for group in optimizer.param_groups for p in group["params"]]
+    for param_id, param in zip(saved_ids, params):
+        for key, value in saved["state"].get(param_id, {}).items():
+            current = optimizer.state[param].get(key)
+            if torch.is_tensor(value) and torch.is_tensor(current) and current.dtype != value.dtype:
+                optimizer.state[param][key] = value.to(device=current.device)
+
+
+def load_weights_exactly(model: torch.nn.Module, folder: Path) -> None:
+    """Put a checkpoint's exported tensors back into `model`, refusing any dtype change (which would make a
+    resumed run differ from the run it continues). The exported file holds every trainable tensor in the
+    parameters' own dtype, and fp32 master weights (for bf16 runs) live in the optimizer state."""
+    from safetensors.torch import load_file
+
+    tensors = load_file(str(folder / "model.safetensors"))
+    own = dict(model.named_parameters()) | dict(model.named_buffers())
+    missing = [name for name, p in model.named_parameters() if p.requires_grad and name not in tensors]
+    if missing:
+        raise ValueError(f"{folder}/model.safetensors lacks trainable tensors {missing}")
+    with torch.no_grad():
+        for name, value in tensors.items():
+            if name not in own:
+                continue
+            if own[name].dtype != value.dtype:
+                raise ValueError(f"{folder}/model.safetensors holds {name} as {value.dtype} but this run's drafter "
+                                 f"is {own[name].dtype}; resume with the original --dtype")
+            own[name].copy_(value)
+
+
+def capture_rng_state() -> dict[str, Any]:
+    """Every RNG the training draws on, in a form torch.load(weights_only=True) reads back."""
+    np_state = np.random.get_state()
+    state = {
+        "python": random.getstate(),
+        "numpy": (np_state[0], torch.from_numpy(np_state[1].copy()), int(np_state[2]), int(np_state[3]),
+                  float(np_state[4])),
+        "torch": torch.get_rng_state(),
+    }
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def restore_rng_state(state: dict[str, Any]) -> None:
+    random.setstate(state["python"])
+    name, keys, pos, has_gauss, gauss = state["numpy"]
+    np.random.set_state((name, keys.numpy(), pos, has_gauss, gauss))
+    torch.set_rng_state(state["torch"])
+    if "cuda" in state and torch.cuda.is_available():
+        if len(state["cuda"]) == torch.cuda.device_count():
+            torch.cuda.set_rng_state_all(state["cuda"])
+        else:
+            get_logger().warning("checkpoint has CUDA RNG states for %d GPUs, %d visible: CUDA RNG not "
+                                 "restored (noise draws will differ from the original run)",
+                                 len(state["cuda"]), torch.cuda.device_count())
+
+
+def seed_everything(seed: int) -> None:
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)  # also seeds every CUDA device

@@ -1,0 +1,144 @@
+"""Stage 04's data: the validation split, the seeded batch plan of each epoch, its share per rank and step,
+and the dataset and loader that feed train_step."""
+from __future__ import annotations
+
+import functools
+import math
+from pathlib import Path
+from typing import Sequence
+
+import numpy as np
+import torch
+from torch.utils.data import DataLoader, Dataset
+
+from common.batching import pack_by_length
+
+VAL_SPLIT_FILE = "val_split.json"
+# Samples sorted by length together: large enough for little padding, small enough that the batches
+# change from epoch to epoch.
+BUCKET_WINDOW = 1024
+
+
+def split_train_val(ids: Sequence[str], val_ratio: float, seed: int) -> tuple[list[int], list[int]]:
+    """Positions of training and validation samples: a seeded shuffle of the ids, decided per sample.
+
+    The order of the index file does not matter (ids are sorted first), so re-running stage 02 in another
+    order gives the same split.
+    """
+    order = sorted(range(len(ids)), key=lambda i: ids[i])
+    rng = np.random.default_rng([seed, 0x5A17])
+    shuffled = [order[i] for i in rng.permutation(len(order))]
+    n_val = int(round(val_ratio * len(ids)))
+    if val_ratio > 0 and n_val == 0 and len(ids) > 1:
+        n_val = 1
+    n_val = min(n_val, max(len(ids) - 1, 0))
+    return sorted(shuffled[n_val:]), sorted(shuffled[:n_val])
+
+
+def plan_batches(lengths: Sequence[int], max_tokens: int, max_sequences: int, seed: int, epoch: int,
+                 shuffle: bool = True) -> list[list[int]]:
+    """The batches of one epoch as lists of positions into `lengths`, deterministic from (seed, epoch).
+
+    Samples are shuffled, sorted by length inside windows of BUCKET_WINDOW (similar lengths share a batch,
+    so little padding), packed to at most `max_tokens` padded tokens and `max_sequences` sequences, and
+    the batches shuffled. Without `shuffle` (validation) the whole set is sorted once.
+    """
+    lengths = np.asarray(lengths, dtype=np.int64)
+    rng = np.random.default_rng([seed, epoch])
+    order = rng.permutation(len(lengths)) if shuffle else np.arange(len(lengths))
+    window = BUCKET_WINDOW if shuffle else max(len(lengths), 1)
+    batches: list[list[int]] = []
+    for start in range(0, len(order), window):
+        chunk = order[start:start + window]
+        chunk = chunk[np.argsort(-lengths[chunk], kind="stable")]
+        batches.extend(pack_by_length(chunk.tolist(), lengths, max_tokens, max_sequences))
+    if shuffle:
+        batches = [batches[i] for i in rng.permutation(len(batches))]
+    return batches
+
+
+def steps_in_epoch(num_batches: int, grad_accum: int) -> int:
+    return math.ceil(num_batches / grad_accum)
+
+
+def step_shares(num_batches: int, start: int, micro_per_step: int, world_size: int = 1,
+                rank: int = 0) -> list[tuple[int, list[tuple[int, float]]]]:
+    """One rank's part of each optimizer step of an epoch plan, from plan position `start` on.
+
+    A step takes the plan's next `micro_per_step` micro-batches (grad-accum x ranks; fewer at the epoch's
+    end), whatever the number of ranks, so 2 ranks with --grad-accum 1 train on exactly the batches of one
+    process with --grad-accum 2. Rank r takes every world_size-th of them from the r-th, each weighted by
+    its share 1/n of the step's mean loss; a rank left without one (a short last step) gets a stand-in, a
+    batch of that step with weight 0, so that it still takes part in the gradient reduction.
+    Returns [(plan position after the step, [(plan position, weight), ...]), ...].
+    """
+    steps = []
+    for begin in range(start, num_batches, micro_per_step):
+        end = min(begin + micro_per_step, num_batches)
+        share = [(index, 1.0 / (end - begin)) for index in range(begin + rank, end, world_size)]
+        steps.append((end, share or [(end - 1, 0.0)]))
+    return steps
+
+
+class HiddenStateDataset(Dataset):
+    """One stage-02 sample per item, read through common.formats.hidden_states and cut to max_seq_len."""
+
+    def __init__(self, data_dir: str | Path, entries: Sequence[dict], max_seq_len: int):
+        self.data_dir = str(data_dir)
+        self.entries = list(entries)
+        self.max_seq_len = max_seq_len
+
+    def __len__(self) -> int:
+        return len(self.entries)
+
+    def lengths(self) -> list[int]:
+        return [min(int(entry["num_tokens"]), self.max_seq_len) for entry in self.entries]
+
+    def __getitem__(self, position: int) -> dict[str, torch.Tensor]:
+        from common.formats.hidden_states import load_sample
+
+        sample = load_sample(self.data_dir, self.entries[position])
+        return {key: sample[key][: self.max_seq_len] for key in ("input_ids", "loss_mask", "aux", "final")}
+
+
+def collate(samples: Sequence[dict[str, torch.Tensor]], pad_to: int = 1) -> dict[str, torch.Tensor]:
+    """Right-pad a list of samples into the batch ttt_loss takes; attention_mask is 1 on real tokens.
+    The length is rounded up to a multiple of `pad_to` (FP8 GEMMs need multiples of 16)."""
+    longest = max(int(s["input_ids"].shape[0]) for s in samples)
+    longest = -(-longest // pad_to) * pad_to
+    count = len(samples)
+    first = samples[0]
+    batch = {
+        "input_ids": torch.zeros(count, longest, dtype=torch.long),
+        "loss_mask": torch.zeros(count, longest, dtype=torch.long),
+        "attention_mask": torch.zeros(count, longest, dtype=torch.long),
+        # Kept in the stored dtype (bf16): the cast to float32 happens on the device, halving transfers.
+        "aux": torch.zeros(count, longest, first["aux"].shape[-1], dtype=first["aux"].dtype),
+        "final": torch.zeros(count, longest, first["final"].shape[-1], dtype=first["final"].dtype),
+    }
+    for row, sample in enumerate(samples):
+        length = int(sample["input_ids"].shape[0])
+        batch["input_ids"][row, :length] = sample["input_ids"]
+        batch["loss_mask"][row, :length] = sample["loss_mask"].to(torch.long)
+        batch["attention_mask"][row, :length] = 1
+        batch["aux"][row, :length] = sample["aux"]
+        batch["final"][row, :length] = sample["final"]
+    return batch
+
+
+def make_loader(dataset: Dataset, batches: Sequence[list[int]], num_workers: int, device: str,
+                seed: int, pad_to: int = 1) -> DataLoader:
+    """A DataLoader over a fixed batch plan. Its own generator keeps it from drawing on the global RNG,
+    which would otherwise make a resumed run's noise differ from an uninterrupted one."""
+    generator = torch.Generator()
+    generator.manual_seed(seed)
+    return DataLoader(dataset, batch_sampler=list(batches), collate_fn=functools.partial(collate, pad_to=pad_to),
+                      num_workers=num_workers,
+                      pin_memory=str(device).startswith("cuda"), generator=generator,
+                      prefetch_factor=4 if num_workers > 0 else None)
+
+
+def to_device(batch: dict[str, torch.Tensor], device: torch.device | str) -> dict[str, torch.Tensor]:
+    """Move a batch to the device, hidden states in their stored dtype (the drafter casts them itself)."""
+    non_blocking = torch.device(device).type == "cuda"
+    return {key: value.to(device, non_blocking=non_blocking) for key, value in batch.items()}

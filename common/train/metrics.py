@@ -1,0 +1,147 @@
+"""Training and validation metrics: sums and counts per TTT step, their summary, the moving window of
+training steps, and metrics.jsonl / TensorBoard."""
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+
+from common.formats.files import write_text_atomic
+from common.cli.stage import get_logger
+
+METRICS_FILE = "metrics.jsonl"
+
+
+def add_sums(total: dict[str, torch.Tensor] | None, metrics: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """`total` plus one batch's per-TTT-step loss_sum/correct/count (float64, still on the device)."""
+    parts = {key: metrics[key].detach().double() for key in ("loss_sum", "correct", "count")}
+    if total is None:
+        return parts
+    return {key: total[key] + parts[key] for key in parts}
+
+
+def summarize(sums: dict[str, torch.Tensor] | None, decay: float) -> dict[str, Any]:
+    """Per-step loss and top-1 agreement, the decay-weighted loss, and the simulated acceptance length."""
+    from common.model.drafter import simulated_acceptance_length
+
+    if sums is None:
+        return {"loss": float("nan"), "loss_per_step": [], "acc_per_step": [], "count_per_step": [],
+                "sim_accept_len": float("nan"), "tokens": 0}
+    count = sums["count"].double().cpu()
+    safe = count.clamp(min=1)
+    loss_per_step = (sums["loss_sum"].double().cpu() / safe).tolist()
+    acc_per_step = (sums["correct"].double().cpu() / safe).tolist()
+    weights = [decay ** j for j in range(len(loss_per_step))]
+    return {
+        "loss": float(sum(w * l for w, l in zip(weights, loss_per_step))),
+        "loss_per_step": [round(x, 6) for x in loss_per_step],
+        "acc_per_step": [round(x, 6) for x in acc_per_step],
+        "count_per_step": [int(x) for x in count.tolist()],
+        "sim_accept_len": float(simulated_acceptance_length(acc_per_step)),
+        "tokens": int(count[0].item()) if len(count) else 0,
+    }
+
+
+class MetricsWriter:
+    """metrics.jsonl (always) and TensorBoard (when installed); writes only on the main process."""
+
+    def __init__(self, output_dir: Path, is_main: bool = True):
+        self.path = Path(output_dir) / METRICS_FILE
+        self.is_main = is_main
+        self.tensorboard = None
+        if is_main:
+            try:
+                from torch.utils.tensorboard import SummaryWriter
+            except ImportError:  # tensorboard is optional
+                get_logger().info("tensorboard is not installed: metrics go to %s only", self.path)
+            else:
+                self.tensorboard = SummaryWriter(str(Path(output_dir) / "tensorboard"))
+
+    def truncate_after(self, step: int) -> None:
+        """Drop lines a crashed run wrote after the checkpoint it is resumed from."""
+        if not self.is_main or not self.path.exists():
+            return
+        kept = []
+        for line in self.path.read_text().splitlines():
+            try:
+                if json.loads(line).get("step", 0) <= step:
+                    kept.append(line)
+            except json.JSONDecodeError:  # a half-written last line of a killed run
+                continue
+        write_text_atomic(self.path, "".join(line + "\n" for line in kept))
+
+    def write(self, record: dict[str, Any]) -> None:
+        if not self.is_main:
+            return
+        with open(self.path, "a") as handle:
+            handle.write(json.dumps(record) + "\n")
+        if self.tensorboard is not None:
+            prefix, step = record["kind"], record["step"]
+            for key, value in record.items():
+                if isinstance(value, (int, float)) and key not in ("step", "epoch"):
+                    self.tensorboard.add_scalar(f"{prefix}/{key}", value, step)
+                elif isinstance(value, list) and key.endswith("_per_step"):
+                    for j, item in enumerate(value):
+                        self.tensorboard.add_scalar(f"{prefix}/{key[:-9]}_{j}", item, step)
+            self.tensorboard.flush()
+
+    def close(self) -> None:
+        if self.tensorboard is not None:
+            self.tensorboard.close()
+
+
+class MetricsWindow:
+    """Training metrics since the last metrics line, kept as device tensors until written."""
+
+    def __init__(self):
+        self._reset()
+        self.tokens_per_s = 0.0
+        self.last_loss = float("nan")
+        self.data_wait_share = 0.0
+
+    def _reset(self):
+        self.sums, self.loss, self.grad_norm, self.steps = None, 0.0, 0.0, 0
+        self.tokens, self.lr, self.started = 0, 0.0, time.time()
+        self.data_wait_s = 0.0  # time the loop waited for the DataLoader: high means raise --num-workers
+
+    def add(self, out: dict[str, Any]) -> None:
+        if out["sums"] is not None:  # (None: a rank that only ran a stand-in this step)
+            self.sums = add_sums(self.sums, out["sums"])
+        self.loss = self.loss + out["loss"]
+        self.grad_norm = self.grad_norm + out["grad_norm"].float()
+        self.tokens = self.tokens + out["tokens"]
+        self.lr = out["lr"]
+        self.steps += 1
+
+    def postfix(self, epoch: int, epochs: int) -> str:
+        if self.last_loss != self.last_loss:  # nothing flushed yet: metrics come every --log-interval steps
+            return f"epoch {epoch}/{epochs}"
+        return (f"epoch {epoch}/{epochs}, loss {self.last_loss:.4f}, {self.tokens_per_s:.0f} tok/s, "
+                f"{self.data_wait_share:.0%} waiting for data")
+
+    def flush(self, decay: float, reduce: Callable | None = None) -> dict[str, Any]:
+        """The window's metrics line; `reduce(sums, loss, tokens)` sums them over the ranks first."""
+        elapsed = max(time.time() - self.started, 1e-9)
+        sums, loss, tokens = self.sums, self.loss, self.tokens
+        if reduce is not None:
+            sums, loss, tokens = reduce(sums, loss, tokens)
+        summary = summarize(sums, decay)
+        tokens = int(tokens)
+        record = {
+            "loss": float(loss) / max(self.steps, 1),
+            "loss_per_step": summary["loss_per_step"],
+            "acc_per_step": summary["acc_per_step"],
+            "sim_accept_len": summary["sim_accept_len"],
+            "grad_norm": float(self.grad_norm) / max(self.steps, 1),
+            "lr": self.lr,
+            "tokens": tokens,
+            "tokens_per_s": round(tokens / elapsed, 1),
+            "data_wait_share": round(min(self.data_wait_s / elapsed, 1.0), 4),
+        }
+        self.tokens_per_s, self.last_loss = record["tokens_per_s"], record["loss"]
+        self.data_wait_share = record["data_wait_share"]
+        self._reset()
+        return record

@@ -1,0 +1,140 @@
+"""Stage 04's work once its inputs are checked: the drafter built (or loaded for --finetune-from) and
+trained by the Trainer, with the stage's manifest."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from common.formats.manifest import MANIFEST, Manifest
+from common.formats.files import write_json_atomic
+from common.model.drafter import Eagle3Drafter, check_drafter_dir, load_drafter
+from common.train.data import VAL_SPLIT_FILE, HiddenStateDataset, split_train_val
+from common.train.checkpoints import seed_everything
+from common.train.data_parallel import make_data_parallel
+from common.train.inputs import STAGE, Inputs
+from common.train.parameters import cast_parameters
+from common.train.step import TrainConfig
+from common.train.stopping import signal_hooks_for_tests
+from common.train.trainer import LoopConfig, Trainer
+from common.verifier.loading import read_embedding_tensors
+
+OFFLOAD_EMBEDDING_BYTES = 1 << 28  # as scripts/bench_train_step.py's "auto": embeddings of 256 MB and more
+
+
+def build_drafter(args, inputs: Inputs, tensors: dict, device: str, dtype):
+    """A new drafter (embedding and lm_head rows from the verifier, its shape changed by --drafter-config), or
+    the --finetune-from one."""
+    if args.finetune_from:
+        return load_drafter(args.finetune_from, embed=tensors["embed_tokens"], device=device, dtype=dtype)
+    with torch.device(device):
+        model = Eagle3Drafter(inputs.drafter_config())
+    model.init_from_verifier(tensors["embed_tokens"], tensors["lm_head"], inputs.mapping.d2t, inputs.mapping.t2d)
+    return cast_parameters(model, dtype)
+
+
+def report_vocab_of_finetuned(args, model, inputs: Inputs, log) -> None:
+    """A --finetune-from drafter keeps its own draft vocabulary: its lm_head rows belong to it."""
+    if not args.finetune_from:
+        return
+    theirs = set((torch.arange(len(model.d2t)) + model.d2t.cpu()).tolist())
+    ours = set(inputs.mapping.draft_ids.tolist())
+    if theirs != ours:
+        log.warning("--finetune-from %s keeps its own draft vocabulary (its lm_head rows are trained for it); "
+                    "%d of its %d tokens are not in the map of %s built from this data", args.finetune_from,
+                    len(theirs - ours), len(theirs), inputs.vocab_dir)
+
+
+def count_parameters(inputs: Inputs) -> int:
+    """Trainable parameters of a new drafter, counted on the meta device (no memory, no time)."""
+    with torch.device("meta"):
+        model = Eagle3Drafter(inputs.drafter_config())
+    return sum(p.numel() for p in model.parameters() if p.requires_grad)
+
+
+def train_drafter(args, log, inputs: Inputs, run_config: dict, resume_from: Path | None, device: str, rank,
+                  hooks) -> None:
+    """Train on this rank (inside its process group) from the checked inputs, writing the stage's manifest;
+    `hooks` are called as hook(trainer) after every optimizer step."""
+    output_dir = Path(args.output_dir)
+    manifest = Manifest(output_dir, STAGE, vars(args))
+    manifest.add_input("hidden_states", inputs.data_dir, inputs.data_dir / MANIFEST)
+    manifest.add_input("vocab_mapping", inputs.vocab_dir, inputs.vocab_dir / MANIFEST)
+    if args.finetune_from:
+        manifest.add_input("finetune_from", args.finetune_from, Path(args.finetune_from) / MANIFEST)
+    manifest.data["verifier"] = inputs.verifier.identity()
+    manifest.data.update(aux_layers=inputs.aux_layers, draft_vocab_size=len(inputs.mapping.d2t),
+                         resumed_from=str(resume_from) if resume_from else None, world_size=rank.world_size,
+                         parallelism=("fsdp" if args.fsdp else "ddp") if rank.distributed else None)
+    if rank.is_main:
+        manifest.write()
+
+    seed_everything(args.seed)  # the same on every rank: the same initial drafter
+    log.info("reading embed_tokens and lm_head of %s (the verifier itself is not loaded)", args.model_path)
+    tensors = read_embedding_tensors(args.model_path)
+    compute_dtype = run_config["compute_dtype"]
+    dtype = getattr(torch, compute_dtype)
+    model = build_drafter(args, inputs, tensors, device, dtype)
+    report_vocab_of_finetuned(args, model, inputs, log)
+    if inputs.drafter_overrides and not args.finetune_from:
+        log.info("--drafter-config: the drafter's %s set to %s", ", ".join(inputs.drafter_overrides),
+                 ", ".join(repr(value) for value in inputs.drafter_overrides.values()))
+    if args.fp8:
+        model.use_fp8()
+        log.info("--fp8: the drafter's GEMMs run on FP8 tensor cores (parameters and optimizer stay %s)",
+                 compute_dtype)
+    if device.startswith("cuda") and model.embed_tokens.weight.numel() * 2 >= OFFLOAD_EMBEDDING_BYTES:
+        # The frozen [V, H] embedding (2.3 GB for Kimi) stays in pinned CPU memory; lookups copy rows over.
+        model.offload_embedding()
+        log.info("the frozen embedding is kept in CPU memory (saves %.1f GB of GPU memory)",
+                 model.embed_tokens.weight.numel() * 2 / 1e9)
+    # The targets come from the verifier's lm_head; it stays in the compute dtype on the device.
+    verifier_lm_head = tensors["lm_head"].to(device=device, dtype=dtype)
+    del tensors
+    log.info("drafter: %.1f M trainable parameters, computing in %s on %s%s",
+             sum(p.numel() for p in model.parameters() if p.requires_grad) / 1e6, compute_dtype, device,
+             f" (rank 0 of {rank.world_size}, {'FSDP' if args.fsdp else 'DDP'})" if rank.distributed else "")
+
+    ids = [str(entry["id"]) for entry in inputs.entries]
+    train_pos, val_pos = split_train_val(ids, args.val_ratio, args.seed)
+    train_set = HiddenStateDataset(inputs.data_dir, [inputs.entries[i] for i in train_pos], args.max_seq_len)
+    val_set = HiddenStateDataset(inputs.data_dir, [inputs.entries[i] for i in val_pos], args.max_seq_len)
+    if rank.is_main:
+        write_json_atomic(output_dir / VAL_SPLIT_FILE, {"seed": args.seed, "val_ratio": args.val_ratio,
+                                                        "train_samples": len(train_pos),
+                                                        "val_ids": [ids[i] for i in val_pos]})
+
+    cfg = TrainConfig(lr=args.lr, scheduler=args.scheduler, warmup_ratio=args.warmup_ratio,
+                      max_grad_norm=args.max_grad_norm, grad_accum=args.grad_accum, ttt_steps=args.ttt_steps,
+                      ttt_decay=args.ttt_decay, noise_std=args.noise_std, device=device, dtype=compute_dtype,
+                      fp8=args.fp8)
+    loop = LoopConfig(epochs=args.epochs, max_tokens=inputs.max_tokens, max_sequences=inputs.max_sequences,
+                      num_workers=args.num_workers, seed=args.seed, eval_interval=args.eval_interval,
+                      save_interval=args.save_interval, log_interval=args.log_interval)
+    parallel = None
+    if rank.distributed:
+        parallel = make_data_parallel(rank, device, args.fsdp)
+    trainer = Trainer(model, verifier_lm_head, cfg, loop, train_set, val_set, output_dir, args.keep_last,
+                      run_config,
+                      validate_checkpoint=lambda path: check_drafter_dir(path, data_manifest=inputs.data_manifest,
+                                                                         verifier_info=inputs.verifier),
+                      is_main=rank.is_main, hooks=[*hooks, *signal_hooks_for_tests(rank.rank)], parallel=parallel)
+    if resume_from is not None:
+        trainer.load_training_state(resume_from)
+        log.info("resumed from %s: step %d, epoch %d, %d batches of that epoch done", resume_from,
+                 trainer.state.step, trainer.state.epoch + 1, trainer.state.batches_consumed)
+    manifest.data["counts"] = {"train_samples": len(train_set), "val_samples": len(val_set),
+                               "train_tokens": sum(train_set.lengths()), "optimizer_steps": trainer.total_steps}
+    if rank.is_main:
+        manifest.write()
+
+    result = trainer.fit()
+    if not rank.is_main:
+        return
+    manifest.data.update(best=result.get("best"), best_val_sim_accept_len=result.get("best_value"),
+                         latest=trainer.checkpoints.pointer_target("latest"), last_eval=result.get("last_eval"))
+    manifest.complete()
+    log.info("training done: %d steps; best checkpoint %s (validation simulated acceptance length %s); "
+             "serve it with --speculative-draft-model-path %s", trainer.state.step, result.get("best"),
+             result.get("best_value"), output_dir / "best")
+
