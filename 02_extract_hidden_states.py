@@ -32,8 +32,8 @@ from common.formats.files import read_json, sha256_file  # noqa: E402
 from common.cli.errors import UsageError  # noqa: E402
 from common.cli.flags import parse_stage_args, require  # noqa: E402
 from common.cli.stage import Progress, run_stage  # noqa: E402
-from common.verifier.loading import (check_aux_layers, default_aux_layers, pick_device, read_verifier_info,
-    resolve_model_path)  # noqa: E402
+from common.formats.layer_ids import check_aux_layers, default_aux_layers  # noqa: E402
+from common.verifier.loading import pick_device, read_verifier_info, resolve_model_path  # noqa: E402
 
 STAGE = "02_extract_hidden_states"
 UPSTREAM = "01_prepare_data"
@@ -82,7 +82,8 @@ def build_manifest(args, info, upstream_dir: Path, data_sha, aux_layers, compute
     manifest.data["inputs"]["prepared_data"]["sha256"] = data_sha
     manifest.data["verifier"] = info.identity()
     from common.extract.extraction import (AUX_FILES, FINAL_CONVENTION, FINAL_FILE, FORMAT_VERSION, INDEX_FILE,
-        LAYER_CONVENTION, META_FILE, SHARD_SIZE)
+        META_FILE, SHARD_SIZE)
+    from common.formats.layer_ids import LAYER_CONVENTION
 
     manifest.data.update({
         "format_version": FORMAT_VERSION,

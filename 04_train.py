@@ -34,8 +34,8 @@ from common.formats.files import read_json, sha256_file, write_json_atomic
 from common.cli.errors import UsageError
 from common.cli.flags import parse_stage_args
 from common.cli.stage import run_stage
-from common.verifier.loading import (VerifierInfo, check_aux_layers, locate_embedding_tensors, pick_device,
-    read_verifier_info)
+from common.formats.layer_ids import check_aux_layers
+from common.verifier.loading import VerifierInfo, locate_embedding_tensors, pick_device, read_verifier_info
 
 STAGE = "04_train"
 UPSTREAM_HIDDEN = "02_extract_hidden_states"
@@ -98,7 +98,7 @@ def check_hidden_states(args) -> tuple[Path, dict, list[dict]]:
 
 
 def check_vocab(args, data_dir: Path, data_manifest: dict):
-    from common.model.drafter import vocab_mapping_problems
+    from common.formats.checkpoint import vocab_mapping_problems
     from common.formats.vocab_map import load_mapping
 
     if not args.vocab_mapping_dir:
@@ -155,7 +155,7 @@ def check_verifier(args, data_dir: Path, data_manifest: dict) -> tuple[VerifierI
         aux_layers = check_aux_layers(list(data_manifest["aux_layers"]), info.num_layers)
     except UsageError as err:
         raise UsageError(f"{name}: {err}")
-    from common.model.drafter import eagle_config_layer_ids
+    from common.formats.layer_ids import eagle_config_layer_ids
 
     try:  # a drafter SGLang could never feed (vLLM can): say so before training it
         eagle_config_layer_ids(aux_layers, info.architecture)
@@ -169,7 +169,8 @@ def check_verifier(args, data_dir: Path, data_manifest: dict) -> tuple[VerifierI
 def check_finetune(args, data_manifest: dict, info: VerifierInfo, mapping) -> None:
     if not args.finetune_from:
         return
-    from common.model.drafter import DrafterConfig, check_drafter_dir
+    from common.formats.checkpoint import check_drafter_dir
+    from common.model.config import DrafterConfig
 
     folder = Path(args.finetune_from)
     if not (folder / "config.json").exists():
@@ -301,7 +302,9 @@ def check_disk(args, model_params: int, log) -> None:
 def build_drafter(args, inputs: Inputs, tensors: dict, device: str, dtype):
     """A new drafter (embedding and lm_head rows from the verifier), or the --finetune-from one."""
     import torch
-    from common.model.drafter import DrafterConfig, Eagle3Drafter, load_drafter
+    from common.formats.checkpoint import load_drafter
+    from common.model.config import DrafterConfig
+    from common.model.drafter import Eagle3Drafter
     from common.train.training import cast_parameters
 
     if args.finetune_from:
@@ -330,7 +333,8 @@ def report_vocab_of_finetuned(args, model, inputs: Inputs, log) -> None:
 def count_parameters(inputs: Inputs) -> int:
     """Trainable parameters, counted on the meta device (no memory, no time)."""
     import torch
-    from common.model.drafter import DrafterConfig, Eagle3Drafter
+    from common.model.config import DrafterConfig
+    from common.model.drafter import Eagle3Drafter
 
     config = DrafterConfig.from_verifier(inputs.verifier, len(inputs.mapping.d2t), inputs.aux_layers)
     with torch.device("meta"):
@@ -388,7 +392,7 @@ def work(args, log, hooks=()):
 
 def train(args, log, inputs: Inputs, run_config: dict, resume_from: Path | None, device: str, rank, hooks) -> None:
     import torch
-    from common.model.drafter import check_drafter_dir
+    from common.formats.checkpoint import check_drafter_dir
     from common.train.training import (HiddenStateDataset, LoopConfig, TrainConfig, Trainer, VAL_SPLIT_FILE,
         seed_everything, signal_hooks_for_tests, split_train_val)
     from common.verifier.loading import read_embedding_tensors

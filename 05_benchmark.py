@@ -168,13 +168,13 @@ def check_drafter(args, verifier_info, log) -> dict:
                          f"or point --draft-model-path at a checkpoint folder such as RUN_DIR/checkpoints/best")
     config = read_json(folder / "config.json")
     if verifier_info is not None:
-        from common.model.drafter import check_drafter_dir
+        from common.formats.checkpoint import check_drafter_dir
 
         problems = check_drafter_dir(folder, verifier_info=verifier_info)
         if problems:
             raise UsageError(f"--draft-model-path {folder} does not fit --model-path {args.model_path}:\n  "
                              + "\n  ".join(problems))
-    from common.model.drafter import DrafterConfig
+    from common.model.config import DrafterConfig
 
     log.info("drafter %s (%s): hidden %s, draft vocabulary %s of %s, aux layers %s (inputs of those decoder "
              "layers; eagle_config ids %s in SGLang's convention)", folder, folder.resolve().name,
@@ -186,7 +186,7 @@ def check_drafter(args, verifier_info, log) -> dict:
 
 def load_models(args, log):
     import torch
-    from common.model.drafter import load_drafter
+    from common.formats.checkpoint import load_drafter
     from common.verifier.loading import load_verifier_model, pick_device
 
     from common.train.training import compute_dtype_for
@@ -462,7 +462,8 @@ def validation_entries(draft_dir: Path, entries: list[dict], log) -> tuple[list[
 
 def run_eval(args, log, begin, *_ignored) -> dict:
     import torch
-    from common.model.drafter import aux_layers_from_eagle_config, load_drafter
+    from common.formats.checkpoint import load_drafter
+    from common.formats.layer_ids import aux_layers_from_eagle_config
     from common.extract.extraction import load_sample, open_hidden_states
     from common.train.training import compute_dtype_for, evaluate
     from common.verifier.loading import pick_device, read_embedding_tensors, read_verifier_info

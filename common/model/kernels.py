@@ -225,3 +225,14 @@ def fp8_available(device: torch.device) -> bool:
     if device.type == "cuda":
         return torch.cuda.get_device_capability(device) >= (8, 9)
     return device.type == "cpu"
+
+
+def fuse_elementwise() -> bool:
+    """EAGLE3_FUSE_ELEMENTWISE=1: compile the TTT step's elementwise islands (a candidate until measured on a GPU
+    against the eager ops with scripts/bench_train_step.py --fuse-elementwise; the maths is the same either way)."""
+    return os.environ.get("EAGLE3_FUSE_ELEMENTWISE", "0") == "1"
+
+
+def upcast(x: Tensor) -> Tensor:
+    """fp16/bf16 -> fp32 for accumulation; fp32/fp64 unchanged (tests run the math in fp64)."""
+    return x if x.dtype in (torch.float32, torch.float64) else x.float()

@@ -38,6 +38,7 @@ from torch.utils.data import DataLoader, Dataset
 from common.batching import pack_by_length
 from common.formats.files import read_json, write_json_atomic, write_text_atomic
 from common.model.kernels import FP8_ALIGN
+from common.train.optimizer import make_optimizer, make_scheduler
 from common.cli.stage import Progress, get_logger
 
 TRAINING_STATE = "training_state.pt"
@@ -46,7 +47,6 @@ METRICS_FILE = "metrics.jsonl"
 VAL_SPLIT_FILE = "val_split.json"
 LATEST, BEST = "latest", "best"
 STATE_FORMAT = 1
-BETAS = (0.9, 0.95)
 # Samples sorted by length together: large enough for little padding, small enough that the batches
 # change from epoch to epoch.
 BUCKET_WINDOW = 1024
@@ -238,44 +238,6 @@ def model_device(model: torch.nn.Module) -> torch.device:
     return next(p for p in model.parameters() if p.requires_grad).device
 
 
-def make_optimizer(model: torch.nn.Module, lr: float, weight_decay: float = 0.0) -> torch.optim.Optimizer:
-    """AdamW (0.9, 0.95) over the trainable parameters (the frozen embedding is left out): the drafter's
-    DrafterAdamW, with fp32 moments, and fp32 master weights when the parameters are narrower."""
-    from common.model.drafter import make_optimizer as drafter_adamw
-
-    params = trainable_parameters(model)
-    if not params:
-        raise ValueError("the drafter has no trainable parameters")
-    narrow = any(p.dtype != torch.float32 for p in params)
-    return drafter_adamw(model, lr, betas=BETAS, weight_decay=weight_decay, master_weights=narrow)
-
-
-class _LrFactor:
-    """Linear warmup to 1, then cosine or linear decay to 0, or constant. A class (not a lambda) so that
-    the scheduler's state_dict carries it."""
-
-    def __init__(self, kind: str, total_steps: int, warmup_steps: int):
-        if kind not in ("cosine", "linear", "constant"):
-            raise ValueError(f"unknown scheduler {kind!r}")
-        self.kind, self.total_steps, self.warmup_steps = kind, max(total_steps, 1), warmup_steps
-
-    def __call__(self, step: int) -> float:
-        if step < self.warmup_steps:
-            return (step + 1) / self.warmup_steps
-        if self.kind == "constant":
-            return 1.0
-        progress = min((step - self.warmup_steps) / max(self.total_steps - self.warmup_steps, 1), 1.0)
-        if self.kind == "linear":
-            return 1.0 - progress
-        return 0.5 * (1.0 + math.cos(math.pi * progress))
-
-
-def make_scheduler(optimizer: torch.optim.Optimizer, total_steps: int, warmup_ratio: float = 0.0,
-                   kind: str = "cosine") -> torch.optim.lr_scheduler.LambdaLR:
-    warmup_steps = int(round(warmup_ratio * total_steps))
-    return torch.optim.lr_scheduler.LambdaLR(optimizer, _LrFactor(kind, total_steps, warmup_steps))
-
-
 def _add_sums(total: dict[str, torch.Tensor] | None, metrics: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     parts = {key: metrics[key].detach().double() for key in ("loss_sum", "correct", "count")}
     if total is None:
@@ -298,7 +260,7 @@ def train_step(model: torch.nn.Module, batch: dict | Sequence[dict], optimizer: 
     takes part in the gradient reduction); "loss", "sums" and "tokens" are then this rank's parts, to be
     summed over the ranks, and "grad_norm" and "finite" are global.
     """
-    from common.model.drafter import ttt_loss
+    from common.train.loss import ttt_loss
 
     micro_batches = [batch] if isinstance(batch, dict) else list(batch)
     device = model_device(model)
@@ -346,7 +308,7 @@ def train_step(model: torch.nn.Module, batch: dict | Sequence[dict], optimizer: 
 
 def summarize(sums: dict[str, torch.Tensor] | None, decay: float) -> dict[str, Any]:
     """Per-step loss and top-1 agreement, the decay-weighted loss, and the simulated acceptance length."""
-    from common.model.drafter import simulated_acceptance_length
+    from common.train.loss import simulated_acceptance_length
 
     if sums is None:
         return {"loss": float("nan"), "loss_per_step": [], "acc_per_step": [], "count_per_step": [],
@@ -391,7 +353,7 @@ def evaluate(model: torch.nn.Module, loader_or_samples: Iterable, verifier_lm_he
     weights (no backward here, so the drafter's fused functions are fine with it); stage 04 validates in
     the parameters' own dtype instead. Used by stage 04's validation and stage 05's --mode eval.
     """
-    from common.model.drafter import ttt_loss
+    from common.train.loss import ttt_loss
 
     device = torch.device(device) if device is not None else model_device(model)
     was_training = model.training
@@ -517,7 +479,7 @@ class CheckpointManager:
              summary: dict[str, Any]) -> Path:
         """root/name with the drafter, training_state.pt and trainer_state.json, renamed into place only
         when complete; then checked (check_drafter_dir) and pointed to by `latest`."""
-        from common.model.drafter import save_drafter
+        from common.formats.checkpoint import save_drafter
 
         final = self.root / name
         if not self.is_main:
