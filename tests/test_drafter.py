@@ -79,8 +79,8 @@ def naive_ttt_attention(q, k0, v0, diag, scale):
     """q [B,S,nh,D]; k0/v0 [B,S,nh,D]; diag [k1, v1, ...] [B,S,nkv,D] -> concatenated keys + explicit mask."""
     S, nh = q.shape[1], q.shape[2]
     rep = nh // diag[0].shape[2]
-    keys = torch.cat([k0] + [TA._expand_heads(k, rep) for k in diag[0::2]], dim=1)
-    values = torch.cat([v0] + [TA._expand_heads(v, rep) for v in diag[1::2]], dim=1)
+    keys = torch.cat([k0] + [TA.expand_heads(k, rep) for k in diag[0::2]], dim=1)
+    values = torch.cat([v0] + [TA.expand_heads(v, rep) for v in diag[1::2]], dim=1)
     steps = len(diag) // 2
     mask = torch.zeros(S, S * (steps + 1), dtype=torch.bool)
     mask[:, :S] = torch.ones(S, S, dtype=torch.bool).tril()
@@ -113,7 +113,7 @@ def naive_ttt_loss(model: Eagle3Drafter, batch: dict, lm_head: torch.Tensor, ste
         a = torch.cat([emb[:, j + 1:j + 1 + S], layer.hidden_norm(hidden)], dim=-1)
         q, k, v = attn.qkv(a, cos, sin)
         if j == 0:
-            k0, v0 = TA._expand_heads(k, rep), TA._expand_heads(v, rep)
+            k0, v0 = TA.expand_heads(k, rep), TA.expand_heads(v, rep)
             out = F.scaled_dot_product_attention(q.transpose(1, 2), k0.transpose(1, 2), v0.transpose(1, 2),
                                                  is_causal=True).transpose(1, 2)
         else:
@@ -189,7 +189,7 @@ def test_ttt_attention_matches_full_mask_reference(backend, steps, nkv, fused, m
     diag = [rand(nkv) for _ in range(2 * steps)]
     inputs = [q, k0, v0, *diag]
     weight = torch.randn(B, S, nh, Dh, generator=gen, dtype=torch.float64)
-    k0e, v0e = TA._expand_heads(k0, nh // nkv), TA._expand_heads(v0, nh // nkv)
+    k0e, v0e = TA.expand_heads(k0, nh // nkv), TA.expand_heads(v0, nh // nkv)
     out = ttt_attention(q, k0e, v0e, diag, Dh ** -0.5, backend=backend)
     grads = torch.autograd.grad((out * weight).sum(), inputs)
     ref = naive_ttt_attention(q, k0e, v0e, diag, Dh ** -0.5)
@@ -207,7 +207,7 @@ def test_ttt_attention_memory_is_linear_in_sequence_length():
     kv = [torch.randn(B, S, 1, Dh) for _ in range(6)]
     block = TA._math_block(B, nh, S)
     assert block * S * nh * 4 <= (1 << 26)  # one score block <= 64 MB whatever S is
-    out = ttt_attention(q, TA._expand_heads(kv[0], 2), TA._expand_heads(kv[1], 2), kv[2:], Dh ** -0.5,
+    out = ttt_attention(q, TA.expand_heads(kv[0], 2), TA.expand_heads(kv[1], 2), kv[2:], Dh ** -0.5,
                         backend="math")
     assert out.shape == q.shape and torch.isfinite(out).all()
 

@@ -17,7 +17,7 @@ from torch import Tensor, nn
 from common.formats.checkpoint import vocab_mapping_problems
 from common.model.config import DrafterConfig, rope_parameters
 from common.model.kernels import Bf16Gemms, CompiledOnCuda, Fp8Gemms, fp8_available, fuse_elementwise, linear
-from common.model.ttt_attention import _expand_heads, causal_attention, ttt_attention
+from common.model.ttt_attention import expand_heads, causal_attention, ttt_attention
 from common.train.loss import store_ce_gradients
 
 
@@ -447,7 +447,7 @@ class Eagle3Drafter(nn.Module):
                               dim=-1)
             q, k, v = attn.qkv(a, cos, sin, self.gemms, fused)
             if j == 0:
-                k0, v0 = _expand_heads(k, rep), _expand_heads(v, rep)
+                k0, v0 = expand_heads(k, rep), expand_heads(v, rep)
                 out = causal_attention(q, k0, v0, scale)
             else:
                 diag += [k, v]

@@ -15,7 +15,7 @@ from torch import Tensor
 from common.model.kernels import CompiledOnCuda, fuse_elementwise, upcast
 
 
-def _expand_heads(x: Tensor, rep: int) -> Tensor:
+def expand_heads(x: Tensor, rep: int) -> Tensor:
     """[B,T,nkv,D] -> [B,T,nkv*rep,D] (GQA keys/values repeated for every query head of the group)."""
     if rep == 1:
         return x

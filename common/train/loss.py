@@ -105,18 +105,9 @@ def _ce_positions_per_pass(x: Tensor, draft_vocab: int) -> int:
 
 
 class _DraftSoftCE(torch.autograd.Function):
-    """sum over rows of w * soft-CE(target probs, softmax(lm_head(x))), plus the hit count.
-
-    x has S rows per sequence, the targets T <= S: rows from T on get no loss and no gradient. The logits
-    of all S rows come from one GEMM (bf16 output, fp32 accumulation, as F.linear; or FP8 through `gemms`,
-    which wants whole aligned row counts, hence all S rows); the statistics and the logits' gradient
-    (softmax - p) * w come from one elementwise pass over them (`_soft_ce_rows`, compiled on CUDA), which
-    writes the gradient over the logits. Backward is then two GEMMs: grad_x = G @ W and grad_W = G^T @ x,
-    scaled by the incoming gradient.
-    store=True keeps G ([rows, Vd] in x's dtype) from forward to backward; store=False keeps nothing of
-    that size and recomputes it in backward (one more GEMM and elementwise pass, less memory).
-    Also returns the (non-differentiable) weighted count of rows whose argmax equals the target's argmax.
-    """
+    """sum over rows of w * soft-CE(target probs, softmax(lm_head(x))), plus the (non-differentiable) weighted
+    count of rows whose argmax is the target's. Rows from T = tgt_probs.shape[1] on get no loss and no gradient;
+    store keeps the logits' gradient until backward instead of recomputing it (docs/model.md, soft-CE)."""
 
     @staticmethod
     def forward(ctx, x, weight, tgt_probs, tgt_argmax, row_w, store, need_grad, gemms):

@@ -1,26 +1,5 @@
 """The exact SGLang launch command that serves a drafter folder with its verifier, checked against the rules of
-the pinned SGLang release (patches.SUPPORTED_SGLANG_VERSION, 0.5.23).
-
-What the command contains, and why:
-  * EAGLE-3 chain drafting, 3 steps / top-1 / 4 draft tokens by default (the common Kimi setting; with top-1,
-    SGLang itself forces num_draft_tokens = num_steps + 1).
-  * `--speculative-draft-model-quantization unquant` when the verifier's config has a quantization_config
-    (Kimi-K2.5 int4 is compressed-tensors): otherwise SGLang gives the drafter the verifier's quantization
-    (arg_groups/serving_hook.py: the draft quantization defaults to the target's) and the bf16 drafter fails to
-    load.
-  * explicit `--attention-backend` and `--speculative-draft-attention-backend`. The deployment's GPUs are SM120
-    (RTX PRO 6000 Blackwell, ~100 KB shared memory per block). In the pinned SGLang, trtllm_mla (SM100 kernels;
-    on SM120 it fails with "Unsupported architecture", sglang#24633), fa3 and flashmla (Hopper) and fa4 /
-    cutedsl_mla (SM100) are not usable there; its default for MLA models on SM120 is triton
-    (arg_groups/model_override_base.py get_default_attn_backend), whose extend/decode kernels carry SM120 block
-    sizes for the small shared memory (kernels/ops/attention/extend_attention.py). The drafter is a plain
-    GQA Llama layer: left alone it inherits the verifier's backend (an MLA backend such as trtllm_mla cannot run
-    it, sglang#23490), so it is named too: triton by default, flashinfer being the other SM120-capable choice.
-  * the layer ids: SGLang reads `eagle_config.eagle_aux_hidden_state_layer_ids` of the drafter and captures,
-    for Llama verifiers, the inputs of layers id+1; for the DeepSeek-V2/V3 family (Kimi-K2.5 included) it adds
-    one only when the first id is 1 and takes the ids as written otherwise (models/deepseek_v2.py
-    set_eagle3_layers_to_capture). The command is refused when that would capture other layers than the
-    drafter was trained on, naming the ids that would be right.
+the pinned SGLang release (patches.SUPPORTED_SGLANG_VERSION, 0.5.23); docs/conventions.md says why each flag.
 """
 from __future__ import annotations
 
