@@ -17,7 +17,8 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from common.cli import distributed  # noqa: E402
 from common.cli.flags import parse_stage_args, require  # noqa: E402
 from common.cli.stage import run_stage  # noqa: E402
-from common.verifier.loading import check_aux_layers, default_aux_layers, pick_device, read_verifier_info  # noqa: E402
+from common.formats.layer_ids import check_aux_layers, default_aux_layers  # noqa: E402
+from common.verifier.loading import pick_device, read_verifier_info  # noqa: E402
 
 STAGE = "02_extract_hidden_states"
 

@@ -185,7 +185,7 @@ def main(argv=None) -> int:
         info, make_model = load_model(args, device, compute_dtype)
         num_layers, hidden, vocab = info.num_layers, info.hidden_size, info.vocab_size
         model_name = args.model_path
-    from common.verifier.loading import check_aux_layers, default_aux_layers
+    from common.formats.layer_ids import check_aux_layers, default_aux_layers
 
     layers = check_aux_layers([int(x) for x in args.aux_layers.split(",")] if args.aux_layers
                               else default_aux_layers(num_layers), num_layers)

@@ -84,8 +84,10 @@ class OracleDrafter(torch.nn.Module):
 
 
 def build_drafter(args, verifier, info, device, dtype):
-    from common.model.drafter import DrafterConfig, Eagle3Drafter, load_drafter
-    from common.verifier.loading import default_aux_layers
+    from common.formats.checkpoint import load_drafter
+    from common.formats.layer_ids import default_aux_layers
+    from common.model.config import DrafterConfig
+    from common.model.drafter import Eagle3Drafter
 
     embed = verifier.get_input_embeddings().weight.detach()
     if args.draft_model_path:

@@ -1,8 +1,8 @@
 #!/usr/bin/env python3
 """Benchmark one full EAGLE-3 drafter training step: tokens/s, peak GPU memory, MFU.
 
-The timed step is stage 04's own: common.train.step.train_step (ttt_loss from common.model.drafter + backward +
-grad clip + optimizer step + scheduler), with the optimizer stage 04 builds (common.train.training.make_optimizer)
+The timed step is stage 04's own: common.train.step.train_step (ttt_loss from common.train.loss + backward +
+grad clip + optimizer step + scheduler), with the optimizer stage 04 builds (common.train.optimizer.make_optimizer)
 unless --optimizer says otherwise. Inputs are synthetic and already on the device: aux [B,S,3H] and final
 [B,S,H] hidden states (bf16), random input ids, all-ones masks, a random verifier lm_head [V,H], and a
 vocabulary map of the Vd most frequent verifier-argmax tokens of the batch (as stage 03 builds it from
@@ -113,6 +113,10 @@ def run_one(args) -> dict:
     import torch
 
     from common.model import drafter as D
+    from common.model.config import DrafterConfig
+    from common.model.kernels import fuse_elementwise
+    from common.train import optimizer as O
+    from common.train.loss import store_ce_gradients, ttt_loss
 
     rec = {"bench": "bench_train_step", "shape": args.shape, "seq_len": args.seq_len, "batch_size": args.batch_size,
            "ttt_steps": args.ttt_steps, "draft_vocab_size": args.draft_vocab, "device": args.device,
@@ -128,7 +132,7 @@ def run_one(args) -> dict:
     H, V = shape["hidden_size"], shape["vocab_size"]
     if args.draft_vocab >= V:  # tiny smoke-test shapes: keep a real (non-identity) map
         args.draft_vocab = V // 2
-    cfg = D.DrafterConfig(
+    cfg = DrafterConfig(
         hidden_size=H, num_attention_heads=shape["num_attention_heads"],
         num_key_value_heads=shape["num_key_value_heads"], head_dim=H // shape["num_attention_heads"],
         intermediate_size=shape["intermediate_size"], rms_norm_eps=1e-5, rope_theta=10000.0, rope_scaling=None,
@@ -171,31 +175,30 @@ def run_one(args) -> dict:
     model.set_memory_policy(mlp, ce_grad=args.ce_grad)
     if args.fp8:
         model.use_fp8()
-    trainable = D.trainable_parameter_count(model)
+    trainable = O.trainable_parameter_count(model)
     rec.update(params_trainable=trainable, embedding_offloaded=offload, mlp_recompute=mlp, ce_grad=args.ce_grad,
                gemms="fp8 (e4m3/e5m2, per-tensor scales)" if args.fp8 else "bf16",
-               fused_elementwise=D.fuse_elementwise(),
-               ce_grad_stored=D.store_ce_gradients(cfg, args.ce_grad))
+               fused_elementwise=fuse_elementwise(),
+               ce_grad_stored=store_ce_gradients(cfg, args.ce_grad))
 
     # ---- optimizer + scheduler + step: stage 04's
     try:
-        from common.train import training as TR
+        from common.train import step as TR
         from common.train.step import TrainConfig, train_step
     except ImportError:  # stage 04 not present: the same steps inline
         TR = None
-    if args.optimizer == "stage04" and TR is not None:
-        optimizer = TR.make_optimizer(model, args.lr)
-    else:
-        optimizer = D.make_optimizer(model, args.lr, master_weights=args.optimizer == "master")
+    # stage04: master weights when the parameters are narrower than fp32, as stage 04 builds it
+    master_weights = None if args.optimizer == "stage04" else args.optimizer == "master"
+    optimizer = O.make_optimizer(model, args.lr, master_weights=master_weights)
     master = bool(getattr(optimizer, "master_weights", False))
     rec["optimizer"] = (f"{type(optimizer).__name__}(master_weights={master}, "
                         f"stochastic_rounding={getattr(optimizer, 'stochastic_rounding', None) and not master})")
-    rec["optimizer_source"] = "common.train.training.make_optimizer" if args.optimizer == "stage04" and TR else \
-        f"common.model.drafter.make_optimizer({args.optimizer})"
+    rec["optimizer_source"] = "common.train.optimizer.make_optimizer" if args.optimizer == "stage04" else \
+        f"common.train.optimizer.make_optimizer({args.optimizer})"
     rec["memory_model"] = memory_estimate_gib(cfg, trainable, B * S, T, master, offload, mlp,
                                               rec["ce_grad_stored"])
     if TR is not None:
-        scheduler = TR.make_scheduler(optimizer, total_steps=100_000, warmup_ratio=0.015, kind="cosine")
+        scheduler = O.make_scheduler(optimizer, total_steps=100_000, warmup_ratio=0.015, kind="cosine")
         train_cfg = TrainConfig(lr=args.lr, max_grad_norm=0.5, ttt_steps=T, ttt_decay=0.8,
                                 device=str(device), dtype=str(dtype).replace("torch.", ""), fp8=args.fp8)
 
@@ -206,7 +209,7 @@ def run_one(args) -> dict:
         params = [p for p in model.parameters() if p.requires_grad]
 
         def step():
-            loss, _ = D.ttt_loss(model, batch, lm_head, T)
+            loss, _ = ttt_loss(model, batch, lm_head, T)
             loss.backward()
             torch.nn.utils.clip_grad_norm_(params, 0.5)
             optimizer.step()
@@ -269,7 +272,7 @@ def run_one(args) -> dict:
         if "peak_mem_gib" in rec:
             rec["memory_vs_peer"] = round(rec["peak_mem_gib"] / peer[1], 3)
             rec["meets_target"] = rec["speedup_vs_peer"] >= 1.3 and rec["memory_vs_peer"] <= 0.7
-    from common.model.drafter import _BACKEND_CACHE
+    from common.model.ttt_attention import _BACKEND_CACHE
     rec["ttt_attention_backend"] = os.environ.get("EAGLE3_TTT_ATTENTION") or sorted(set(_BACKEND_CACHE.values())) or None
     rec["loss_first"], rec["loss_last"] = losses[0], losses[-1]
     rec["status"] = "ok" if all(x == x and abs(x) != float("inf") for x in losses) else "nonfinite_loss"
@@ -377,13 +380,13 @@ def main(argv=None) -> int:
     p.add_argument("--device", default="cuda")
     p.add_argument("--dtype", choices=("bf16", "fp32"), default="bf16")
     p.add_argument("--optimizer", choices=("stage04", "sr", "master"), default="stage04",
-                   help="stage04: common.train.training.make_optimizer (what stage 04 uses); sr: bf16 parameters with "
+                   help="stage04: common.train.optimizer.make_optimizer (what stage 04 uses); sr: bf16 parameters with "
                         "stochastic rounding, no master copy; master: fp32 master weights")
     p.add_argument("--mlp-recompute", choices=("act", "gate_up", "none"), default="act",
                    help="act: keep gate/up outputs, recompute silu*up; gate_up: keep only the MLP input")
     p.add_argument("--ce-grad", choices=("auto", "store", "recompute"), default="auto",
                    help="soft-CE: keep the logits' gradient [S, Vd] per TTT step until backward (store) or "
-                        "recompute it there (recompute); auto: store for large drafters (common.model.drafter."
+                        "recompute it there (recompute); auto: store for large drafters (common.train.loss."
                         "store_ce_gradients)")
     p.add_argument("--offload-embedding", choices=("auto", "on", "off"), default="auto",
                    help="keep the frozen [V,H] embedding in pinned CPU memory (auto: on CUDA when >= 256 MiB)")
@@ -411,9 +414,9 @@ def main(argv=None) -> int:
     if unknown:
         p.error(f"unknown shape(s) {unknown}; choose from {sorted(SHAPES)}")
     seq_lens = [int(x) for x in args.seq_lens.split(",") if x]
-    if args.ttt_attention != "auto":  # read by common.model.drafter at every TTT attention call
+    if args.ttt_attention != "auto":  # read by common.model.ttt_attention at every TTT attention call
         os.environ["EAGLE3_TTT_ATTENTION"] = args.ttt_attention
-    if args.fuse_elementwise:  # read by common.model.drafter at every TTT unroll (children inherit it)
+    if args.fuse_elementwise:  # read by common.model at every TTT unroll (children inherit it)
         os.environ["EAGLE3_FUSE_ELEMENTWISE"] = "1"
     if args._child:
         args.shape, args.seq_len = shapes[0], seq_lens[0]

@@ -30,7 +30,7 @@ def main(argv=None) -> int:
     parser.add_argument("--json", action="store_true", help="print {problems, warnings} as JSON")
     args = parser.parse_args(argv)
 
-    from common.model.drafter import inspect_drafter_dir
+    from common.formats.checkpoint import inspect_drafter_dir
 
     manifest = None
     if args.data_dir:

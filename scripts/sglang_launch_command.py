@@ -4,7 +4,7 @@
   python scripts/sglang_launch_command.py RUN_DIR/checkpoints/best --model-path VERIFIER [--tp-size 8]
 
 Defaults: 3 steps / top-1 / 4 draft tokens, triton attention for the verifier and the drafter (what works on the
-SM120 GPUs of the Kimi-K2.5 deployment; common/sglang_launch.py says why), `--speculative-draft-model-quantization
+SM120 GPUs of the Kimi-K2.5 deployment; docs/conventions.md says why), `--speculative-draft-model-quantization
 unquant` when the verifier is quantized. The drafter's layer ids are checked against what SGLang will capture.
 Exit 0 with the command; 1 when the command would serve the drafter wrongly (the problems are printed, and the
 command is still shown); 2 for bad arguments or unreadable folders.

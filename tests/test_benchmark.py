@@ -52,8 +52,10 @@ def verifier(stories260k):
 
 
 def _new_drafter(model, stories260k, counts):
-    from common.model.drafter import DrafterConfig, Eagle3Drafter
-    from common.verifier.loading import default_aux_layers, read_verifier_info
+    from common.model.config import DrafterConfig
+    from common.model.drafter import Eagle3Drafter
+    from common.formats.layer_ids import default_aux_layers
+    from common.verifier.loading import read_verifier_info
     from common.formats.vocab_map import select_draft_vocab
 
     info = read_verifier_info(str(stories260k))
@@ -68,7 +70,8 @@ def _new_drafter(model, stories260k, counts):
 def drafters(verifier, stories260k, tmp_path_factory):
     """{"random": untrained (random lm_head), "trained": a few TTT steps on the verifier's own greedy
     continuations, "trained_dir": that drafter saved as an SGLang-ready folder}."""
-    from common.model.drafter import save_drafter, ttt_loss
+    from common.formats.checkpoint import save_drafter
+    from common.train.loss import ttt_loss
     from common.bench.decoding import plain_decode
     from common.bench.verifier_runner import AuxCapture, decoder_layers
     from common.train.data import collate

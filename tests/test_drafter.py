@@ -1,5 +1,6 @@
-"""The EAGLE-3 drafter (common/drafter.py): TTT attention and loss against naive full-mask references, the
-decode path, the SGLang export and its checker, the optimizer, and a conversion by the `speculators` package.
+"""The EAGLE-3 drafter (common/model, common/train/loss.py and optimizer.py, common/formats/checkpoint.py and
+layer_ids.py): TTT attention and loss against naive full-mask references, the decode path, the SGLang export and
+its checker, the optimizer, and a conversion by the `speculators` package.
 
 Models are tiny random configurations built in code (fp64 where two implementations are compared, so any
 difference is a bug, not rounding), plus the real stories260K for the export/conversion tests.
@@ -14,10 +15,19 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from common.formats import checkpoint as CK
+from common.formats.checkpoint import check_drafter_dir, inspect_drafter_dir, load_drafter, save_drafter
+from common.formats.layer_ids import aux_layers_from_eagle_config, eagle_config_layer_ids
+from common.model import config as C
 from common.model import drafter as D
-from common.model.drafter import (DrafterCache, DrafterConfig, Eagle3Drafter, aux_layers_from_eagle_config,
-    check_drafter_dir, eagle_config_layer_ids, inspect_drafter_dir, load_drafter, make_optimizer, save_drafter,
-    simulated_acceptance_length, ttt_attention, ttt_loss)
+from common.model import ttt_attention as TA
+from common.model.config import DrafterConfig
+from common.model.drafter import DrafterCache, Eagle3Drafter
+from common.model.ttt_attention import ttt_attention
+from common.train import loss as L
+from common.train import optimizer as O
+from common.train.loss import simulated_acceptance_length, ttt_loss
+from common.train.optimizer import make_optimizer
 
 V, VD, H = 40, 16, 16
 
@@ -69,8 +79,8 @@ def naive_ttt_attention(q, k0, v0, diag, scale):
     """q [B,S,nh,D]; k0/v0 [B,S,nh,D]; diag [k1, v1, ...] [B,S,nkv,D] -> concatenated keys + explicit mask."""
     S, nh = q.shape[1], q.shape[2]
     rep = nh // diag[0].shape[2]
-    keys = torch.cat([k0] + [D._expand_heads(k, rep) for k in diag[0::2]], dim=1)
-    values = torch.cat([v0] + [D._expand_heads(v, rep) for v in diag[1::2]], dim=1)
+    keys = torch.cat([k0] + [TA.expand_heads(k, rep) for k in diag[0::2]], dim=1)
+    values = torch.cat([v0] + [TA.expand_heads(v, rep) for v in diag[1::2]], dim=1)
     steps = len(diag) // 2
     mask = torch.zeros(S, S * (steps + 1), dtype=torch.bool)
     mask[:, :S] = torch.ones(S, S, dtype=torch.bool).tril()
@@ -103,7 +113,7 @@ def naive_ttt_loss(model: Eagle3Drafter, batch: dict, lm_head: torch.Tensor, ste
         a = torch.cat([emb[:, j + 1:j + 1 + S], layer.hidden_norm(hidden)], dim=-1)
         q, k, v = attn.qkv(a, cos, sin)
         if j == 0:
-            k0, v0 = D._expand_heads(k, rep), D._expand_heads(v, rep)
+            k0, v0 = TA.expand_heads(k, rep), TA.expand_heads(v, rep)
             out = F.scaled_dot_product_attention(q.transpose(1, 2), k0.transpose(1, 2), v0.transpose(1, 2),
                                                  is_causal=True).transpose(1, 2)
         else:
@@ -179,7 +189,7 @@ def test_ttt_attention_matches_full_mask_reference(backend, steps, nkv, fused, m
     diag = [rand(nkv) for _ in range(2 * steps)]
     inputs = [q, k0, v0, *diag]
     weight = torch.randn(B, S, nh, Dh, generator=gen, dtype=torch.float64)
-    k0e, v0e = D._expand_heads(k0, nh // nkv), D._expand_heads(v0, nh // nkv)
+    k0e, v0e = TA.expand_heads(k0, nh // nkv), TA.expand_heads(v0, nh // nkv)
     out = ttt_attention(q, k0e, v0e, diag, Dh ** -0.5, backend=backend)
     grads = torch.autograd.grad((out * weight).sum(), inputs)
     ref = naive_ttt_attention(q, k0e, v0e, diag, Dh ** -0.5)
@@ -195,9 +205,9 @@ def test_ttt_attention_memory_is_linear_in_sequence_length():
     B, S, nh, Dh = 1, 4096, 2, 8
     q = torch.randn(B, S, nh, Dh)
     kv = [torch.randn(B, S, 1, Dh) for _ in range(6)]
-    block = D._math_block(B, nh, S)
+    block = TA._math_block(B, nh, S)
     assert block * S * nh * 4 <= (1 << 26)  # one score block <= 64 MB whatever S is
-    out = ttt_attention(q, D._expand_heads(kv[0], 2), D._expand_heads(kv[1], 2), kv[2:], Dh ** -0.5,
+    out = ttt_attention(q, TA.expand_heads(kv[0], 2), TA.expand_heads(kv[1], 2), kv[2:], Dh ** -0.5,
                         backend="math")
     assert out.shape == q.shape and torch.isfinite(out).all()
 
@@ -228,8 +238,8 @@ def test_compiled_elementwise_pieces_equal_their_eager_functions():
     p = torch.softmax(torch.randn(n, width, generator=gen), dim=-1)
     argmax, row_w = p.argmax(-1), (torch.rand(n, generator=gen) > 0.3).float()
     gate, up, grad_act = (torch.randn(n, width, generator=gen) for _ in range(3))
-    cases = [(D._soft_ce_rows, (lg, p, argmax, row_w, True), 0),
-             (D._soft_ce_grad_rows, (lg, p, torch.logsumexp(lg, -1), row_w), 0),
+    cases = [(L._soft_ce_rows, (lg, p, argmax, row_w, True), 0),
+             (L._soft_ce_grad_rows, (lg, p, torch.logsumexp(lg, -1), row_w), 0),
              (D._silu_mul, (gate, up), None),
              (D._swiglu_grads_, (gate, up, grad_act), 2)]
     for fn, args, mutated in cases:
@@ -248,8 +258,8 @@ def test_compiled_elementwise_pieces_equal_their_eager_functions():
     logits = torch.randn(B, S, width, generator=gen)
     p3 = torch.softmax(torch.randn(B, T, width, generator=gen), dim=-1)
     argmax3, row_w3 = p3.argmax(-1), (torch.rand(B, T, generator=gen) > 0.3).float()
-    for fn, extra in ((D._soft_ce_rows, (argmax3, row_w3, True)),
-                      (D._soft_ce_grad_rows, (torch.logsumexp(logits[:, :T], -1), row_w3))):
+    for fn, extra in ((L._soft_ce_rows, (argmax3, row_w3, True)),
+                      (L._soft_ce_grad_rows, (torch.logsumexp(logits[:, :T], -1), row_w3))):
         bases = {name: logits.clone() for name in ("rows", "eager", "compiled")}
         per_row = [fn(bases["rows"][b, :T], p3[b], *[e[b] if isinstance(e, torch.Tensor) else e for e in extra])
                    for b in range(B)]
@@ -352,9 +362,9 @@ def test_fused_elementwise_islands_compile_with_autograd():
     cases = [(D._attention_input, leaves((B, S, H), (H,), (B, S, H), (H,)) + [1e-5]),
              (D._rope_qk, leaves((B, S, nh, Dh), (B, S, nkv, Dh)) + [cos, sin]),
              (D._residual_norm, leaves((B, S, H), (B, S, H), (H,)) + [1e-5]),
-             (D._diag_merge, leaves((B, S, nh, Dh), (B, S, nkv, 3, Dh), (B, S, nkv, 3, Dh), (B, nh, S, Dh))
+             (TA._diag_merge, leaves((B, S, nh, Dh), (B, S, nkv, 3, Dh), (B, S, nkv, 3, Dh), (B, nh, S, Dh))
               + [torch.randn(B, nh, S, generator=gen), Dh ** -0.5]),
-             (D._diag_grads, leaves((B, S, nh, Dh), (B, S, nh, Dh), (B, S, nkv, 3, Dh), (B, S, nkv, 3, Dh),
+             (TA._diag_grads, leaves((B, S, nh, Dh), (B, S, nh, Dh), (B, S, nkv, 3, Dh), (B, S, nkv, 3, Dh),
                                     (B, S, nh, Dh))
               + [torch.randn(B, S, nh, generator=gen), torch.randn(B, nh, S, Dh, generator=gen), Dh ** -0.5])]
     for fn, args in cases:
@@ -379,7 +389,7 @@ def test_fused_elementwise_islands_compile_with_autograd():
 def test_target_distribution_chunked_equals_full_vocabulary():
     model, lm_head = tiny_model()
     final = torch.randn(2, 9, H, dtype=torch.float64)
-    small = D.target_distribution(final, lm_head, model.draft_token_ids(), model.t2d, budget_elems=7)
+    small = L.target_distribution(final, lm_head, model.draft_token_ids(), model.t2d, budget_elems=7)
     full = final @ lm_head.t()
     torch.testing.assert_close(small["probs"], torch.softmax(full[..., model.draft_token_ids()], dim=-1))
     assert torch.equal(small["in_draft"], model.t2d[full.argmax(-1)])
@@ -412,7 +422,7 @@ def test_bf16_training_step_runs_and_embedding_stays_frozen():
     model = model.to(torch.bfloat16)
     embed_before = model.embed_tokens.weight.clone()
     batch = random_batch(B=1, S=12, dtype=torch.bfloat16)
-    optimizer = make_optimizer(model, lr=1e-3)
+    optimizer = make_optimizer(model, lr=1e-3, master_weights=False)  # stochastic rounding, no master copy
     before = model.fc.weight.detach().clone()
     loss, _ = ttt_loss(model, batch, lm_head.to(torch.bfloat16), 2)
     loss.backward()
@@ -429,13 +439,13 @@ def test_stochastic_rounding_keeps_updates_smaller_than_half_a_bf16_ulp():
     torch.manual_seed(0)
     p = torch.nn.Parameter(torch.ones(20000, dtype=torch.bfloat16))
     x = p.detach().float() + 0.1
-    rounded = D._stochastic_round_bf16(x)
+    rounded = O._stochastic_round_bf16(x)
     assert abs(rounded.float().mean().item() - 1.1) < 2e-3  # unbiased
     assert set(torch.unique(rounded.float()).tolist()) <= {1.09375, 1.1015625}  # neighbours only
     results = {}
     for mode in ("nearest", "stochastic", "master"):
         q = torch.nn.Parameter(torch.ones(4096, dtype=torch.bfloat16))
-        opt = D.DrafterAdamW([q], lr=2e-4, master_weights=mode == "master",
+        opt = O.DrafterAdamW([q], lr=2e-4, master_weights=mode == "master",
                              stochastic_rounding=mode == "stochastic")
         for _ in range(100):
             q.grad = -torch.ones_like(q)  # Adam step of exactly lr per iteration
@@ -515,8 +525,8 @@ def test_export_has_exact_keys_shapes_dtypes_and_config(tmp_path):
     assert config["eagle_config"] == {"use_aux_hidden_state": True,
                                       "eagle_aux_hidden_state_layer_ids": eagle_config_layer_ids(cfg.aux_layers)}
     assert config["eagle_aux_hidden_state_layer_ids"] == cfg.aux_layers
-    assert not set(D.FORBIDDEN_CONFIG_KEYS) & set(config)
-    assert config[D.METADATA_KEY]["step"] == 5
+    assert not set(CK.FORBIDDEN_CONFIG_KEYS) & set(config)
+    assert config[CK.METADATA_KEY]["step"] == 5
     assert check_drafter_dir(tmp_path / "d", {"aux_layers": cfg.aux_layers}) == []
     assert not list(tmp_path.glob(".d.*"))  # no staging folder left behind
 
@@ -614,7 +624,8 @@ def test_check_drafter_dir_compares_layer_ids_with_the_hidden_state_manifest(tmp
 
 def stories260k_drafter(stories260k, **overrides):
     """A drafter on stories260K's shape, initialised from its real tensors, with draft ids 0, 2, ..., 198."""
-    from common.verifier.loading import default_aux_layers, read_embedding_tensors, read_verifier_info
+    from common.formats.layer_ids import default_aux_layers
+    from common.verifier.loading import read_embedding_tensors, read_verifier_info
 
     info = read_verifier_info(str(stories260k))
     cfg = DrafterConfig.from_verifier(info, 100, default_aux_layers(info.num_layers), **overrides)
@@ -648,18 +659,18 @@ def test_from_verifier_and_init_on_real_stories260k(stories260k):
                         "vocab_size": 163840, "rope_scaling": {"type": "yarn", "factor": 32.0, "mscale": 1.0}})
     kimi = DrafterConfig.from_verifier(mla, 32000, [2, 30, 58])
     assert (kimi.head_dim, kimi.rope_scaling) == (128, None)
-    assert D.parse_drafter_overrides('{"num_key_value_heads": 8}') == {"num_key_value_heads": 8}
+    assert C.parse_drafter_overrides('{"num_key_value_heads": 8}') == {"num_key_value_heads": 8}
     with pytest.raises(ValueError, match="unknown field"):
-        D.parse_drafter_overrides('{"heads": 8}')
+        C.parse_drafter_overrides('{"heads": 8}')
 
 
 def test_rope_scaling_types():
     llama3 = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
               "original_max_position_embeddings": 64}
-    inv, scale = D.rope_parameters(tiny_config(rope_scaling=llama3))
-    base, _ = D.rope_parameters(tiny_config())
+    inv, scale = C.rope_parameters(tiny_config(rope_scaling=llama3))
+    base, _ = C.rope_parameters(tiny_config())
     assert inv.shape == base.shape and not torch.equal(inv, base) and scale == 1.0
-    inv, _ = D.rope_parameters(tiny_config(rope_scaling={"type": "linear", "factor": 2.0}))
+    inv, _ = C.rope_parameters(tiny_config(rope_scaling={"type": "linear", "factor": 2.0}))
     torch.testing.assert_close(inv, base / 2)
     with pytest.raises(ValueError, match="not supported"):
         tiny_config(rope_scaling={"rope_type": "dynamic", "factor": 2.0})

@@ -12,7 +12,7 @@ import shutil
 import pytest
 import torch
 
-from common.model.drafter import ttt_loss
+from common.train.loss import ttt_loss
 from common.model import kernels
 from common.model.kernels import E4M3, E5M2, Bf16Gemms, Fp8Gemms, linear, quantize
 from tests.test_drafter import assert_overfits_a_fixed_batch, random_batch, tiny_model

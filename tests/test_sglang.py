@@ -222,7 +222,7 @@ def test_layer_id_rules_of_the_pinned_release(pinned_sglang):
                                          "set_eagle3_layers_to_capture"))
     assert "self.language_model.set_eagle3_layers_to_capture(layer_ids)" in kimi
 
-    from common.verifier.sglang_launch import captured_layers, eagle_ids_for
+    from common.formats.layer_ids import captured_layers, eagle_ids_for
 
     assert captured_layers("LlamaForCausalLM", [1, 14, 26], 30) == [2, 15, 27]
     assert captured_layers("KimiK25ForConditionalGeneration", [1, 29, 57], 61) == [2, 30, 58]

@@ -17,13 +17,13 @@ def check_drafter(args, verifier_info, log) -> dict:
                          f"or point --draft-model-path at a checkpoint folder such as RUN_DIR/checkpoints/best")
     config = read_json(folder / "config.json")
     if verifier_info is not None:
-        from common.model.drafter import check_drafter_dir
+        from common.formats.checkpoint import check_drafter_dir
 
         problems = check_drafter_dir(folder, verifier_info=verifier_info)
         if problems:
             raise UsageError(f"--draft-model-path {folder} does not fit --model-path {args.model_path}:\n  "
                              + "\n  ".join(problems))
-    from common.model.drafter import DrafterConfig
+    from common.model.config import DrafterConfig
 
     log.info("drafter %s (%s): hidden %s, draft vocabulary %s of %s, aux layers %s (inputs of those decoder "
              "layers; eagle_config ids %s in SGLang's convention)", folder, folder.resolve().name,

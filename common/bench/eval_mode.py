@@ -36,7 +36,8 @@ def validation_entries(draft_dir: Path, entries: list[dict], log) -> tuple[list[
 def run_eval(args, log, begin, *_ignored) -> dict:
     """Score the drafter teacher-forced on stored hidden states; the results of --mode eval."""
     import torch
-    from common.model.drafter import aux_layers_from_eagle_config, load_drafter
+    from common.formats.layer_ids import aux_layers_from_eagle_config
+    from common.formats.checkpoint import load_drafter
     from common.formats.hidden_states import load_sample, open_hidden_states
     from common.train.parameters import compute_dtype_for
     from common.train.step import evaluate

@@ -28,7 +28,7 @@ def gpu_name(device: str) -> str | None:
 def load_models(args, log):
     """The verifier and the drafter on one device, in the compute dtype: (verifier, drafter, device)."""
     import torch
-    from common.model.drafter import load_drafter
+    from common.formats.checkpoint import load_drafter
     from common.verifier.loading import load_verifier_model, pick_device
 
     from common.train.parameters import compute_dtype_for

@@ -1,20 +1,6 @@
-"""GPU kernels the drafter trains with: fused elementwise code and FP8 matrix multiplications.
+"""GPU kernels the drafter trains with: fused elementwise code (CompiledOnCuda) and FP8 / bf16 GEMMs.
 
-`CompiledOnCuda` runs a chain of elementwise ops as one or two fused kernels on CUDA (torch.compile) and
-as plain eager PyTorch elsewhere.
-
-`Fp8Gemms` does the three matrix products of a linear layer's training step (forward, gradient of the
-input, gradient of the weight) on FP8 tensor cores with `torch._scaled_mm`, at about twice the bf16 rate on
-Hopper, Ada and Blackwell GPUs (SM120 included). Stage 04 uses it with `--fp8`:
-  * operands are scaled per tensor so that their largest magnitude maps to the FP8 format's largest value;
-    weights and activations use e4m3 (more mantissa), gradients e5m2 (more range), as FP8 training usually
-    does; products accumulate in fp32 and come out in bf16 (fp32 for fp32 models);
-  * weights are quantized once per optimizer step and reused by all TTT steps and micro-batches (the
-    training step calls `new_step` first; a weight's version counter also invalidates its copy);
-  * the parameters, their gradients and the optimizer stay in the model's dtype: only the GEMM inputs
-    are FP8. Anything whose dimensions cuBLAS's FP8 kernels cannot take (not multiples of 16) falls back
-    to the model's dtype.
-`Bf16Gemms` is the same interface in the model's own dtype, so code written against it runs both ways.
+docs/model.md (Kernels) explains the FP8 scaling, when weights are quantized and what falls back.
 """
 from __future__ import annotations
 
@@ -141,7 +127,7 @@ class Bf16Gemms:
 
 
 class Fp8Gemms(Bf16Gemms):
-    """The same GEMMs on FP8 tensor cores (see the module docstring); each operand is quantized once per
+    """The same GEMMs on FP8 tensor cores (docs/model.md, Kernels); each operand is quantized once per
     use (a gradient once for both of its products), weights once per optimizer step. Shapes that are not
     multiples of 16 use the parent's."""
 
@@ -225,3 +211,14 @@ def fp8_available(device: torch.device) -> bool:
     if device.type == "cuda":
         return torch.cuda.get_device_capability(device) >= (8, 9)
     return device.type == "cpu"
+
+
+def fuse_elementwise() -> bool:
+    """EAGLE3_FUSE_ELEMENTWISE=1: compile the TTT step's elementwise islands (a candidate until measured on a GPU
+    against the eager ops with scripts/bench_train_step.py --fuse-elementwise; the maths is the same either way)."""
+    return os.environ.get("EAGLE3_FUSE_ELEMENTWISE", "0") == "1"
+
+
+def upcast(x: Tensor) -> Tensor:
+    """fp16/bf16 -> fp32 for accumulation; fp32/fp64 unchanged (tests run the math in fp64)."""
+    return x if x.dtype in (torch.float32, torch.float64) else x.float()

@@ -41,7 +41,7 @@ class CheckpointManager:
              summary: dict[str, Any]) -> Path:
         """root/name with the drafter, training_state.pt and trainer_state.json, renamed into place only
         when complete; then checked (check_drafter_dir) and pointed to by `latest`."""
-        from common.model.drafter import save_drafter
+        from common.formats.checkpoint import save_drafter
 
         final = self.root / name
         if not self.is_main:

@@ -21,7 +21,7 @@ class TTTLossModule(nn.Module):
 
     def forward(self, batch: dict, verifier_lm_head: torch.Tensor, ttt_steps: int, decay: float,
                 noise_std: float):
-        from common.model.drafter import ttt_loss
+        from common.train.loss import ttt_loss
 
         loss, metrics = ttt_loss(self.drafter, batch, verifier_lm_head, ttt_steps, decay=decay, noise_std=noise_std)
         if batch["input_ids"].shape[1] <= 2 and torch.is_grad_enabled():
@@ -70,7 +70,7 @@ class DataParallel:
         return [p for p in self.drafter.parameters() if p.requires_grad]
 
     def make_optimizer(self, lr: float) -> torch.optim.Optimizer:
-        from common.train.training import make_optimizer
+        from common.train.optimizer import make_optimizer
 
         return make_optimizer(self.drafter, lr)
 
@@ -140,7 +140,7 @@ class ShardedDataParallel(DataParallel):
             self.local = [nn.Parameter(p.to_local(), requires_grad=True) for p in self.sharded]
 
     def make_optimizer(self, lr: float) -> torch.optim.Optimizer:
-        from common.train.training import make_optimizer
+        from common.train.optimizer import make_optimizer
 
         return make_optimizer(_Parameters(self.local), lr)
 
@@ -202,7 +202,8 @@ class ShardedDataParallel(DataParallel):
         return part
 
     def export_model(self) -> nn.Module | None:
-        from common.model.drafter import Eagle3Drafter, expected_tensor_specs
+        from common.formats.checkpoint import expected_tensor_specs
+        from common.model.drafter import Eagle3Drafter
 
         names = expected_tensor_specs(self.drafter.config)
         params = dict(self.drafter.named_parameters())

@@ -10,8 +10,8 @@ from pathlib import Path
 from common.formats.manifest import MANIFEST, check_same, check_verifier_matches, load_manifest
 from common.formats.files import read_json, sha256_file
 from common.cli.errors import UsageError
-from common.verifier.loading import (VerifierInfo, check_aux_layers, locate_embedding_tensors, pick_device,
-    read_verifier_info)
+from common.verifier.loading import VerifierInfo, locate_embedding_tensors, pick_device, read_verifier_info
+from common.formats.layer_ids import check_aux_layers
 
 STAGE = "04_train"
 UPSTREAM_HIDDEN = "02_extract_hidden_states"
@@ -43,7 +43,7 @@ class Inputs:
 
     def drafter_config(self):
         """The shape of a new drafter: the verifier's, with --drafter-config's overrides."""
-        from common.model.drafter import DrafterConfig
+        from common.model.config import DrafterConfig
 
         return DrafterConfig.from_verifier(self.verifier, len(self.mapping.d2t), self.aux_layers,
                                            **self.drafter_overrides)
@@ -78,7 +78,7 @@ def check_hidden_states(args) -> tuple[Path, dict, list[dict]]:
 
 
 def check_vocab(args, data_dir: Path, data_manifest: dict):
-    from common.model.drafter import vocab_mapping_problems
+    from common.formats.checkpoint import vocab_mapping_problems
     from common.formats.vocab_map import load_mapping
 
     if not args.vocab_mapping_dir:
@@ -135,7 +135,7 @@ def check_verifier(args, data_dir: Path, data_manifest: dict) -> tuple[VerifierI
         aux_layers = check_aux_layers(list(data_manifest["aux_layers"]), info.num_layers)
     except UsageError as err:
         raise UsageError(f"{name}: {err}")
-    from common.model.drafter import eagle_config_layer_ids
+    from common.formats.layer_ids import eagle_config_layer_ids
 
     try:  # a drafter SGLang could never feed (vLLM can): say so before training it
         eagle_config_layer_ids(aux_layers, info.architecture)
@@ -148,7 +148,7 @@ def check_verifier(args, data_dir: Path, data_manifest: dict) -> tuple[VerifierI
 
 def check_drafter_config(args, info: VerifierInfo, mapping, aux_layers: list[int]) -> dict:
     """--drafter-config (a JSON object or file of DrafterConfig fields) parsed, and tried on the verifier's shape."""
-    from common.model.drafter import DrafterConfig, parse_drafter_overrides
+    from common.model.config import DrafterConfig, parse_drafter_overrides
 
     try:
         overrides = parse_drafter_overrides(args.drafter_config)
@@ -165,7 +165,8 @@ def check_finetune(args, data_manifest: dict, info: VerifierInfo, mapping, overr
     """A --finetune-from drafter must fit the data and keeps its own shape: --drafter-config may only repeat it."""
     if not args.finetune_from:
         return
-    from common.model.drafter import DrafterConfig, check_drafter_dir
+    from common.model.config import DrafterConfig
+    from common.formats.checkpoint import check_drafter_dir
 
     folder = Path(args.finetune_from)
     if not (folder / "config.json").exists():

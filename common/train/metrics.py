@@ -25,7 +25,7 @@ def add_sums(total: dict[str, torch.Tensor] | None, metrics: dict[str, torch.Ten
 
 def summarize(sums: dict[str, torch.Tensor] | None, decay: float) -> dict[str, Any]:
     """Per-step loss and top-1 agreement, the decay-weighted loss, and the simulated acceptance length."""
-    from common.model.drafter import simulated_acceptance_length
+    from common.train.loss import simulated_acceptance_length
 
     if sums is None:
         return {"loss": float("nan"), "loss_per_step": [], "acc_per_step": [], "count_per_step": [],

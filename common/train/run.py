@@ -8,7 +8,8 @@ import torch
 
 from common.formats.manifest import MANIFEST, Manifest
 from common.formats.files import write_json_atomic
-from common.model.drafter import Eagle3Drafter, check_drafter_dir, load_drafter
+from common.model.drafter import Eagle3Drafter
+from common.formats.checkpoint import check_drafter_dir, load_drafter
 from common.train.data import VAL_SPLIT_FILE, HiddenStateDataset, split_train_val
 from common.train.checkpoints import seed_everything
 from common.train.data_parallel import make_data_parallel

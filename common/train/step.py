@@ -43,7 +43,7 @@ def train_step(model: torch.nn.Module, batch: dict | Sequence[dict], optimizer: 
     takes part in the gradient reduction); "loss", "sums" and "tokens" are then this rank's parts, to be
     summed over the ranks, and "grad_norm" and "finite" are global.
     """
-    from common.model.drafter import ttt_loss
+    from common.train.loss import ttt_loss
 
     micro_batches = [batch] if isinstance(batch, dict) else list(batch)
     device = model_device(model)
@@ -112,7 +112,7 @@ def evaluate(model: torch.nn.Module, loader_or_samples: Iterable, verifier_lm_he
     weights (no backward here, so the drafter's fused functions are fine with it); stage 04 validates in
     the parameters' own dtype instead. Used by stage 04's validation and stage 05's --mode eval.
     """
-    from common.model.drafter import ttt_loss
+    from common.train.loss import ttt_loss
 
     device = torch.device(device) if device is not None else model_device(model)
     was_training = model.training

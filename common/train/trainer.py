@@ -19,7 +19,7 @@ from common.train.metrics import MetricsWindow, MetricsWriter
 from common.train.parameters import model_device
 from common.train.step import TrainConfig, evaluate, train_step
 from common.train.stopping import StopRequests
-from common.train.training import make_optimizer, make_scheduler
+from common.train.optimizer import make_optimizer, make_scheduler
 
 STATE_FORMAT = 1
 # Optimizer steps skipped in a row for a non-finite gradient before the run is declared diverged.

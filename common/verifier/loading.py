@@ -189,30 +189,6 @@ def read_verifier_info(model_path: str, trust_remote_code: bool = False,
     return info
 
 
-def default_aux_layers(num_layers: int) -> list[int]:
-    """EAGLE-3's low/mid/high layers, as HF output_hidden_states indices (= inputs of those layers).
-
-    [2, L//2, L-3] as SGLang and vLLM capture by default (2, 30, 58 for Kimi-K2.5's 61 layers). Verifiers
-    too shallow for three distinct layers by that rule (L < 7, test models) get [1, L//2, L-2].
-    """
-    layers = [2, num_layers // 2, num_layers - 3]
-    if len(set(layers)) < 3 or layers[0] < 0:
-        layers = [1, num_layers // 2, num_layers - 2]
-    return layers
-
-
-def check_aux_layers(layers: list[int], num_layers: int) -> list[int]:
-    if len(layers) != 3:
-        raise UsageError(f"--aux-layers needs exactly three layers, got {layers}")
-    bad = [layer for layer in layers if not 0 <= layer <= num_layers - 1]
-    if bad:
-        raise UsageError(f"--aux-layers {layers}: {bad} outside 0..{num_layers - 1} "
-                         f"(the verifier has {num_layers} decoder layers)")
-    if sorted(set(layers)) != list(layers):
-        raise UsageError(f"--aux-layers {layers}: give three distinct layers in ascending order")
-    return list(layers)
-
-
 # --- tokenizer -------------------------------------------------------------------------------------
 
 def tokenizer_sha256(model_path: str) -> str:

@@ -1,26 +1,5 @@
 """The exact SGLang launch command that serves a drafter folder with its verifier, checked against the rules of
-the pinned SGLang release (patches.SUPPORTED_SGLANG_VERSION, 0.5.23).
-
-What the command contains, and why:
-  * EAGLE-3 chain drafting, 3 steps / top-1 / 4 draft tokens by default (the common Kimi setting; with top-1,
-    SGLang itself forces num_draft_tokens = num_steps + 1).
-  * `--speculative-draft-model-quantization unquant` when the verifier's config has a quantization_config
-    (Kimi-K2.5 int4 is compressed-tensors): otherwise SGLang gives the drafter the verifier's quantization
-    (arg_groups/serving_hook.py: the draft quantization defaults to the target's) and the bf16 drafter fails to
-    load.
-  * explicit `--attention-backend` and `--speculative-draft-attention-backend`. The deployment's GPUs are SM120
-    (RTX PRO 6000 Blackwell, ~100 KB shared memory per block). In the pinned SGLang, trtllm_mla (SM100 kernels;
-    on SM120 it fails with "Unsupported architecture", sglang#24633), fa3 and flashmla (Hopper) and fa4 /
-    cutedsl_mla (SM100) are not usable there; its default for MLA models on SM120 is triton
-    (arg_groups/model_override_base.py get_default_attn_backend), whose extend/decode kernels carry SM120 block
-    sizes for the small shared memory (kernels/ops/attention/extend_attention.py). The drafter is a plain
-    GQA Llama layer: left alone it inherits the verifier's backend (an MLA backend such as trtllm_mla cannot run
-    it, sglang#23490), so it is named too: triton by default, flashinfer being the other SM120-capable choice.
-  * the layer ids: SGLang reads `eagle_config.eagle_aux_hidden_state_layer_ids` of the drafter and captures,
-    for Llama verifiers, the inputs of layers id+1; for the DeepSeek-V2/V3 family (Kimi-K2.5 included) it adds
-    one only when the first id is 1 and takes the ids as written otherwise (models/deepseek_v2.py
-    set_eagle3_layers_to_capture). The command is refused when that would capture other layers than the
-    drafter was trained on, naming the ids that would be right.
+the pinned SGLang release (patches.SUPPORTED_SGLANG_VERSION, 0.5.23); docs/conventions.md says why each flag.
 """
 from __future__ import annotations
 
@@ -31,31 +10,15 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from common.model.drafter import aux_layers_from_eagle_config, eagle_config_layer_ids
 from common.cli.errors import UsageError
+from common.formats.checkpoint import ARCHITECTURE, CONFIG_FILE, METADATA_KEY, WEIGHTS_FILE
+from common.formats.layer_ids import captured_layers, eagle_ids_for
 
 DEFAULT_NUM_STEPS, DEFAULT_TOPK, DEFAULT_NUM_DRAFT_TOKENS = 3, 1, 4
 SM120_ATTENTION_BACKEND = "triton"
 SM120_DRAFT_ATTENTION_BACKEND = "triton"
 NOT_ON_SM120 = {"trtllm_mla": "SM100-only kernels", "fa3": "Hopper only", "flashmla": "Hopper/SM100 only",
                 "fa4": "SM100 only", "cutedsl_mla": "SM100 only", "hpc_ops": "Hopper only"}
-DRAFTER_ARCHITECTURE = "LlamaForCausalLMEagle3"
-PIPELINE_METADATA = "eagle3_pipeline"  # our provenance block in the drafter's config.json
-
-
-def captured_layers(architecture: str, eagle_ids: list[int] | None, num_layers: int) -> list[int]:
-    """The layers whose INPUT (HF output_hidden_states index) the pinned SGLang captures for these ids."""
-    if not eagle_ids:
-        return [2, num_layers // 2, num_layers - 3]
-    return aux_layers_from_eagle_config(eagle_ids, architecture)
-
-
-def eagle_ids_for(architecture: str, layers: list[int]) -> list[int] | None:
-    """eagle_config ids that make the pinned SGLang capture the inputs of `layers` (None: no ids can)."""
-    try:
-        return eagle_config_layer_ids(layers, architecture)
-    except ValueError:
-        return None
 
 
 def verifier_quantization(raw_config: dict) -> str | None:
@@ -90,23 +53,23 @@ class LaunchCommand:
 
 
 def read_drafter_config(drafter_dir: str | Path) -> dict:
-    path = Path(drafter_dir) / "config.json"
+    path = Path(drafter_dir) / CONFIG_FILE
     if not path.is_file():
         raise UsageError(f"{drafter_dir}: no config.json; give a drafter folder such as RUN_DIR/checkpoints/best")
     try:
         config = json.loads(path.read_text())
     except json.JSONDecodeError as err:
         raise UsageError(f"{path} is not valid JSON ({err})")
-    if DRAFTER_ARCHITECTURE not in (config.get("architectures") or []):
-        raise UsageError(f"{path}: architectures {config.get('architectures')} do not include {DRAFTER_ARCHITECTURE}")
-    if not (Path(drafter_dir) / "model.safetensors").is_file():
+    if ARCHITECTURE not in (config.get("architectures") or []):
+        raise UsageError(f"{path}: architectures {config.get('architectures')} do not include {ARCHITECTURE}")
+    if not (Path(drafter_dir) / WEIGHTS_FILE).is_file():
         raise UsageError(f"{drafter_dir}: no model.safetensors next to config.json")
     return config
 
 
 def trained_layers(config: dict) -> list[int] | None:
     """The layers the drafter's training data came from (HF output_hidden_states indices), when recorded."""
-    recorded = (config.get(PIPELINE_METADATA) or {}).get("aux_layers")
+    recorded = (config.get(METADATA_KEY) or {}).get("aux_layers")
     if recorded:
         return [int(x) for x in recorded]
     vllm_ids = config.get("eagle_aux_hidden_state_layer_ids")  # top level: vLLM's convention, the layers as such
@@ -173,7 +136,7 @@ def build_launch_command(drafter_dir: str | Path, model_path: str, tp_size: int 
                      f"training layers, so this could not be checked")
     elif captured != trained:
         right = eagle_ids_for(info.architecture, trained)
-        fix = (f"set eagle_config.eagle_aux_hidden_state_layer_ids to {right} in {Path(drafter_dir) / 'config.json'}"
+        fix = (f"set eagle_config.eagle_aux_hidden_state_layer_ids to {right} in {Path(drafter_dir) / CONFIG_FILE}"
                if right is not None else "no eagle_config ids make this SGLang capture them: retrain on layers "
                "whose first is not 1")
         problems.append(f"{ids_text}: SGLang would capture the inputs of layers {captured} of this "
