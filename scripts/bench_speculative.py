@@ -121,24 +121,25 @@ def timed(fn, device, repeats: int) -> float:
 def component_costs(verifier, drafter, ids, k: int, device, repeats: int) -> dict:
     """Seconds per verifier forward (1 and k+1 tokens on a cache), drafter step and extend."""
     from common.model.drafter import DrafterCache
-    from common.bench.verifier_runner import AuxCapture, VerifierRunner, decoder_layers
+    from common.bench.verifier_runner import VerifierRunner
+    from common.verifier.capture import LayerInputCapture, decoder_layers, whole
 
     runner = VerifierRunner(verifier)
     cache = runner.new_cache()
     prompt = torch.tensor([ids], device=device)
     n = prompt.shape[1]
-    with AuxCapture(decoder_layers(verifier), drafter.config.aux_layers) as capture:
+    with LayerInputCapture(decoder_layers(verifier), drafter.config.aux_layers, select=whole) as capture:
         runner(prompt, cache, last_only=True)
-        aux = capture.take()
+        aux = capture.take_concatenated()
 
         def verify(tokens):
             runner(prompt[:, :tokens], cache)
-            capture.take()
+            capture.take_concatenated()
             runner.crop(cache, n)
 
         def verify_own_mask(tokens):
             runner(prompt[:, :tokens], cache, attention_mask=runner.causal_mask(n, tokens, runner.dtype))
-            capture.take()
+            capture.take_concatenated()
             runner.crop(cache, n)
 
         one = timed(lambda: verify(1), device, repeats)

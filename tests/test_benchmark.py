@@ -73,7 +73,7 @@ def drafters(verifier, stories260k, tmp_path_factory):
     from common.formats.checkpoint import save_drafter
     from common.train.loss import ttt_loss
     from common.bench.decoding import plain_decode
-    from common.bench.verifier_runner import AuxCapture, decoder_layers
+    from common.verifier.capture import LayerInputCapture, decoder_layers, whole
     from common.train.data import collate
     from common.formats.vocab_map import count_target_tokens
 
@@ -92,12 +92,12 @@ def drafters(verifier, stories260k, tmp_path_factory):
 
     trained = _new_drafter(model, stories260k, counts)
     samples = []
-    with torch.no_grad(), AuxCapture(decoder_layers(model), trained.config.aux_layers) as capture:
+    with torch.no_grad(), LayerInputCapture(decoder_layers(model), trained.config.aux_layers, select=whole) as capture:
         for seq in sequences:
             x = torch.tensor([seq])
             final = model.model(x).last_hidden_state
             samples.append({"input_ids": x[0], "loss_mask": torch.ones(len(seq), dtype=torch.uint8),
-                            "aux": capture.take()[0], "final": final[0]})
+                            "aux": capture.take_concatenated()[0], "final": final[0]})
     batch = collate(samples)
     batch = {k: v.float() if k in ("aux", "final") else v for k, v in batch.items()}
     optimizer = torch.optim.AdamW([p for p in trained.parameters() if p.requires_grad], lr=1e-2, betas=(0.9, 0.95))
@@ -160,7 +160,7 @@ def test_every_first_draft_is_the_drafters_teacher_forced_prediction(num_steps, 
     prediction at the committed position, whatever was accepted or rolled back before: otherwise the live
     acceptance falls below the validation agreement that training reports."""
     from common.bench.speculative import SpeculativeDecoder
-    from common.bench.verifier_runner import AuxCapture, decoder_layers
+    from common.verifier.capture import LayerInputCapture, decoder_layers, whole
 
     model, tokenizer = verifier
     drafter = drafters["trained"]
@@ -180,9 +180,9 @@ def test_every_first_draft_is_the_drafters_teacher_forced_prediction(num_steps, 
         out, stats = decoder.generate(prompt, 40, [2])
         assert out == reference and len(first_drafts) == stats.verify_steps
         sequence = torch.tensor([prompt + out])
-        with torch.no_grad(), AuxCapture(decoder_layers(model), drafter.config.aux_layers) as capture:
+        with torch.no_grad(), LayerInputCapture(decoder_layers(model), drafter.config.aux_layers, select=whole) as capture:
             model.model(sequence)
-            aux = capture.take()
+            aux = capture.take_concatenated()
             [(_, prenorm)] = list(drafter.ttt_hidden_states(sequence, aux, 1))
             teacher = drafter.draft_to_target(drafter.logits(prenorm)[0].argmax(dim=-1))
         for committed, draft in first_drafts:  # root at committed-1; row committed-2 predicts token committed
@@ -196,7 +196,7 @@ def test_stage05_scores_its_decoded_text_with_stage04s_validation(verifier, draf
     stage 04's validation). Step 0 must count exactly the output tokens that the drafter predicts from the
     position two before, among those whose verifier argmax is a draft token."""
     from common.verifier.capture import find_text_model, sample_states
-    from common.bench.verifier_runner import AuxCapture, decoder_layers
+    from common.verifier.capture import LayerInputCapture, decoder_layers, whole
     from common.train.step import evaluate
 
     model, tokenizer = verifier
@@ -208,9 +208,9 @@ def test_stage05_scores_its_decoded_text_with_stage04s_validation(verifier, draf
         prompt = tokenizer(start).input_ids
         states.append(sample_states(find_text_model(model), layers, prompt + out, len(prompt)))
         sequence = torch.tensor([prompt + out])
-        with torch.no_grad(), AuxCapture(decoder_layers(model), layers) as capture:
+        with torch.no_grad(), LayerInputCapture(decoder_layers(model), layers, select=whole) as capture:
             model.model(sequence)
-            [(_, prenorm)] = list(drafter.ttt_hidden_states(sequence, capture.take(), 1))
+            [(_, prenorm)] = list(drafter.ttt_hidden_states(sequence, capture.take_concatenated(), 1))
             teacher = drafter.draft_to_target(drafter.logits(prenorm)[0].argmax(dim=-1))
         for position in range(len(prompt), len(prompt) + len(out)):  # greedy: each token is the argmax
             if drafter.t2d[sequence[0, position]]:

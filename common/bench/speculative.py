@@ -11,7 +11,8 @@ import torch
 
 from common.bench.decoding import GenerationStats, append_until_stop, as_input_ids, synchronize
 from common.bench.sampling import Sampler, make_generator, rejection_sample
-from common.bench.verifier_runner import AuxCapture, VerifierRunner, decoder_layers
+from common.bench.verifier_runner import VerifierRunner
+from common.verifier.capture import LayerInputCapture, decoder_layers, whole
 from common.verifier.loading import inference_attention
 
 
@@ -117,13 +118,13 @@ class SpeculativeDecoder:
         synchronize(self.device)
         started = time.perf_counter()
         vcache, dcache = self.verifier.new_cache(), self.cache_type()
-        with AuxCapture(self.layers, self.aux_layers) as capture:
+        with LayerInputCapture(self.layers, self.aux_layers, select=whole) as capture:
             logits = self.verifier(ids, vcache, last_only=True)
             stats.verifier_forwards += 1
             first = self.sampler.pick(logits[:, -1])  # [1]
             # Drafter prefill: pairs (x_{t+1}, g_t) for t = 0 .. n-1, the last pairing the first new token.
             draft_in = torch.cat([ids[:, 1:], first.view(1, 1)], dim=1)
-            h_last, z_last = self._extend(draft_in, capture.take(), positions[:, :n], dcache, stats)
+            h_last, z_last = self._extend(draft_in, capture.take_concatenated(), positions[:, :n], dcache, stats)
             finished = append_until_stop(tokens, [int(first.item())], max_new_tokens, eos, stats)
             root, committed = first.view(1, 1), n + 1  # root: last committed token, not yet in the verifier cache
             while not finished:
@@ -173,7 +174,7 @@ class SpeculativeDecoder:
         verify_in = torch.cat([root.view(1), drafts]).view(1, k + 1)
         mask = self.verifier.causal_mask(committed - 1, k + 1, self.verifier.dtype) if self.explicit_mask else None
         logits = self.verifier(verify_in, vcache, attention_mask=mask)[0]  # [k+1, V]
-        aux = capture.take()
+        aux = capture.take_concatenated()
         if greedy:
             target = logits.argmax(dim=-1)  # [k+1]
             accepted = (target[:k] == drafts).int().cumprod(0).sum()
@@ -256,7 +257,7 @@ class SpeculativeDecoder:
         verifier_dtype = next(self.verifier.model.parameters()).dtype
         logits = self.verifier(tree_tokens.view(1, D), vcache, position_ids=tree_positions.view(1, D),
                                attention_mask=self.verifier.tree_mask(allowed, verifier_dtype))[0]  # [D, V]
-        aux = capture.take()
+        aux = capture.take_concatenated()
         # The verifier's token at every node: argmax, or one independent draw from p at that node.
         want = self.sampler.pick(logits)
         packed = torch.cat([want, tree_tokens[1:], tree_parent[1:]]).tolist()  # the one sync

@@ -1,67 +1,10 @@
-"""Running the Hugging Face verifier: its decoder layers, the aux-state capture hooks, and KV-cache calls."""
+"""Running the Hugging Face verifier with a KV cache (the aux states come from common.verifier.capture)."""
 from __future__ import annotations
 
 import inspect
-from functools import partial
 from typing import Sequence
 
 import torch
-
-
-def _text_config(config):
-    getter = getattr(config, "get_text_config", None)
-    return getter() if callable(getter) else config
-
-
-def decoder_layers(model: torch.nn.Module) -> torch.nn.ModuleList:
-    """The verifier's list of decoder layers (Llama-style, or nested in a multimodal wrapper)."""
-    count = int(_text_config(model.config).num_hidden_layers)
-    for path in ("model.layers", "model.language_model.layers", "language_model.model.layers",
-                 "model.language_model.model.layers", "transformer.h", "model.decoder.layers"):
-        module = model
-        for name in path.split("."):
-            module = getattr(module, name, None)
-            if module is None:
-                break
-        if isinstance(module, torch.nn.ModuleList) and len(module) == count:
-            return module
-    for name, module in model.named_modules():
-        if isinstance(module, torch.nn.ModuleList) and len(module) == count and "vision" not in name \
-                and "visual" not in name:
-            return module
-    raise ValueError(f"cannot find the {count} decoder layers of {type(model).__name__}")
-
-
-class AuxCapture:
-    """Forward pre-hooks that keep the INPUT of decoder layers `indices` (= HF output_hidden_states[i]),
-    the convention of stage 02; `take()` returns them concatenated [B, T, len(indices) * H]."""
-
-    def __init__(self, layers: torch.nn.ModuleList, indices: Sequence[int]):
-        self.layers, self.indices = layers, list(indices)
-        self.captured: list[torch.Tensor | None] = [None] * len(self.indices)
-        self.handles: list = []
-
-    def _hook(self, slot: int, module, args, kwargs):
-        self.captured[slot] = args[0] if args else kwargs["hidden_states"]
-
-    def __enter__(self) -> "AuxCapture":
-        for slot, index in enumerate(self.indices):
-            self.handles.append(self.layers[index].register_forward_pre_hook(partial(self._hook, slot),
-                                                                             with_kwargs=True))
-        return self
-
-    def __exit__(self, *exc) -> None:
-        for handle in self.handles:
-            handle.remove()
-        self.handles = []
-        self.captured = [None] * len(self.indices)
-
-    def take(self) -> torch.Tensor:
-        if any(t is None for t in self.captured):
-            raise RuntimeError("the verifier forward did not pass through every aux layer")
-        out = torch.cat(self.captured, dim=-1)
-        self.captured = [None] * len(self.indices)
-        return out
 
 
 class VerifierRunner:

@@ -124,6 +124,10 @@ class LayerInputCapture:
         out, self.captured = self.captured, [None] * len(self.layer_ids)
         return out
 
+    def take_concatenated(self) -> torch.Tensor:
+        """The captured states side by side, [B, T, len(layer_ids) * H]: the drafter's aux input."""
+        return torch.cat(self.take(), dim=-1)
+
     def remove(self) -> None:
         for handle in self._handles:
             handle.remove()
@@ -133,6 +137,17 @@ class LayerInputCapture:
 
     def __exit__(self, *exc) -> None:
         self.remove()
+
+
+def whole(hidden: torch.Tensor) -> torch.Tensor:
+    """Keep every position (a decoding loop); stage 02 passes a selector of the real tokens instead."""
+    return hidden
+
+
+def decoder_layers(model: torch.nn.Module) -> torch.nn.ModuleList:
+    """The decoder layers of a whole causal LM (Llama-style, or nested in a multimodal wrapper)."""
+    config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+    return find_text_model(model, int(config.num_hidden_layers)).layers
 
 
 def sample_states(text: TextModel, aux_layers: Sequence[int], input_ids: Sequence[int],
