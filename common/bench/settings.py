@@ -8,7 +8,7 @@ STAGE = "05_benchmark"
 _SETTINGS = {  # the flags each mode's report records (and its Markdown settings table shows)
     "offline": ("model_path", "draft_model_path", "prompts", "num_prompts", "max_new_tokens", "num_steps", "topk",
                 "num_draft_tokens", "temperature", "top_p", "device", "dtype", "seed", "chat_template",
-                "allow_overlap"),
+                "allow_overlap", "tau_only"),
     "server": ("url", "baseline_url", "server_api", "model_path", "prompts", "num_prompts", "max_new_tokens",
                "temperature", "top_p", "concurrency", "chat_template", "allow_overlap", "draft_model_path"),
     "eval": ("model_path", "draft_model_path", "data_dir", "num_steps", "num_prompts", "device", "dtype", "seed"),
@@ -19,8 +19,9 @@ def recorded_settings(args, extra: dict) -> dict:
     """The recorded flags of args.mode, the drafter checkpoint's folder name, then `extra`."""
     settings = {"mode": args.mode}
     settings.update({key: getattr(args, key, None) for key in _SETTINGS[args.mode]})
-    if "allow_overlap" in settings:
-        settings["allow_overlap"] = bool(settings["allow_overlap"])  # a store_true flag defaults to None
+    for key in ("allow_overlap", "tau_only"):  # a store_true flag defaults to None
+        if key in settings:
+            settings[key] = bool(settings[key])
     if args.draft_model_path and Path(args.draft_model_path).exists():
         settings["draft_checkpoint"] = Path(args.draft_model_path).resolve().name
     settings.update(extra)

@@ -214,6 +214,11 @@ _ALL_FLAGS: list[Flag] = [
     Flag("--concurrency", "Requests in flight at once.", type=_positive_int, default=1),
     Flag("--allow-overlap", "Benchmark even if prompts overlap the drafter's training data.", type=None,
          action="store_true"),
+    Flag("--tau-only", "--mode offline: measure acceptance only (tau, acceptance by draft position, per "
+         "category, repetition share), skipping the two timing baselines (the decoding loop without drafting "
+         "and transformers' generate), so no speedups are reported. At temperature 0 the output is still "
+         "checked against the verifier's greedy choice, from one teacher-forced verifier pass over it.",
+         aliases=("--acceptance-only",), type=None, action="store_true"),
 ]
 
 FLAGS: dict[str, Flag] = {flag.name: flag for flag in _ALL_FLAGS}
@@ -243,7 +248,7 @@ STAGE_FLAGS: dict[str, list[str]] = {
                      "--data-dir", "--output-dir", "--mode", "--prompts", "--num-prompts", "--max-new-tokens",
                      "--num-steps", "--topk", "--num-draft-tokens", "--temperature", "--top-p", "--url",
                      "--baseline-url", "--concurrency", "--allow-overlap", "--device", "--dtype", "--seed",
-                     "--chat-template", "--server-api"],
+                     "--chat-template", "--server-api", "--tau-only"],
 }
 
 # Where each stage's artifacts live inside a run directory.
