@@ -507,7 +507,7 @@ def test_greedy_check_finds_the_first_divergence_and_its_margin(verifier, drafte
     """The divergence report on real verifier states: a crafted output that leaves the greedy output at
     token 5 is caught there, against the plain greedy output and (--tau-only) teacher-forced alike."""
     from common.bench.offline_mode import greedy_check
-    from common.extract.extraction import find_text_model, sample_states
+    from common.verifier.capture import find_text_model, sample_states
 
     model, tokenizer = verifier
     text = find_text_model(model)
