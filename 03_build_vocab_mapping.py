@@ -11,12 +11,13 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-from common.formats.manifest import Manifest, check_verifier_matches, load_manifest, MANIFEST, STATUS_COMPLETE
-from common.formats.files import read_json, write_json_atomic, sha256_file
 from common.cli.errors import UsageError
 from common.cli.flags import parse_stage_args, require
 from common.cli.stage import Progress, run_stage
+from common.formats.files import sha256_file, write_json_atomic
+from common.formats.manifest import MANIFEST, STATUS_COMPLETE, Manifest, check_verifier_matches, load_manifest
 from common.formats.prepared_data import iter_prepared_data
+from common.formats.resume import earlier_manifest, refuse_other_settings, setting_differences
 from common.formats.vocab_map import REPORT_FILE, count_target_tokens, mapping_report, save_mapping, select_draft_vocab
 from common.verifier.loading import load_tokenizer, read_verifier_info
 
@@ -48,20 +49,18 @@ def check_inputs(args, log):
 
 def already_done(output_dir: Path, data_path: Path, draft_vocab_size: int) -> bool:
     """True when the same mapping exists; refuse to replace a different one without --overwrite."""
-    path = output_dir / MANIFEST
-    if not path.exists():
+    previous = earlier_manifest(output_dir, STAGE, overwrite=False)
+    if previous is None or previous.get("status") != STATUS_COMPLETE:
         return False
-    previous = read_json(path)
-    same_data = previous.get("inputs", {}).get("prepared_data", {}).get("manifest_sha256") == \
-        sha256_file(data_path.parent / MANIFEST)
-    same_size = previous.get("draft_vocab_size_requested") == draft_vocab_size
-    if previous.get("status") == STATUS_COMPLETE and same_data and same_size:
-        return True
-    if previous.get("status") == STATUS_COMPLETE:
-        raise UsageError(f"{output_dir} already holds a vocabulary map for other data or another "
-                         f"--draft-vocab-size; pass --overwrite to replace it (checkpoints trained on the old "
-                         f"map will then be refused), or choose another --output-dir")
-    return False
+    upstream = previous.get("inputs", {}).get("prepared_data", {})
+    recorded = {"prepared_data_manifest_sha256": upstream.get("manifest_sha256"),
+                "draft_vocab_size": previous.get("draft_vocab_size_requested")}
+    wanted = {"prepared_data_manifest_sha256": sha256_file(data_path.parent / MANIFEST),
+              "draft_vocab_size": draft_vocab_size}
+    refuse_other_settings(f"{output_dir} already holds a vocabulary map", setting_differences(recorded, wanted),
+                          "Pass --overwrite to replace it (checkpoints trained on the old map will then be refused), "
+                          "or choose another --output-dir")
+    return True
 
 
 def work(args, log):

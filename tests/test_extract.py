@@ -352,10 +352,10 @@ def test_overwrite_semantics(stories260k, tmp_path):
     # other layers: refused, naming the difference and the ways out
     assert extract(stories260k, data, out, "--aux-layers", "0,2,4") == 2
     text = stage_log(out)
-    assert "aux_layers: existing [1, 2, 3], now [0, 2, 4]" in text and "--overwrite" in text
+    assert "aux_layers: was [1, 2, 3], now [0, 2, 4]" in text and "--overwrite" in text
     # another stored dtype: refused too
     assert extract(stories260k, data, out, "--aux-layers", "1,2,3", "--dtype", "float32") == 2
-    assert "dtype: existing 'bfloat16', now 'float32'" in stage_log(out)
+    assert "dtype: was 'bfloat16', now 'float32'" in stage_log(out)
     # --overwrite replaces everything
     (out / "notes.txt").write_text("user file")
     assert extract(stories260k, data, out, "--aux-layers", "0,2,4", "--overwrite") == 0

@@ -9,8 +9,9 @@ from pathlib import Path
 from common.cli.errors import UsageError
 from common.cli.flags import EVAL_DATA_FILE, PREPARED_DATA_FILE, require
 from common.data.sources import Source, resolve_source
-from common.formats.files import read_json, sha256_text
-from common.formats.manifest import MANIFEST, STATUS_COMPLETE
+from common.formats.files import sha256_text
+from common.formats.manifest import STATUS_COMPLETE
+from common.formats.resume import earlier_manifest, refuse_other_settings, setting_differences
 
 STAGE = "01_prepare_data"
 
@@ -124,28 +125,14 @@ def generator_identity(args, served_model: str | None) -> dict:
 
 def already_complete(out: Path, data_file: Path, fingerprint: dict, overwrite: bool, log) -> bool:
     """True when OUTPUT_DIR already holds this exact output; refuses one made with other settings."""
-    path = out / MANIFEST
-    if not path.exists():
-        return False
-    try:
-        existing = read_json(path)
-    except json.JSONDecodeError:
-        if overwrite:
-            return False
-        raise UsageError(f"{path} is not valid JSON; rerun with --overwrite to start this stage again")
-    if existing.get("stage") != STAGE:  # even with --overwrite: never delete another stage's output
-        raise UsageError(f"--output-dir {out} holds the output of {existing.get('stage')!r}, not {STAGE}; "
-                         "choose another --output-dir (or --run-dir)")
-    if overwrite or existing.get("status") != STATUS_COMPLETE or not data_file.exists():
+    existing = earlier_manifest(out, STAGE, overwrite)
+    if existing is None or overwrite or existing.get("status") != STATUS_COMPLETE or not data_file.exists():
         return False  # redone: --overwrite, or an unfinished run (regenerated responses are reused)
-    previous = existing.get("fingerprint", {})
-    differing = sorted(k for k in set(previous) | set(fingerprint) if previous.get(k) != fingerprint.get(k))
-    if differing:
-        details = "; ".join(f"{k}: {previous.get(k)!r} -> {fingerprint.get(k)!r}" for k in differing)
-        raise UsageError(f"{out} already holds a complete {STAGE} output made with different settings "
-                         f"({details}). Rerun with --overwrite to replace it, or choose another --output-dir "
-                         "/ --run-dir")
+    refuse_other_settings(f"{out} already holds a complete {STAGE} output",
+                          setting_differences(existing.get("fingerprint", {}), fingerprint),
+                          "Rerun with --overwrite to replace it, or choose another --output-dir / --run-dir")
     counts = existing.get("counts", {})
     log.info("%s is already complete in %s (%s samples, %s tokens); nothing to do (--overwrite redoes it)",
              STAGE, out, counts.get("samples"), counts.get("tokens"))
     return True
+

@@ -127,15 +127,3 @@ def resume_key(manifest: dict[str, Any]) -> dict[str, Any]:
         "prepared_data_sha256": ((manifest.get("inputs") or {}).get("prepared_data") or {}).get("sha256"),
     }
 
-
-def resume_differences(existing: dict[str, Any], current: dict[str, Any]) -> list[str]:
-    old, new = resume_key(existing), resume_key(current)
-    differences = []
-    for key in old:
-        if isinstance(old[key], dict) and isinstance(new[key], dict):
-            for sub in sorted(set(old[key]) | set(new[key])):
-                if old[key].get(sub) != new[key].get(sub):
-                    differences.append(f"{key}.{sub}: existing {old[key].get(sub)!r}, now {new[key].get(sub)!r}")
-        elif old[key] != new[key]:
-            differences.append(f"{key}: existing {old[key]!r}, now {new[key]!r}")
-    return differences

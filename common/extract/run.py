@@ -14,13 +14,14 @@ from common.cli import distributed
 from common.cli.errors import UsageError
 from common.cli.stage import Progress
 from common.extract.extractor import Extractor, merge_rank_stats
-from common.extract.output import (OutputLock, check_writable, owned_entries, remove_owned, resume_differences,
+from common.extract.output import (OutputLock, check_writable, owned_entries, remove_owned, resume_key,
     scan_output, tree_bytes)
 from common.extract.plan import padding_stats, plan_batches, rank_batches
-from common.formats.files import read_json, sha256_file
+from common.formats.files import sha256_file
 from common.formats.hidden_states import (AUX_FILES, FINAL_CONVENTION, FINAL_FILE, FORMAT_VERSION, INDEX_FILE,
     LAYER_CONVENTION, META_FILE, SAMPLE_FILES, SHARD_SIZE, STAGE, estimate_disk_bytes, human_bytes, write_index)
 from common.formats.manifest import MANIFEST, Manifest, check_verifier_matches, load_manifest
+from common.formats.resume import earlier_manifest, refuse_other_settings, setting_differences
 from common.formats.prepared_data import Sample, read_prepared_data
 from common.verifier.capture import find_text_model
 from common.verifier.loading import choose_device_map, load_verifier_model, resolve_model_path
@@ -95,26 +96,17 @@ def build_manifest(args, info, upstream_dir: Path, data_sha, aux_layers, compute
 
 def check_existing_output(args, output_dir: Path, manifest: Manifest, log) -> dict | None:
     """The earlier run's manifest when resuming it; refuses results made with other settings."""
-    path = output_dir / MANIFEST
+    existing = earlier_manifest(output_dir, STAGE, args.overwrite)
     if args.overwrite:
         return None
-    if not path.exists():
+    if existing is None:
         if owned_entries(output_dir):
             raise UsageError(f"--output-dir {output_dir} holds shard folders but no {MANIFEST}, so their origin is "
                              f"unknown; pass --overwrite to replace them or choose another --output-dir")
         return None
-    try:
-        existing = read_json(path)
-    except ValueError as err:
-        raise UsageError(f"{path} is not valid JSON ({err}); pass --overwrite to start over")
-    if existing.get("stage") != STAGE:
-        raise UsageError(f"{path} was written by {existing.get('stage')!r}, not {STAGE}; choose another "
-                         f"--output-dir")
-    differences = resume_differences(existing, manifest.data)
-    if differences:
-        raise UsageError(f"--output-dir {output_dir} holds hidden states made with other settings, which cannot be "
-                         f"resumed:\n    " + "\n    ".join(differences) +
-                         "\n  Pass --overwrite to replace them, or choose another --output-dir.")
+    refuse_other_settings(f"--output-dir {output_dir} holds hidden states",
+                          setting_differences(resume_key(existing), resume_key(manifest.data)),
+                          "They cannot be resumed: pass --overwrite to replace them, or choose another --output-dir.")
     return existing
 
 

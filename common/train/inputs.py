@@ -7,6 +7,7 @@ import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
+from common.formats.resume import setting_differences
 from common.formats.manifest import MANIFEST, check_same, check_verifier_matches, load_manifest
 from common.formats.files import read_json, sha256_file
 from common.cli.errors import UsageError
@@ -268,8 +269,7 @@ def check_output(args, run_config: dict, log) -> tuple[Path | None, bool]:
     previous = read_json(point / TRAINER_STATE_JSON).get("run_config", {})
     if "micro_batches_per_step" not in previous and "grad_accum" in previous:  # saved before torchrun: 1 process
         previous = {**previous, "micro_batches_per_step": previous["grad_accum"]}
-    changed = [f"{key}: was {previous.get(key)!r}, now {run_config.get(key)!r}" for key in RESUME_KEYS
-               if key in previous and previous.get(key) != run_config.get(key)]
+    changed = setting_differences(previous, run_config, [key for key in RESUME_KEYS if key in previous])
     if any(line.startswith("micro_batches_per_step") for line in changed):
         changed.append(f"(micro_batches_per_step = --grad-accum x ranks; the run being resumed had --grad-accum "
                        f"{previous.get('grad_accum')} on {previous.get('world_size', 1)} rank(s): on "
