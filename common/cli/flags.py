@@ -197,7 +197,9 @@ _ALL_FLAGS: list[Flag] = [
     Flag("--mode", "Benchmark mode.", choices=("offline", "server", "eval"), default="offline"),
     Flag("--prompts", "Prompt file: MT-bench JSONL ({turns}), JSONL with prompt, or ShareGPT.",
          aliases=("--prompt-file", "--bench-data"), metavar="FILE", is_path=True),
-    Flag("--num-prompts", "Use at most this many prompts.", type=_positive_int),
+    Flag("--num-prompts", "Use this many prompts: a sample spread evenly over the prompt file's categories "
+         "(round-robin, shuffled within each category by --seed), not its first lines; all when the file has no "
+         "more. In --mode eval: at most this many validation samples.", type=_positive_int),
     Flag("--num-steps", "Draft tokens per verification in chain mode (depth in tree mode).",
          aliases=("--speculative-num-steps", "--k"), type=_positive_int, default=3),
     Flag("--topk", "Branches per draft step (1 = chain).", aliases=("--speculative-eagle-topk",),
