@@ -596,6 +596,10 @@ def test_resume_with_other_settings_is_refused(run_a, stories260k, stage04, tmp_
     assert read_json(out / "latest" / "config.json")["eagle3_pipeline"]["training"]["ttt_positions"] == "shifted"
     steps = [r["step"] for r in records(out, "train")]  # the crashed run's lines 1..3 are gone
     assert steps == list(range(1, read_json(out / "latest.json")["total_steps"] + 1))
+    # the earlier training stays reachable for an A/B, and says so
+    assert stage04.main(train_argv(run_a, out, stories260k, overwrite=True, ttt_positions="fixed", **flags)) == 0
+    assert read_json(out / "latest" / "config.json")["eagle3_pipeline"]["training"]["ttt_positions"] == "fixed"
+    assert "--ttt-positions fixed: TTT step j keeps" in log_text(out)
 
 
 # --- fine-tuning and the evaluation API --------------------------------------------------------------------
