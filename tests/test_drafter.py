@@ -91,7 +91,8 @@ def naive_ttt_attention(q, k0, v0, diag, scale):
     return out.transpose(1, 2)
 
 
-def naive_ttt_loss(model: Eagle3Drafter, batch: dict, lm_head: torch.Tensor, steps: int, decay: float):
+def naive_ttt_loss(model: Eagle3Drafter, batch: dict, lm_head: torch.Tensor, steps: int, decay: float,
+                   positions: str = "shifted"):
     """The TTT loss written out plainly: full-vocabulary logits, per-row loops for the masks."""
     layer, attn = model.midlayer, model.midlayer.self_attn
     ids, aux, final = batch["input_ids"], batch["aux"], batch["final"]
@@ -101,7 +102,6 @@ def naive_ttt_loss(model: Eagle3Drafter, batch: dict, lm_head: torch.Tensor, ste
     target_p = torch.softmax(full[..., draft_ids], dim=-1)
     target_arg = full[..., draft_ids].argmax(-1)
     in_draft = model.t2d[full.argmax(-1)]
-    cos, sin = model.rope(torch.arange(S)[None])
     emb = layer.input_layernorm(model.embed(ids))
     emb = torch.cat([emb, torch.zeros(B, steps, H, dtype=emb.dtype)], dim=1)
     rep = attn.num_heads // attn.num_kv_heads
@@ -111,7 +111,8 @@ def naive_ttt_loss(model: Eagle3Drafter, batch: dict, lm_head: torch.Tensor, ste
     sums, correct, counts = [], [], []
     for j in range(steps):
         a = torch.cat([emb[:, j + 1:j + 1 + S], layer.hidden_norm(hidden)], dim=-1)
-        q, k, v = attn.qkv(a, cos, sin)
+        # row t of step j is the j-th draft step after t, which decoding runs at position t+j ("fixed": t)
+        q, k, v = attn.qkv(a, *model.rope(torch.arange(S)[None] + (j if positions == "shifted" else 0)))
         if j == 0:
             k0, v0 = TA.expand_heads(k, rep), TA.expand_heads(v, rep)
             out = F.scaled_dot_product_attention(q.transpose(1, 2), k0.transpose(1, 2), v0.transpose(1, 2),
@@ -276,16 +277,21 @@ def test_compiled_elementwise_pieces_equal_their_eager_functions():
 
 # --- the TTT loss --------------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("backend,ce_grad", [("math", "store"), ("flash_cpu", "store"), ("math", "recompute")])
-def test_ttt_loss_matches_naive_reference_values_grads_and_metrics(backend, ce_grad, monkeypatch):
+@pytest.mark.parametrize("backend,ce_grad,positions", [("math", "store", "shifted"), ("flash_cpu", "store", "shifted"),
+                                                       ("math", "recompute", "shifted"), ("flash_cpu", "store", "fixed")])
+def test_ttt_loss_matches_naive_reference_values_grads_and_metrics(backend, ce_grad, positions, monkeypatch):
+    """positions "fixed" is stage 04's --ttt-positions fixed (the earlier training, kept for an A/B)."""
     monkeypatch.setenv("EAGLE3_TTT_ATTENTION", backend)
     model, lm_head = tiny_model()
     model.set_memory_policy("act", ce_grad=ce_grad)
+    model.ttt_positions = positions
     batch = random_batch(B=2, S=10, pad=3)
     steps, decay = 4, 0.8
     loss, metrics = ttt_loss(model, batch, lm_head, steps, decay=decay)
     grads = torch.autograd.grad(loss, [p for p in model.parameters() if p.requires_grad])
-    ref, ref_metrics = naive_ttt_loss(model, batch, lm_head, steps, decay)
+    ref, ref_metrics = naive_ttt_loss(model, batch, lm_head, steps, decay, positions)
+    other, _ = naive_ttt_loss(model, batch, lm_head, steps, decay, "fixed" if positions == "shifted" else "shifted")
+    assert abs(float(other) - float(ref)) > 1e-6  # the positions matter: the comparison can tell them apart
     ref_grads = torch.autograd.grad(ref, [p for p in model.parameters() if p.requires_grad])
     torch.testing.assert_close(loss, ref, rtol=1e-10, atol=1e-10)
     for got, want in zip(grads, ref_grads):
@@ -488,6 +494,57 @@ def test_decode_with_cache_equals_full_sequence_and_ttt_step0_and_crop_rolls_bac
         masked, _ = model.decode(ids[:, 4:], hidden[:, 3:], positions[:, 3:], tree, attention_mask=mask)
         torch.testing.assert_close(masked, full[:, 3:])
     assert torch.equal(model.draft_to_target(torch.arange(VD)), model.draft_token_ids())
+
+
+def test_ttt_step_j_is_the_speculative_decoders_jth_draft_step(stories260k):
+    """Training matches decoding: row t of TTT step j is the j-th draft step after position t, which the
+    speculative decoder (as SGLang's draft steps) runs at RoPE position t+j. Every chain step of a real decode
+    (stories260K verifier, float64) is replayed as training on the committed text followed by the drafted
+    tokens, so the unroll teacher-forces exactly what the decoder drafted: step j's logits at the root's row
+    must equal the decoder's j-th draft logits. (Training that keeps position t at every step fails this.)"""
+    from common.bench.speculative import SpeculativeDecoder
+    from common.verifier.capture import LayerInputCapture, decoder_layers, whole
+    from common.verifier.loading import load_tokenizer, load_verifier_model
+
+    verifier = load_verifier_model(str(stories260k), "cpu", "float64")
+    prompt = load_tokenizer(str(stories260k))("Once upon a time").input_ids
+    drafter = stories260k_drafter(stories260k)[0].double().eval()
+    k = 4
+    decoder = SpeculativeDecoder(verifier, drafter, num_steps=k)
+    chains: list[tuple[int, list]] = []  # per chain step: committed, [(token fed, logits)] of its draft forwards
+    drafting = []  # non-empty inside a chain step (the other drafter calls are extends)
+    chain_step, draft_forward = decoder._chain_step, decoder._draft_forward
+
+    def recording_chain_step(root, h_last, z_last, committed, *rest):
+        chains.append((committed, []))
+        drafting.append(True)
+        try:
+            return chain_step(root, h_last, z_last, committed, *rest)
+        finally:
+            drafting.clear()
+
+    def recording_draft_forward(token_ids, hidden, positions, cache, mask=None):
+        out, logits = draft_forward(token_ids, hidden, positions, cache, mask)
+        if drafting:
+            chains[-1][1].append((int(token_ids[0, -1]), logits[0, -1]))
+        return out, logits
+
+    decoder._chain_step, decoder._draft_forward = recording_chain_step, recording_draft_forward
+    out, stats = decoder.generate(prompt, 24, [])
+    assert len(chains) == stats.verify_steps >= 6
+    n = len(prompt)
+    for committed, steps in chains:
+        assert len(steps) == k - 1
+        # the root (last committed token) is at committed-1; the row before it starts the chain
+        sequence = torch.tensor([prompt + out[:committed - n] + [token for token, _ in steps]])
+        with torch.no_grad(), LayerInputCapture(decoder_layers(verifier), drafter.config.aux_layers,
+                                                select=whole) as capture:
+            verifier.model(sequence)
+            unroll = drafter.ttt_hidden_states(sequence, capture.take_concatenated(), k)
+            trained = [drafter.logits(prenorm)[0, committed - 2] for _, prenorm in unroll]
+        for j, (_, decoded) in enumerate(steps, start=1):
+            torch.testing.assert_close(trained[j], decoded, rtol=1e-9, atol=1e-9,
+                                       msg=lambda m: f"TTT step {j}, root at {committed - 1}: {m}")
 
 
 # --- export / load / check ----------------------------------------------------------------------------

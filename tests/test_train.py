@@ -580,12 +580,26 @@ def test_resume_with_other_settings_is_refused(run_a, stories260k, stage04, tmp_
     assert stage04.main(train_argv(run_a, out, stories260k, **flags), hooks=[crash_at(3)]) == 1
     assert stage04.main(train_argv(run_a, out, stories260k, resume=True, **{**flags, "lr": 1e-3})) == 2
     assert "lr: was 0.005, now 0.001" in log_text(out)
+    assert stage04.main(train_argv(run_a, out, stories260k, resume=True, ttt_positions="fixed", **flags)) == 2
+    assert "ttt_positions: was 'shifted', now 'fixed'" in log_text(out)
+    # a run saved before --ttt-positions existed trained with fixed positions: it resumes only with those
+    state_file = read_json(out / "latest.json")["checkpoint"]
+    state = read_json(out / state_file / "trainer_state.json")
+    del state["run_config"]["ttt_positions"]
+    (out / state_file / "trainer_state.json").write_text(json.dumps(state))
+    assert stage04.main(train_argv(run_a, out, stories260k, resume=True, **flags)) == 2
+    assert "ttt_positions: was 'fixed', now 'shifted'" in log_text(out)
     assert stage04.main(train_argv(run_a, out, stories260k, resume=True, overwrite=True, **flags)) == 2
     # --overwrite starts over cleanly
     assert stage04.main(train_argv(run_a, out, stories260k, overwrite=True, **flags)) == 0
     assert read_json(out / "latest.json")["checkpoint"] == "epoch_1"
+    assert read_json(out / "latest" / "config.json")["eagle3_pipeline"]["training"]["ttt_positions"] == "shifted"
     steps = [r["step"] for r in records(out, "train")]  # the crashed run's lines 1..3 are gone
     assert steps == list(range(1, read_json(out / "latest.json")["total_steps"] + 1))
+    # the earlier training stays reachable for an A/B, and says so
+    assert stage04.main(train_argv(run_a, out, stories260k, overwrite=True, ttt_positions="fixed", **flags)) == 0
+    assert read_json(out / "latest" / "config.json")["eagle3_pipeline"]["training"]["ttt_positions"] == "fixed"
+    assert "--ttt-positions fixed: TTT step j keeps" in log_text(out)
 
 
 # --- fine-tuning and the evaluation API --------------------------------------------------------------------

@@ -163,7 +163,8 @@ class SpeculativeDecoder:
                 q_rows.append(q[0])
             draft_ids.append(draft_id)
             if j < k - 1:
-                # Position committed-1+j pairs the token just drafted with the drafter's own last output.
+                # Position committed-1+j pairs the token just drafted with the drafter's own last output
+                # (root row t = committed-2, draft step j+1 at t+j+1: the positions of TTT step j+1).
                 token = self.draft_to_target[draft_id].view(1, 1)
                 hidden, logits = self._draft_forward(token, hidden, positions[:, committed - 1 + j:committed + j],
                                                      dcache)

@@ -161,6 +161,10 @@ _ALL_FLAGS: list[Flag] = [
     Flag("--ttt-decay", "Weight of TTT step j is decay**j.", type=float, default=0.8),
     Flag("--noise-std", "Gaussian noise added to aux hidden states during training.", type=float,
          default=0.0),
+    Flag("--ttt-positions", "RoPE positions of TTT step j for the row of position t: shifted = t+j, where "
+         "decoding (SGLang, stage 05) runs that draft step, as SpecForge and EAGLE train; fixed = t at every "
+         "step, this project's earlier training, kept only to measure the difference (docs/model.md).",
+         choices=("shifted", "fixed"), default="shifted"),
     Flag("--drafter-config", "Overrides of the drafter shape derived from the verifier: a JSON file or "
          "inline JSON object with DrafterConfig fields, e.g. '{\"intermediate_size\": 16384, "
          "\"num_key_value_heads\": 8}'.", aliases=("--draft-config",), metavar="JSON_OR_FILE"),
@@ -245,7 +249,7 @@ STAGE_FLAGS: dict[str, list[str]] = {
                  "--val-ratio", "--scheduler", "--warmup-ratio", "--grad-accum", "--max-grad-norm",
                  "--eval-interval", "--save-interval", "--keep-last", "--resume", "--num-workers",
                  "--seed", "--device", "--dtype", "--log-interval", "--overwrite", "--allow-low-disk",
-                 "--drafter-config", "--fsdp", "--fp8"],
+                 "--drafter-config", "--fsdp", "--fp8", "--ttt-positions"],
     "05_benchmark": ["--run-dir", "--model-path", "--trust-remote-code", "--draft-model-path",
                      "--data-dir", "--output-dir", "--mode", "--prompts", "--num-prompts", "--max-new-tokens",
                      "--num-steps", "--topk", "--num-draft-tokens", "--temperature", "--top-p", "--url",

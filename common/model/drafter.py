@@ -6,7 +6,8 @@
     out    = h1 + mlp(post_attention_layernorm(h1))                   "pre-norm output", fed to the next step
     logits = lm_head(norm(out))                                       over the draft vocabulary [Vd]
 
-`decode` is the inference forward; `ttt_hidden_states` the training-time-test unroll (docs/model.md).
+`decode` is the inference forward; `ttt_hidden_states` the training-time-test unroll (docs/model.md). Both
+use the same RoPE positions: the j-th draft step after the entry of position t runs at position t+j.
 """
 from __future__ import annotations
 
@@ -229,6 +230,12 @@ class DrafterCache:
             self.value = self.value.index_select(0, batch_index)
 
 
+# RoPE positions of TTT step j for the row of position t: "shifted" = t+j, where decoding runs that draft step
+# (SGLang, SpecForge, EAGLE; the default); "fixed" = t at every step, what this project trained with before,
+# kept reachable only for an A/B of the two (stage 04 --ttt-positions).
+TTT_POSITIONS = ("shifted", "fixed")
+
+
 class Eagle3Drafter(nn.Module):
     def __init__(self, cfg: DrafterConfig):
         super().__init__()
@@ -247,6 +254,7 @@ class Eagle3Drafter(nn.Module):
         self.rope_scale = scale
         self._embed_offloaded = False
         self.ce_grad = "auto"  # see set_memory_policy
+        self.ttt_positions = "shifted"  # see TTT_POSITIONS
         self.gemms: Bf16Gemms = _BF16  # training GEMMs; see use_fp8
 
     # ---- setup ------------------------------------------------------------------------------------
@@ -418,7 +426,12 @@ class Eagle3Drafter(nn.Module):
 
     def ttt_hidden_states(self, input_ids: Tensor, aux: Tensor, ttt_steps: int, noise_std: float = 0.0,
                           attention_backend: str | None = None):
-        """Yield (j, prenorm_out_j [B,S,H]) for the TTT unroll (docs/model.md)."""
+        """Yield (j, prenorm_out_j [B,S,H]) for the TTT unroll (docs/model.md).
+
+        Row t of step j is the j-th draft step after position t, which decoding runs at position t+j: its
+        query and the keys it adds use RoPE position t+j (self.ttt_positions "shifted"; "fixed" keeps t)."""
+        if self.ttt_positions not in TTT_POSITIONS:
+            raise ValueError(f"ttt_positions must be one of {TTT_POSITIONS}, got {self.ttt_positions!r}")
         layer = self.midlayer
         attn = layer.self_attn
         B, S = input_ids.shape
@@ -426,7 +439,7 @@ class Eagle3Drafter(nn.Module):
             aux = aux + noise_std * torch.randn_like(aux)
         hidden = self.fuse(aux)
         position_ids = torch.arange(S, device=hidden.device)[None]
-        cos, sin = self.rope(position_ids)
+        shift = 1 if self.ttt_positions == "shifted" else 0
         # The embedding is frozen: normalise it once (padded by ttt_steps rows for the shifts); each step
         # multiplies its shifted view by the trainable input_layernorm weight, so backward never scatters
         # an [S, H] gradient back into a slice of it.
@@ -439,6 +452,7 @@ class Eagle3Drafter(nn.Module):
         diag: list[Tensor] = []
         fused = fuse_elementwise()
         for j in range(ttt_steps):
+            cos, sin = self.rope(position_ids + shift * j)
             if fused:
                 a = _ATTENTION_INPUT(emb[:, j + 1:j + 1 + S], layer.input_layernorm.weight, hidden,
                                      layer.hidden_norm.weight, layer.hidden_norm.eps)

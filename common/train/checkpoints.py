@@ -48,8 +48,9 @@ class CheckpointManager:
             return final
         staging = self.root / f".{name}.tmp-{os.getpid()}"
         shutil.rmtree(staging, ignore_errors=True)
-        save_drafter(model, staging, extra={"training": {k: summary.get(k) for k in
-                                                        ("checkpoint", "step", "epoch", "val_sim_accept_len")}})
+        training = {k: summary.get(k) for k in ("checkpoint", "step", "epoch", "val_sim_accept_len")}
+        training["ttt_positions"] = getattr(model, "ttt_positions", None)  # RoPE positions of the TTT steps
+        save_drafter(model, staging, extra={"training": training})
         torch.save(training_state, staging / TRAINING_STATE)
         write_json_atomic(staging / TRAINER_STATE_JSON, summary)
         self._replace_dir(staging, final)

@@ -80,6 +80,10 @@ def train_drafter(args, log, inputs: Inputs, run_config: dict, resume_from: Path
     if inputs.drafter_overrides and not args.finetune_from:
         log.info("--drafter-config: the drafter's %s set to %s", ", ".join(inputs.drafter_overrides),
                  ", ".join(repr(value) for value in inputs.drafter_overrides.values()))
+    model.ttt_positions = args.ttt_positions
+    if args.ttt_positions != "shifted":
+        log.warning("--ttt-positions %s: TTT step j keeps the RoPE position of step 0, not the one decoding "
+                    "uses (for an A/B only; docs/model.md)", args.ttt_positions)
     if args.fp8:
         model.use_fp8()
         log.info("--fp8: the drafter's GEMMs run on FP8 tensor cores (parameters and optimizer stay %s)",
