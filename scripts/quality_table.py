@@ -1,0 +1,83 @@
+#!/usr/bin/env python3
+"""One Markdown table of every stage-05 report under RUN_DIR/bench_*/ (scripts/gpu_drafter_quality.sh's runs).
+
+For each drafter and run: prompt set, drafting setting, temperature, dtype, turns, tau, acceptance by position,
+greedy turns identical and mean share before divergence (T=0), repetition; then the teacher-forced agreement per TTT
+step (--mode eval), the training wall times, and the ratios of ours to SpecForge's.
+
+  python3 scripts/quality_table.py RUN_DIR
+"""
+from __future__ import annotations
+
+import json
+import re
+import sys
+from pathlib import Path
+
+
+def fmt(value, digits: int = 2) -> str:
+    if value is None:
+        return "-"
+    return f"{value:.{digits}f}" if isinstance(value, float) else str(value)
+
+
+def offline_row(name: str, report: dict) -> list[str]:
+    settings, overall = report["settings"], report["overall"]
+    match = overall.get("greedy_match") or {}
+    identical = f"{match['turns_identical']}/{match['turns_checked']}" if match else "-"
+    shares = (overall.get("acceptance") or {}).get("share") or []  # P(draft i accepted): tau = 1 + their sum
+    return [name, Path(str(settings.get("prompts"))).stem, settings.get("drafting", "-"),
+            fmt(settings.get("temperature"), 1), str(settings.get("dtype_used") or settings.get("dtype")),
+            str(overall.get("turns")), fmt(overall.get("tau")), " ".join(fmt(r) for r in shares), identical,
+            fmt(match.get("mean_share_before_divergence"), 3) if match else "-",
+            fmt(overall.get("repetition_4gram_share"))]
+
+
+def reports(run: Path):
+    for path in sorted(run.glob("bench_*/bench_*.json")):
+        name = path.parent.name.removeprefix("bench_")
+        yield name, path, json.loads(path.read_text())
+
+
+def main(argv: list[str]) -> int:
+    if len(argv) != 1:
+        print(__doc__, file=sys.stderr)
+        return 2
+    run = Path(argv[0])
+    offline, evals, taus = [], [], {}
+    for name, path, report in reports(run):
+        if path.stem.startswith("bench_eval"):
+            metrics = report["metrics"]
+            evals.append([name, " ".join(fmt(a) for a in metrics["acc_per_step"]), fmt(metrics.get("sim_accept_len"))])
+        elif path.stem.startswith("bench_offline"):
+            row = offline_row(name, report)
+            offline.append(row)
+            if row[3] == "0.0" and row[4] in ("bfloat16", "None") and row[2].startswith("chain"):
+                taus[(name, row[1])] = report["overall"]["tau"]
+    header = ["drafter", "prompts", "drafting", "T", "dtype", "turns", "tau", "accepted share by position",
+              "greedy identical", "share before divergence", "4-gram repetition"]
+    print("| " + " | ".join(header) + " |\n|" + "---|" * len(header))
+    for row in offline:
+        print("| " + " | ".join(row) + " |")
+    if evals:
+        print("\n| drafter | teacher-forced top-1 per TTT step (validation split) | simulated acceptance |\n|---|---|---|")
+        for row in evals:
+            print("| " + " | ".join(row) + " |")
+    walls = {}
+    for path in sorted((run / "logs").glob("wall_*.txt")):
+        found = re.search(r"(\d+) s", path.read_text())
+        if found:
+            walls[path.stem.removeprefix("wall_")] = int(found.group(1))
+    if walls:
+        print("\ntraining wall time: " + ", ".join(f"{k} {v} s" for k, v in walls.items()))
+    if "ours" in walls and "specforge" in walls:
+        print(f"ours / SpecForge wall time: {walls['ours'] / walls['specforge']:.2f}x")
+    for (name, prompts), tau in sorted(taus.items()):
+        other = taus.get(("specforge", prompts))
+        if name == "ours" and other:
+            print(f"chain tau ours / SpecForge on {prompts}: {tau:.2f} / {other:.2f} = {tau / other:.3f}x")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
