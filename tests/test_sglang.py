@@ -428,3 +428,53 @@ def test_stage02_backend_sglang_refuses_before_any_engine_starts(stories260k, tm
     info.architecture = "Qwen2ForCausalLM"
     with pytest.raises(UsageError, match="KimiK25ForConditionalGeneration.*Qwen2ForCausalLM"):
         check_sglang_verifier(Namespace(model_path="qwen"), info)
+
+
+# --- scripts/check_sglang_capture.py: the agreement it promises ------------------------------------------------------
+
+def _hidden_states_folder(folder: Path, samples, tensors) -> Path:
+    """A finished stage-02 output holding `tensors[i]` (aux_0, aux_1, aux_2, final) for sample i."""
+    from common.extract.writer import write_samples
+    from common.formats.hidden_states import write_index
+    from common.formats.manifest import Manifest
+
+    folder.mkdir(parents=True)
+    write_samples(folder, samples, tensors)
+    write_index(folder, samples, range(len(samples)))
+    Manifest(folder, "02_extract_hidden_states", {}).complete()
+    return folder
+
+
+def test_check_script_needs_cosine_above_0999_per_file_and_names_the_worst(tmp_path):
+    import importlib.util
+
+    from common.formats.prepared_data import read_prepared_data
+
+    spec = importlib.util.spec_from_file_location("check_sglang_capture", REPO / "scripts" / "check_sglang_capture.py")
+    check = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(check)
+    assert check.MIN_COSINE == 0.999
+    samples, _ = read_prepared_data(_prepared(tmp_path / "data", [12, 7, 9]), 512, 2048)
+    generator = torch.Generator().manual_seed(0)
+    reference = [[torch.randn(s.num_tokens, 64, generator=generator) for _ in range(4)] for s in samples]
+
+    def noisy(scale: float, which: tuple[int, int]):
+        """The reference with noise of relative size `scale` added to one file (sample, tensor)."""
+        out = [[t.clone() for t in files] for files in reference]
+        tensor = out[which[0]][which[1]]
+        tensor += scale * torch.randn(tensor.shape, generator=generator)
+        return out
+
+    hf = _hidden_states_folder(tmp_path / "hf", samples, reference)
+    # cosine ~0.9999 in one file: agrees
+    close = check.compare(hf, _hidden_states_folder(tmp_path / "close", samples, noisy(0.01, (2, 3))))
+    assert check.agrees(close)
+    assert close["worst_file"]["file"] == f"{samples[2].rel_path}/final.pt"
+    # cosine ~0.995 in one file (enough for the old 0.99 threshold): does not agree, and that file is named
+    far = check.compare(hf, _hidden_states_folder(tmp_path / "far", samples, noisy(0.1, (1, 1))))
+    assert 0.99 < far["worst_file"]["cosine"] < 0.999
+    assert not check.agrees(far)
+    assert far["worst_file"]["file"] == f"{samples[1].rel_path}/aux_1.pt"
+    assert far["worst_file"]["sample"] == samples[1].id
+    assert far["files"]["aux_1.pt"]["worst_file"] == far["worst_file"]["file"]
+    assert far["files"]["aux_0.pt"]["min_cosine"] > 0.9999  # untouched files compare equal
