@@ -159,6 +159,12 @@ def test_forward_batch_has_the_fields_the_hooks_read(pinned_sglang):
     assert {m.name for m in StandinForwardMode} <= src.class_fields(module, "ForwardMode")
     init_new = src.source_of(src.find_method(module, "ForwardBatch", "init_new"))
     assert "rids=[req.rid for req in batch.reqs]" in init_new  # the request ids stage 02 sends, in row order
+    # A MIXED batch never reaches the model: the eager runner (CUDA graphs are off) runs it as EXTEND, so the hooks
+    # tell mixed-in decode tails by their cached prefix, not by the mode.
+    execute = src.source_of(src.find_method("sglang.srt.model_executor.runner.eager_runner", "EagerRunner",
+                                            "execute"))
+    mixed = execute[execute.index("if mode.is_mixed()"):]
+    assert mixed.index("forward_batch.forward_mode = ForwardMode.EXTEND") < mixed.index("_execute_extend")
 
 
 def test_sglang_processes_import_the_hooks_through_the_model_package_variable(pinned_sglang):
@@ -352,9 +358,14 @@ def test_capture_refuses_forwards_that_are_not_one_row_per_prompt_token(verifier
             with pytest.raises(CaptureError, match="disable_radix_cache=True and chunked_prefill_size=-1"):
                 text(*pack([(sample_rid(0), samples[0].input_ids)], prefixes=[3]))
             assert "prefix cache" in error_file.read_text()
-            # decode tokens mixed into a prefill forward
-            with pytest.raises(CaptureError, match="enable_mixed_chunk=False"):
-                text(*pack([(sample_rid(0), samples[0].input_ids)], StandinForwardMode.MIXED))
+            # a mixed batch as the model sees it (SGLang runs it as EXTEND): a stage-02 request's one-token decode
+            # tail after its cached prompt is refused by the prefix check
+            with pytest.raises(CaptureError, match="8 of its tokens were not recomputed"):
+                text(*pack([(sample_rid(1), samples[1].input_ids), (sample_rid(0), samples[0].input_ids[-1:])],
+                           prefixes=[0, 8]))
+            # a decode forward of a stage-02 request (prefill-only requests never decode)
+            with pytest.raises(CaptureError, match="prefill-only"):
+                text(*pack([(sample_rid(0), samples[0].input_ids[-1:])], StandinForwardMode.DECODE))
             # a request whose id names another sample (same length, other tokens)
             with pytest.raises(CaptureError, match="token ids differ"):
                 text(*pack([(sample_rid(1), samples[0].input_ids)]))
@@ -373,6 +384,46 @@ def test_capture_refuses_forwards_that_are_not_one_row_per_prompt_token(verifier
             hooks._sink.close()
     with pytest.raises(ValueError, match="ascending"):
         CaptureHooks([3, 1, 2], plan.open_writer)
+
+
+def test_the_prepared_data_is_read_when_the_model_is_built_not_in_the_first_forward(verifiers, tmp_path):
+    """Rank 0 reads the prepared data while SGLang loads the weights: the reader starts when a hooked text model is
+    constructed (torch.distributed is up by then in SGLang's ModelRunner) and is done before the first forward, so a
+    large dataset never holds a forward while the other ranks wait in NCCL."""
+    import threading
+
+    model, _, samples, plan = _setup(verifiers["stories"], tmp_path, [1, 2, 3], [8, 5, 6])
+    reads = []
+
+    def open_writer():
+        reads.append(threading.current_thread().name)
+        return plan.open_writer()
+
+    hooks = CaptureHooks([1, 2, 3], open_writer, on_error=plan.record_error).install(SGLangStyleTextModel)
+    try:
+        from common.verifier.capture import find_text_model
+
+        text = SGLangStyleTextModel(find_text_model(model).base)  # as SGLang builds the model, before any forward
+        assert hooks.wait_ready(timeout=60)
+        assert reads == ["eagle3-read-prepared-data"]  # in the reader thread, once
+        assert len(hooks._sink.samples) == len(samples)
+        with torch.no_grad():
+            text(*pack([(sample_rid(0), samples[0].input_ids)]))
+        assert reads == ["eagle3-read-prepared-data"]  # the forward used the sink already made
+        # a rank that does not write never reads
+        other = CaptureHooks([1, 2, 3], open_writer, is_writer=lambda: False)
+        other.start_reader()
+        assert not other.wait_ready(timeout=1) and len(reads) == 1
+    finally:
+        hooks.remove()
+        if hooks._sink is not None:
+            hooks._sink.close()
+    assert "__eagle3_capture__" not in vars(SGLangStyleTextModel.__init__)
+    # SGLang builds the model after torch.distributed is up, so is_first_rank() is known in the text model's __init__
+    runner = "sglang.srt.model_executor.model_runner"
+    init = src.source_of(src.find_method(runner, "ModelRunner", "__init__"))
+    assert init.index("self.init_torch_distributed()") < init.index("self.initialize(")
+    assert "self.load_model()" in src.source_of(src.find_method(runner, "ModelRunner", "initialize"))
 
 
 def test_journal_follower_and_request_order(tmp_path):
