@@ -206,7 +206,7 @@ class CaptureHooks:
             try:
                 found = requests_of(forward_batch) if forward_batch is not None else None
             except CaptureError as err:
-                hooks._report(err)
+                hooks._fail(err)
                 raise
             if not found:
                 return original(module, *args, **kwargs)
@@ -220,7 +220,7 @@ class CaptureHooks:
         if previous and list(previous) != self.layer_ids:
             error = CaptureError(f"{type(module).__name__}.layers_to_capture is already {list(previous)} (speculative "
                                  f"decoding?); stage 02 runs the engine without a drafter")
-            self._report(error)
+            self._fail(error)
             raise error
         module.layers_to_capture = list(self.layer_ids)
         try:
@@ -245,13 +245,23 @@ class CaptureHooks:
                 self._sink_for_batch().write_batch(CapturedBatch(requests, forward_batch.input_ids, tensors))
                 self.batches += 1
         except Exception as err:
-            self._report(err)
+            self._fail(err)
             raise
         return hidden
 
     def _report(self, err: BaseException) -> None:
         if self.on_error is not None:
             self.on_error("".join(traceback.format_exception(err)))
+
+    def _fail(self, err: BaseException) -> None:
+        """Record a failure in a forward and let the writers finish the samples already accepted: SGLang answers
+        the exception by killing the engine's process tree, and what is on disk by then is kept for the resume."""
+        self._report(err)
+        if self._sink is not None:
+            try:
+                self._sink.close()
+            except Exception:  # noqa: BLE001 - a writer's failure is in the error file already
+                pass
 
 
 # --- the sink: sample folders on disk ------------------------------------------------------------------------

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import ast
 import json
+import os
 import re
 from argparse import Namespace
 from pathlib import Path
@@ -529,3 +530,128 @@ def test_check_script_needs_cosine_above_0999_per_file_and_names_the_worst(tmp_p
     assert far["worst_file"]["sample"] == samples[1].id
     assert far["files"]["aux_1.pt"]["worst_file"] == far["worst_file"]["file"]
     assert far["files"]["aux_0.pt"]["min_cosine"] > 0.9999  # untouched files compare equal
+
+
+# --- stage 02 with the engine in a supervised process (the stand-in engine) ----------------------------------------
+
+STANDIN_GPU_BYTES = 80 * 2**30
+
+
+@pytest.fixture
+def standin_engine(pinned_sglang, monkeypatch):
+    """Stage 02 --backend sglang with tests/sglang_standin.StandinEngine in its engine process. Stand-ins (no GPU
+    here): the engine, one visible GPU of 80 GiB. Everything else (preflight, plan, supervision, hooks, writer,
+    manifest) is the stage's own."""
+    from common.verifier import sglang_backend, sglang_engine
+
+    monkeypatch.setattr(sglang_engine, "SGLANG_ENGINE", "sglang_standin:StandinEngine")
+    monkeypatch.setattr(sglang_backend, "visible_gpu_count", lambda: 1)
+    monkeypatch.setattr(sglang_backend, "gpu_memory_bytes", lambda: STANDIN_GPU_BYTES)
+    for name in ("SGLANG_EXTERNAL_MODEL_PACKAGE", "EAGLE3_SGLANG_CAPTURE_PLAN", "PYTHONPATH"):
+        monkeypatch.setenv(name, os.environ.get(name, ""))  # the stage sets them; restored afterwards
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    from test_extract import stage02, write_prepared_data
+
+    return stage02, write_prepared_data
+
+
+def test_stage02_sglang_run_through_the_supervised_engine_process(standin_engine, stories260k, tmp_path):
+    from common.formats.hidden_states import open_hidden_states
+
+    import sglang_standin
+    from patches.sglang_capture import PLAN_ENV
+
+    assert sglang_standin.PLAN_ENV == PLAN_ENV
+    stage02, write_prepared_data = standin_engine
+    data = write_prepared_data(tmp_path / "data", stories260k, [30, 12, 7, 25, 9, 16])
+    out = tmp_path / "out"
+    argv = ["--model-path", str(stories260k), "--prepared-data", str(data), "--output-dir", str(out),
+            "--backend", "sglang", "--max-tokens-per-batch", "40", "--batch-size", "4"]
+    assert stage02.main(argv) == 0
+    manifest, entries = open_hidden_states(out)
+    assert manifest["status"] == "complete" and len(entries) == 6
+    memory = manifest["last_run"]["capture_memory"]
+    assert memory["tokens"] == 40 and memory["requested"] == 0.85
+    # the aux of 3 layers and the gather of 4 tensors, hidden 64, bf16; the fraction lowered by their share
+    assert memory["aux_bytes"] == 40 * 3 * 64 * 2 and memory["gather_bytes"] == 40 * 4 * 64 * 2
+    assert memory["mem_fraction_static"] == 0.849  # (0.85 - 35840 / 80 GiB) rounded down to 1/1000
+    log = (out / "logs" / "02_extract_hidden_states.log").read_text()
+    assert "GPU memory: capture buffers outside SGLang's memory plan" in log and "mem_fraction_static=0.849" in log
+
+
+def test_stage02_reports_a_hooks_failure_in_the_engine_process_and_resumes(standin_engine, stories260k, tmp_path,
+                                                                          monkeypatch):
+    """The hooks fail in the third forward; SGLang's way of answering that (the engine's process is killed) ends
+    the child, not stage 02, which exits 1 naming the hooks' error file, the samples kept and the resume command,
+    and marks its manifest failed. The printed command then finishes the run."""
+    import shlex
+
+    from common.formats.files import read_json
+    from common.formats.hidden_states import open_hidden_states
+    from sglang_standin import FAIL_AT_ENV
+
+    stage02, write_prepared_data = standin_engine
+    data = write_prepared_data(tmp_path / "data", stories260k, [30, 28, 26, 12, 9, 7, 5])
+    out = tmp_path / "out"
+    argv = ["--model-path", str(stories260k), "--prepared-data", str(data), "--output-dir", str(out),
+            "--backend", "sglang", "--max-tokens-per-batch", "32", "--batch-size", "2"]
+    monkeypatch.setenv(FAIL_AT_ENV, "2")  # forwards 0 and 1 (samples 0 and 1) are written first
+    assert stage02.main(argv) == 1
+    log = (out / "logs" / "02_extract_hidden_states.log").read_text()
+    assert "SGLang's engine process" in log and "was killed by signal 9" in log
+    assert f"the capture hooks' error file {out / ERROR_FILE}" in log
+    assert "were not recomputed (prefix cache or chunked prefill)" in log  # the hooks' own error, from the file
+    manifest = read_json(out / "manifest.json")
+    assert manifest["status"] == "failed"
+    failure = manifest["failure"]
+    assert failure["hooks_error_file"] == str(out / ERROR_FILE) and failure["samples"] == 7
+    assert failure["complete_samples"] == 2
+    assert "2 of 7 samples are complete on disk and are kept; resume with:" in log
+    assert failure["resume_command"] in log
+    # the resume command, as printed, finishes the run and keeps the two samples already written
+    monkeypatch.delenv(FAIL_AT_ENV)
+    kept = {p: p.stat().st_mtime_ns for p in out.glob("shard_*/*/final.pt")}
+    assert len(kept) == 2
+    resume = shlex.split(failure["resume_command"])
+    assert resume[:2] == ["python", "02_extract_hidden_states.py"] and "--overwrite" not in resume
+    assert stage02.main(resume[2:]) == 0
+    manifest, entries = open_hidden_states(out)
+    assert manifest["status"] == "complete" and len(entries) == 7 and "failure" not in manifest
+    assert {p: p.stat().st_mtime_ns for p in kept} == kept
+
+
+def test_capture_memory_for_kimi_is_taken_off_the_memory_fraction_or_refused():
+    from common.verifier.sglang_backend import capture_memory
+
+    gpu = 96 * 2**30  # an SM120 RTX PRO 6000 of the Kimi deployment
+    weights = 547 * 10**9 // 8  # Kimi-K2.5 int4 over 8 GPUs
+    memory = capture_memory(32768, 7168, 3, 2, gpu, 0.85, weights)
+    assert memory.aux_bytes == 32768 * 3 * 7168 * 2 == 1_409_286_144  # ~1.4 GB on every rank
+    assert memory.gather_bytes == 32768 * 4 * 7168 * 2 == 1_879_048_192  # ~1.9 GB more on rank 0
+    assert memory.mem_fraction_static == 0.818  # 0.85 - 3.29 GB / 103 GB, rounded down
+    assert (0.85 - memory.mem_fraction_static) * gpu >= memory.extra_bytes  # the whole of it is left free
+    assert "1.3 GB" in memory.describe() and "1.8 GB" in memory.describe()  # human_bytes (GiB)
+    # too many tokens per forward for the weights to fit any more: refused, with the numbers and the fix
+    with pytest.raises(UsageError, match=r"weights take about .* per GPU.*Lower --max-tokens-per-batch"):
+        capture_memory(262144, 7168, 3, 2, gpu, 0.85, weights)
+    with pytest.raises(UsageError, match="leaves SGLang no room"):
+        capture_memory(10**6, 7168, 3, 2, gpu, 0.85)
+
+
+def test_why_the_engine_runs_in_a_child_and_the_memory_plan_it_lowers(pinned_sglang):
+    """The pinned source behind sglang_engine.EngineProcess and CaptureMemory (docs/extraction.md)."""
+    # A scheduler's exception is answered by SIGQUIT to its parent, the process that made the Engine ...
+    scheduler = src.source_of(src.find_function("sglang.srt.managers.scheduler", "run_scheduler_process"))
+    assert "parent_process = psutil.Process().parent()" in scheduler
+    assert "parent_process.send_signal(signal.SIGQUIT)" in scheduler[scheduler.index("except Exception:"):]
+    # ... whose handler kills its own process tree, itself included: stage 02 must not be that process.
+    engine = src.source_of(src.find_function("sglang.srt.entrypoints.engine", "_set_envs_and_config"))
+    handler = engine[engine.index("def launch_phase_sigquit_handler"):]
+    assert "kill_process_tree(os.getpid())" in handler
+    assert "signal.signal(signal.SIGQUIT, launch_phase_sigquit_handler)" in handler
+    kill = src.source_of(src.find_function("sglang.srt.utils.common", "kill_process_tree"))
+    assert "include_parent: bool = True" in kill and "itself.kill()" in kill
+    # SGLang's KV budget keeps only pre_model_load_memory * (1 - mem_fraction_static) free for activations.
+    budget = src.source_of(src.find_method("sglang.srt.mem_cache.kv_cache_configurator", "KVCacheConfigurator",
+                                           "_profile_available_bytes"))
+    assert "slack_gb = pre_model_load_memory * (1 - get_schedule().mem_fraction_static)" in budget

@@ -212,10 +212,14 @@ def extract_hidden_states(args, inputs: ExtractionInputs, rank: distributed.Rank
                      len(todo_samples))
 
         if args.backend == "sglang":  # SGLang's processes run the verifier; patches/sglang_capture.py writes
-            from common.verifier.sglang_backend import extract_with_sglang
+            from common.verifier.sglang_backend import SGLangRunFailed, extract_with_sglang
 
-            summary = extract_with_sglang(args, info, samples, todo_samples, complete, aux_layers, output_dir,
-                                          batch_size, max_tokens, log)
+            try:
+                summary = extract_with_sglang(args, info, samples, todo_samples, complete, aux_layers, output_dir,
+                                              batch_size, max_tokens, log)
+            except SGLangRunFailed as failure:  # the samples on disk stay; the manifest says why and how to resume
+                manifest.fail(failure.details)
+                raise
             log.info("extracted %d samples (%d tokens) in %.1f s: %.0f tokens/s, about %s written",
                      summary["samples_written"], summary["tokens_written"], summary["elapsed_s"],
                      summary["tokens_per_s"], human_bytes(summary["bytes_written"]))
