@@ -175,7 +175,8 @@ class CaptureHooks:
 
         def read() -> None:
             try:
-                self._sink = self._sink_factory()
+                with torch.device("cpu"):  # whatever default device the model's construction set
+                    self._sink = self._sink_factory()
             except BaseException as err:  # noqa: BLE001 - kept for the first forward, and recorded now
                 self._reader_error = err
                 self._report(err)
