@@ -555,8 +555,10 @@ def standin_engine(pinned_sglang, monkeypatch):
     return stage02, write_prepared_data
 
 
-def test_stage02_sglang_run_through_the_supervised_engine_process(standin_engine, stories260k, tmp_path):
+def test_stage02_sglang_run_through_the_supervised_engine_process(standin_engine, stories260k, tmp_path,
+                                                                  monkeypatch):
     from common.formats.hidden_states import open_hidden_states
+    from common.verifier import sglang_backend
 
     import sglang_standin
     from patches.sglang_capture import PLAN_ENV
@@ -567,6 +569,13 @@ def test_stage02_sglang_run_through_the_supervised_engine_process(standin_engine
     out = tmp_path / "out"
     argv = ["--model-path", str(stories260k), "--prepared-data", str(data), "--output-dir", str(out),
             "--backend", "sglang", "--max-tokens-per-batch", "40", "--batch-size", "4"]
+    # on a GPU too small for the weights once the capture's buffers are set aside: refused before anything starts
+    monkeypatch.setattr(sglang_backend, "gpu_memory_bytes", lambda: 2**20)
+    assert stage02.main(argv) == 2
+    log = (out / "logs" / "02_extract_hidden_states.log").read_text()
+    assert "leaves SGLang no room: the weights take about" in log and "starting SGLang" not in log
+    assert not (out / "manifest.json").exists()
+    monkeypatch.setattr(sglang_backend, "gpu_memory_bytes", lambda: STANDIN_GPU_BYTES)
     assert stage02.main(argv) == 0
     manifest, entries = open_hidden_states(out)
     assert manifest["status"] == "complete" and len(entries) == 6

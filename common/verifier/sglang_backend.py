@@ -286,17 +286,19 @@ def request_chunks(samples, todo: Sequence[int], batch_size: int) -> list[list[i
 
 
 def extract_with_sglang(args, info, samples, todo: Sequence[int], complete: set[int], aux_layers: Sequence[int],
-                        output_dir: Path, batch_size: int, max_tokens: int, log) -> dict[str, Any]:
+                        output_dir: Path, batch_size: int, max_tokens: int, log,
+                        memory: CaptureMemory | None = None) -> dict[str, Any]:
     """Run every sample of `todo` through SGLang with the capture hooks; returns the run's statistics
     (ExtractionStats.as_dict keys). Each sample folder is complete on disk when this returns; when the run stops
-    early it raises SGLangRunFailed (cause, the hooks' error file, samples kept, resume command)."""
+    early it raises SGLangRunFailed (cause, the hooks' error file, samples kept, resume command). `memory`: the
+    preflight's plan_capture_memory (made here when not given)."""
     from common.verifier import sglang_engine
     from common.verifier.loading import resolve_model_path
     from patches import SGLANG_PACKAGE_ENV
     from patches.sglang_capture import PLAN_ENV, CapturePlan
 
     version = check_sglang_installed()
-    memory = plan_capture_memory(args, info, samples, aux_layers, max_tokens, log)
+    memory = memory or plan_capture_memory(args, info, samples, aux_layers, max_tokens, log)
     plan = CapturePlan(output_dir=str(output_dir.resolve()), prepared_data=str(Path(args.prepared_data).resolve()),
                        vocab_size=info.vocab_size, max_seq_len=args.max_seq_len, aux_layers=list(aux_layers),
                        dtype=args.dtype, num_workers=args.num_workers, sglang_version=version)
