@@ -256,13 +256,14 @@ class CaptureHooks:
 
     def _fail(self, err: BaseException) -> None:
         """Record a failure in a forward and let the writers finish the samples already accepted: SGLang answers
-        the exception by killing the engine's process tree, and what is on disk by then is kept for the resume."""
-        self._report(err)
+        the exception by killing the engine's process tree, and what is on disk by then is kept for the resume.
+        The writers finish first: stage 02 stops the engine as soon as it sees the error file."""
         if self._sink is not None:
             try:
                 self._sink.close()
             except Exception:  # noqa: BLE001 - a writer's failure is in the error file already
                 pass
+        self._report(err)
 
 
 # --- the sink: sample folders on disk ------------------------------------------------------------------------

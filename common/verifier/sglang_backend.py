@@ -321,7 +321,7 @@ def extract_with_sglang(args, info, samples, todo: Sequence[int], complete: set[
         engine.start()
         stats = _run_requests(engine, plan, samples, todo, complete, output_dir, batch_size, info, args.dtype, log)
     except Exception as err:  # noqa: BLE001 - every way the run stops is reported the same way
-        engine.stop()  # no writer of the engine's process is still busy while the samples on disk are counted
+        engine.stop(graceful=False)  # no writer of the engine's process is busy while the samples are counted
         raise run_failure(err, args, plan, samples, output_dir) from err
     finally:
         engine.stop()

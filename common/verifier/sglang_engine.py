@@ -106,9 +106,11 @@ class EngineProcess:
     def submit(self, number: int, rids: list[str], input_ids: list[list[int]]) -> None:
         self._requests.put((number, rids, input_ids))
 
-    def stop(self) -> None:
-        """Shut the Engine down (it frees the GPUs), or end the process when it does not answer."""
-        if self.process.is_alive():
+    def stop(self, graceful: bool = True) -> None:
+        """Shut the Engine down (it frees the GPUs), or end the process at once (graceful=False, after a failure,
+        when it may still be loading) or when it does not answer. SGLang's scheduler processes die with it (they
+        ask the kernel for SIGKILL when their parent dies: sglang/srt/utils/common.py kill_itself_when_parent_died)."""
+        if graceful and self.process.is_alive():
             self._requests.put(None)
             self.process.join(STOP_TIMEOUT_S)
         if self.process.is_alive():
