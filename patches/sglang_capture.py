@@ -70,11 +70,12 @@ def requests_of(forward_batch: Any) -> tuple[list[RequestRows], int] | None:
     positions = [rid_position(rid) for rid in rids]
     if all(position is None for position in positions):
         return None
+    # SGLang's eager runner turns a mixed batch into an EXTEND one before the model runs (a decode tail is a
+    # one-token extend whose prefix is cached), so a stage-02 request caught in one fails the prefix check below.
     mode = getattr(forward_batch.forward_mode, "name", str(forward_batch.forward_mode))
     if mode != CAPTURE_MODE:
-        raise CaptureError(f"a {mode} forward holds stage-02 requests; only plain prefill ({CAPTURE_MODE}) forwards "
-                           f"give one row per prompt token: run with enable_mixed_chunk=False, no speculative "
-                           f"decoding, and max_new_tokens=0")
+        raise CaptureError(f"a {mode} forward holds stage-02 requests: they are prefill-only (max_new_tokens=0), so "
+                           f"only {CAPTURE_MODE} forwards should; no speculative decoding in stage 02's engine")
     lengths = forward_batch.extend_seq_lens_cpu
     prefixes = forward_batch.extend_prefix_lens_cpu
     if lengths is None or len(lengths) != len(rids):
@@ -118,15 +119,19 @@ def _forward_batch_of(args: tuple, kwargs: dict) -> Any:
 class CaptureHooks:
     """Wraps `forward` of text-model classes with SGLang's contract (see the module docstring).
 
-    `sink()` returns the object that receives each CapturedBatch (created on first use, so only the writing
-    rank reads the prepared data); `is_writer()` says whether this process writes; `on_error(message)` records
-    a failure before it propagates (the engine then stops); `on_first_batch(module)` runs once per process.
+    `sink()` returns the object that receives each CapturedBatch; only the writing rank makes one, in a thread
+    started as soon as a hooked text model is built (torch.distributed is up by then, so the rank is known), so
+    reading the prepared data overlaps the weight loading instead of holding the first forward while the other
+    ranks wait in NCCL. `is_writer()` says whether this process writes; `on_error(message)` records a failure
+    before it propagates (the engine then stops); `on_first_batch(module)` runs once per process.
     """
 
     def __init__(self, layer_ids: Sequence[int], sink: Callable[[], Any], is_writer: Callable[[], bool] = lambda: True,
                  on_error: Callable[[str], None] | None = None, on_first_batch: Callable[[Any], None] | None = None):
         self.layer_ids = capture_layer_ids(layer_ids)  # the hf backend's rule: SGLang's layers_to_capture = [l]
         self._sink_factory, self._sink = sink, None
+        self._reader: threading.Thread | None = None
+        self._reader_error: BaseException | None = None
         self.is_writer = is_writer
         self.on_error = on_error
         self.on_first_batch = on_first_batch
@@ -135,19 +140,63 @@ class CaptureHooks:
 
     def install(self, *classes: type) -> "CaptureHooks":
         for cls in classes:
-            original = cls.__dict__.get("forward")
-            if original is None:
-                raise TypeError(f"{cls.__name__} defines no forward of its own to wrap")
-            if getattr(original, "__eagle3_capture__", False):
-                raise RuntimeError(f"{cls.__name__}.forward already carries stage-02 capture hooks")
-            cls.forward = self._wrap(original)
-            self._patched.append((cls, original))
+            originals = {name: cls.__dict__.get(name) for name in ("forward", "__init__")}
+            for name, original in originals.items():
+                if original is None:
+                    raise TypeError(f"{cls.__name__} defines no {name} of its own to wrap")
+                if getattr(original, "__eagle3_capture__", False):
+                    raise RuntimeError(f"{cls.__name__}.{name} already carries stage-02 capture hooks")
+            cls.forward = self._wrap(originals["forward"])
+            cls.__init__ = self._wrap_init(originals["__init__"])
+            self._patched.append((cls, originals))
         return self
 
     def remove(self) -> None:
-        for cls, original in reversed(self._patched):
-            cls.forward = original
+        for cls, originals in reversed(self._patched):
+            for name, original in originals.items():
+                setattr(cls, name, original)
         self._patched = []
+
+    def _wrap_init(self, original: Callable) -> Callable:
+        hooks = self
+
+        @functools.wraps(original)
+        def __init__(module, *args, **kwargs):
+            original(module, *args, **kwargs)
+            hooks.start_reader()
+
+        __init__.__eagle3_capture__ = True
+        return __init__
+
+    def start_reader(self) -> None:
+        """On the writing rank, make the sink (it reads the prepared data) in a thread; once per process."""
+        if self._reader is not None or self._sink is not None or not self.is_writer():
+            return
+
+        def read() -> None:
+            try:
+                with torch.device("cpu"):  # whatever default device the model's construction set
+                    self._sink = self._sink_factory()
+            except BaseException as err:  # noqa: BLE001 - kept for the first forward, and recorded now
+                self._reader_error = err
+                self._report(err)
+
+        self._reader = threading.Thread(target=read, name="eagle3-read-prepared-data", daemon=True)
+        self._reader.start()
+
+    def wait_ready(self, timeout: float | None = None) -> bool:
+        """Whether the sink is made (waiting up to `timeout` s for the reader); re-raises the reader's error."""
+        if self._reader is not None:
+            self._reader.join(timeout)
+        if self._reader_error is not None:
+            raise RuntimeError("reading the prepared data failed") from self._reader_error
+        return self._sink is not None
+
+    def _sink_for_batch(self) -> Any:
+        if self._reader is None and self._sink is None:
+            self.start_reader()  # a model built before the hooks were installed
+        self.wait_ready()
+        return self._sink
 
     def _wrap(self, original: Callable) -> Callable:
         hooks = self
@@ -158,7 +207,7 @@ class CaptureHooks:
             try:
                 found = requests_of(forward_batch) if forward_batch is not None else None
             except CaptureError as err:
-                hooks._report(err)
+                hooks._fail(err)
                 raise
             if not found:
                 return original(module, *args, **kwargs)
@@ -172,7 +221,7 @@ class CaptureHooks:
         if previous and list(previous) != self.layer_ids:
             error = CaptureError(f"{type(module).__name__}.layers_to_capture is already {list(previous)} (speculative "
                                  f"decoding?); stage 02 runs the engine without a drafter")
-            self._report(error)
+            self._fail(error)
             raise error
         module.layers_to_capture = list(self.layer_ids)
         try:
@@ -194,18 +243,27 @@ class CaptureHooks:
                                            f"enable_attn_tp_input_scattered=False")
                 if self.batches == 0 and self.on_first_batch is not None:
                     self.on_first_batch(module)
-                if self._sink is None:
-                    self._sink = self._sink_factory()
-                self._sink.write_batch(CapturedBatch(requests, forward_batch.input_ids, tensors))
+                self._sink_for_batch().write_batch(CapturedBatch(requests, forward_batch.input_ids, tensors))
                 self.batches += 1
         except Exception as err:
-            self._report(err)
+            self._fail(err)
             raise
         return hidden
 
     def _report(self, err: BaseException) -> None:
         if self.on_error is not None:
             self.on_error("".join(traceback.format_exception(err)))
+
+    def _fail(self, err: BaseException) -> None:
+        """Record a failure in a forward and let the writers finish the samples already accepted: SGLang answers
+        the exception by killing the engine's process tree, and what is on disk by then is kept for the resume.
+        The writers finish first: stage 02 stops the engine as soon as it sees the error file."""
+        if self._sink is not None:
+            try:
+                self._sink.close()
+            except Exception:  # noqa: BLE001 - a writer's failure is in the error file already
+                pass
+        self._report(err)
 
 
 # --- the sink: sample folders on disk ------------------------------------------------------------------------
@@ -435,6 +493,11 @@ def install_from_environment() -> CaptureHooks | None:
         plan.record_error(problem)
         raise ImportError(problem)
     classes = [getattr(importlib.import_module(module), name) for module, name in HOOKED_TEXT_MODELS]
+    return install_plan_hooks(plan, classes)
+
+
+def install_plan_hooks(plan: CapturePlan, classes: Sequence[type]) -> CaptureHooks:
+    """The capture hooks of a plan, installed on `classes` (SGLang's text models; a stand-in's in the tests)."""
     return CaptureHooks(plan.aux_layers, plan.open_writer, is_first_rank, plan.record_error,
                         plan.mark_active).install(*classes)
 

@@ -4,8 +4,8 @@
   python scripts/sglang_launch_command.py RUN_DIR/checkpoints/best --model-path VERIFIER [--tp-size 8]
 
 Defaults: 3 steps / top-1 / 4 draft tokens, triton attention for the verifier and the drafter (what works on the
-SM120 GPUs of the Kimi-K2.5 deployment; docs/conventions.md says why), `--speculative-draft-model-quantization
-unquant` when the verifier is quantized. The drafter's layer ids are checked against what SGLang will capture.
+SM120 GPUs of the Kimi-K2.5 deployment; docs/conventions.md says why); `--speculative-draft-model-quantization
+unquant` only with --sm100 for a quantized verifier (elsewhere the drafter is unquantized without it). The drafter's layer ids are checked against what SGLang will capture.
 Exit 0 with the command; 1 when the command would serve the drafter wrongly (the problems are printed, and the
 command is still shown); 2 for bad arguments or unreadable folders.
 """
@@ -37,6 +37,9 @@ def main(argv=None) -> int:
     parser.add_argument("--trust-remote-code", action=argparse.BooleanOptionalAction, default=None,
                         help="default: when the verifier's config.json has an auto_map")
     parser.add_argument("--port", type=int)
+    parser.add_argument("--sm100", action="store_true",
+                        help="the server's GPUs are SM100 (B200/GB200): a quantized verifier then needs "
+                             "--speculative-draft-model-quantization unquant (docs/conventions.md)")
     parser.add_argument("--json", action="store_true", help="print {argv, command, notes, problems} as JSON")
     args = parser.parse_args(argv)
 
@@ -47,7 +50,7 @@ def main(argv=None) -> int:
             args.drafter, args.model_path, tp_size=args.tp_size, num_steps=args.num_steps, topk=args.topk,
             num_draft_tokens=args.num_draft_tokens, attention_backend=args.attention_backend,
             draft_attention_backend=args.draft_attention_backend, trust_remote_code=args.trust_remote_code,
-            port=args.port)
+            port=args.port, sm100=args.sm100)
     except UsageError as err:
         print(str(err), file=sys.stderr)
         return 2

@@ -13,10 +13,20 @@ What is SGLang's (sglang/srt/models/llama.py and deepseek_v2.py, checked in test
 What is a stand-in: the layers, norms and weights are transformers' (real models: stories260K, a tiny random
 DeepSeek-V3), attention runs per request over that request's rows (as SGLang's ragged attention kernels do), and
 `StandinForwardBatch` carries only the ForwardBatch fields the hooks read, under SGLang's names.
+
+`StandinEngine` stands in for `sglang.Engine` in stage 02's supervised engine process: it installs the capture
+plan's hooks on the stand-in text model, runs each `generate` call as prefill forwards of at most
+`max_prefill_tokens` tokens, and answers an exception in a forward the way SGLang 0.5.23 does: the scheduler
+signals its parent (the engine's process), whose SIGQUIT handler kills its own process tree, itself included. The
+stand-in runs its "scheduler" inside the engine's process, so it kills that process directly. `STANDIN_FAIL_AT=N`
+makes forward N arrive with a cached prefix (as with the radix cache on), which the hooks refuse.
 """
 from __future__ import annotations
 
 import enum
+import os
+import signal
+import traceback
 from dataclasses import dataclass
 
 import torch
@@ -84,3 +94,54 @@ class SGLangStyleTextModel(torch.nn.Module):
             hidden = layer.mlp(layer.post_attention_layernorm(residual)[None])[0]
         out = self.norm(hidden + residual)
         return (out, aux) if self.layers_to_capture else out
+
+
+FAIL_AT_ENV = "STANDIN_FAIL_AT"
+PLAN_ENV = "EAGLE3_SGLANG_CAPTURE_PLAN"  # patches.sglang_capture.PLAN_ENV (tests/test_sglang.py checks they agree)
+
+
+class StandinEngine:
+    """sglang.Engine's surface that stage 02 uses (__init__(**server args), generate, shutdown), on CPU."""
+
+    def __init__(self, **kwargs):
+        from common.verifier.capture import find_text_model
+        from common.verifier.loading import load_verifier_model
+        # Imported with the plan in the environment, the hooks module would hook SGLang's own classes (as in
+        # SGLang's processes); the stand-in takes the plan out first and hooks its own class with it.
+        plan_path = os.environ.pop(PLAN_ENV)
+        from patches.sglang_capture import CapturePlan, install_plan_hooks
+
+        self.hooks = install_plan_hooks(CapturePlan.read(plan_path), [SGLangStyleTextModel])
+        model = load_verifier_model(kwargs["model_path"], "cpu", "float32")
+        self.text = SGLangStyleTextModel(find_text_model(model).base)  # the hooks start reading the data here
+        self.max_tokens = int(kwargs["max_prefill_tokens"])
+        self.fail_at = int(os.environ.get(FAIL_AT_ENV, "-1"))
+        self.forwards = 0
+
+    def _forward(self, requests: list[tuple[str, torch.Tensor]]) -> None:
+        prefixes = [1] * len(requests) if self.forwards == self.fail_at else None
+        try:
+            with torch.no_grad():
+                self.text(*pack(requests, prefixes=prefixes))
+        except Exception:  # SGLang: the scheduler logs it and SIGQUITs the engine's process, which kills its tree
+            traceback.print_exc()
+            os.kill(os.getpid(), signal.SIGKILL)
+        self.forwards += 1
+
+    def generate(self, input_ids, sampling_params, rid):
+        assert sampling_params == {"max_new_tokens": 0}
+        batch, tokens = [], 0
+        for request, ids in zip(rid, input_ids):
+            if batch and tokens + len(ids) > self.max_tokens:
+                self._forward(batch)
+                batch, tokens = [], 0
+            batch.append((request, torch.tensor(ids, dtype=torch.int64)))
+            tokens += len(ids)
+        if batch:
+            self._forward(batch)
+        return [{"meta_info": {"finish_reason": {"type": "length", "length": 0}}} for _ in rid]
+
+    def shutdown(self) -> None:
+        if self.hooks._sink is not None:
+            self.hooks._sink.close()  # every accepted sample on disk
+        self.hooks.remove()

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 from pathlib import Path
 
 import sglang_source as src
@@ -77,16 +78,20 @@ def test_kimi_command_has_the_deployment_flags(tmp_path):
     assert value("--speculative-draft-model-path") == os.path.abspath(drafter)
     assert (value("--speculative-num-steps"), value("--speculative-eagle-topk"),
             value("--speculative-num-draft-tokens")) == ("3", "1", "4")
-    assert value("--speculative-draft-model-quantization") == "unquant"
+    # SM120 (the default): the drafter's quantization follows --quantization, unset here, so no flag is needed
+    assert "--speculative-draft-model-quantization" not in argv
+    assert any("compressed-tensors" in note and "needs no quantization flag" in note for note in command.notes)
     assert value("--attention-backend") == SM120_ATTENTION_BACKEND == "triton"
     assert value("--speculative-draft-attention-backend") == SM120_DRAFT_ATTENTION_BACKEND == "triton"
     # the exporter's ids [1, 29, 57]: SGLang (DeepSeek family, first id 1) captures the inputs of 2, 30, 58
     assert any("[1, 29, 57]" in note and "[2, 30, 58]" in note for note in command.notes)
     shell = command.shell()
     assert shell.splitlines()[0] == "python -m sglang.launch_server \\"
-    assert "    --speculative-draft-model-quantization unquant \\" in shell
+    # SM100: SGLang reads the checkpoint's quantization into --quantization there, so the drafter is marked unquant
+    sm100 = build_launch_command(drafter, str(verifier), tp_size=8, sm100=True)
+    assert "    --speculative-draft-model-quantization unquant \\" in sm100.shell()
     # the quantization_config may sit at the top level too
-    top = build_launch_command(drafter, str(kimi_folder(tmp_path / "kimi_top", quant_at_top=True)))
+    top = build_launch_command(drafter, str(kimi_folder(tmp_path / "kimi_top", quant_at_top=True)), sm100=True)
     assert "unquant" in top.argv
 
 
@@ -138,7 +143,9 @@ def test_script_on_a_real_llama_drafter(stories260k, tmp_path):
 def test_every_flag_is_a_flag_of_the_pinned_sglang(tmp_path):
     root = src.sglang_root()  # skips without SGLang
     verifier = kimi_folder(tmp_path / "kimi")
-    command = build_launch_command(kimi_drafter(tmp_path / "d", verifier, [2, 30, 58]), str(verifier), port=30000)
+    command = build_launch_command(kimi_drafter(tmp_path / "d", verifier, [2, 30, 58]), str(verifier), port=30000,
+                                   sm100=True)
+    assert "--speculative-draft-model-quantization" in command.argv
     fields = src.server_args_fields()
     flags = [a for a in command.argv if a.startswith("--")]
     for flag in flags:
@@ -155,6 +162,16 @@ def test_every_flag_is_a_flag_of_the_pinned_sglang(tmp_path):
     default = src.source_of(src.find_function("sglang.srt.arg_groups.model_override_base", "get_default_attn_backend"))
     mla = default[default.index("# MLA architecture"):]
     assert "is_sm100" in mla and mla.rstrip().endswith('return "triton"')
-    # The draft quantization defaults to the verifier's unless given: why the command names unquant.
-    serving = src.source_of(src.parse("sglang.srt.arg_groups.serving_hook"))
+    # The draft quantization defaults to --quantization (not the checkpoint's) unless given; "unquant" means None.
+    serving = src.source_of(src.find_function("sglang.srt.arg_groups.serving_hook", "handle_missing_default_values"))
     assert "speculative_draft_model_quantization=cfg.quantization" in serving
+    assert 'if cfg.speculative_draft_model_quantization == "unquant":' in serving
+    # The draft's ModelConfig takes that value; the target's takes --quantization.
+    config = src.source_of(src.find_method("sglang.srt.configs.model_config", "ModelConfig", "from_server_args"))
+    assert re.search(r"cfg\.speculative_draft_model_quantization\s+if is_draft_model\s+else cfg\.quantization", config)
+    # The checkpoint's compressed-tensors setting is read into --quantization only on SM100 (DeepSeek family, Kimi
+    # included): elsewhere --quantization stays unset and the flag is not needed.
+    resolution = src.source_of(src.find_function("sglang.srt.arg_groups.overrides", "_deepseek_moe_quant_resolution"))
+    sm100_branch = resolution[resolution.index("if get_platform().is_sm100:"):]
+    assert 'overrides["quantization"] = quantization = quant_method' in sm100_branch
+    assert resolution.index("get_quantization_config(hf_config)") > resolution.index("if get_platform().is_sm100:")

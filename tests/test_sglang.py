@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import ast
 import json
+import os
 import re
 from argparse import Namespace
 from pathlib import Path
@@ -159,6 +160,12 @@ def test_forward_batch_has_the_fields_the_hooks_read(pinned_sglang):
     assert {m.name for m in StandinForwardMode} <= src.class_fields(module, "ForwardMode")
     init_new = src.source_of(src.find_method(module, "ForwardBatch", "init_new"))
     assert "rids=[req.rid for req in batch.reqs]" in init_new  # the request ids stage 02 sends, in row order
+    # A MIXED batch never reaches the model: the eager runner (CUDA graphs are off) runs it as EXTEND, so the hooks
+    # tell mixed-in decode tails by their cached prefix, not by the mode.
+    execute = src.source_of(src.find_method("sglang.srt.model_executor.runner.eager_runner", "EagerRunner",
+                                            "execute"))
+    mixed = execute[execute.index("if mode.is_mixed()"):]
+    assert mixed.index("forward_batch.forward_mode = ForwardMode.EXTEND") < mixed.index("_execute_extend")
 
 
 def test_sglang_processes_import_the_hooks_through_the_model_package_variable(pinned_sglang):
@@ -352,9 +359,14 @@ def test_capture_refuses_forwards_that_are_not_one_row_per_prompt_token(verifier
             with pytest.raises(CaptureError, match="disable_radix_cache=True and chunked_prefill_size=-1"):
                 text(*pack([(sample_rid(0), samples[0].input_ids)], prefixes=[3]))
             assert "prefix cache" in error_file.read_text()
-            # decode tokens mixed into a prefill forward
-            with pytest.raises(CaptureError, match="enable_mixed_chunk=False"):
-                text(*pack([(sample_rid(0), samples[0].input_ids)], StandinForwardMode.MIXED))
+            # a mixed batch as the model sees it (SGLang runs it as EXTEND): a stage-02 request's one-token decode
+            # tail after its cached prompt is refused by the prefix check
+            with pytest.raises(CaptureError, match="8 of its tokens were not recomputed"):
+                text(*pack([(sample_rid(1), samples[1].input_ids), (sample_rid(0), samples[0].input_ids[-1:])],
+                           prefixes=[0, 8]))
+            # a decode forward of a stage-02 request (prefill-only requests never decode)
+            with pytest.raises(CaptureError, match="prefill-only"):
+                text(*pack([(sample_rid(0), samples[0].input_ids[-1:])], StandinForwardMode.DECODE))
             # a request whose id names another sample (same length, other tokens)
             with pytest.raises(CaptureError, match="token ids differ"):
                 text(*pack([(sample_rid(1), samples[0].input_ids)]))
@@ -373,6 +385,46 @@ def test_capture_refuses_forwards_that_are_not_one_row_per_prompt_token(verifier
             hooks._sink.close()
     with pytest.raises(ValueError, match="ascending"):
         CaptureHooks([3, 1, 2], plan.open_writer)
+
+
+def test_the_prepared_data_is_read_when_the_model_is_built_not_in_the_first_forward(verifiers, tmp_path):
+    """Rank 0 reads the prepared data while SGLang loads the weights: the reader starts when a hooked text model is
+    constructed (torch.distributed is up by then in SGLang's ModelRunner) and is done before the first forward, so a
+    large dataset never holds a forward while the other ranks wait in NCCL."""
+    import threading
+
+    model, _, samples, plan = _setup(verifiers["stories"], tmp_path, [1, 2, 3], [8, 5, 6])
+    reads = []
+
+    def open_writer():
+        reads.append(threading.current_thread().name)
+        return plan.open_writer()
+
+    hooks = CaptureHooks([1, 2, 3], open_writer, on_error=plan.record_error).install(SGLangStyleTextModel)
+    try:
+        from common.verifier.capture import find_text_model
+
+        text = SGLangStyleTextModel(find_text_model(model).base)  # as SGLang builds the model, before any forward
+        assert hooks.wait_ready(timeout=60)
+        assert reads == ["eagle3-read-prepared-data"]  # in the reader thread, once
+        assert len(hooks._sink.samples) == len(samples)
+        with torch.no_grad():
+            text(*pack([(sample_rid(0), samples[0].input_ids)]))
+        assert reads == ["eagle3-read-prepared-data"]  # the forward used the sink already made
+        # a rank that does not write never reads
+        other = CaptureHooks([1, 2, 3], open_writer, is_writer=lambda: False)
+        other.start_reader()
+        assert not other.wait_ready(timeout=1) and len(reads) == 1
+    finally:
+        hooks.remove()
+        if hooks._sink is not None:
+            hooks._sink.close()
+    assert "__eagle3_capture__" not in vars(SGLangStyleTextModel.__init__)
+    # SGLang builds the model after torch.distributed is up, so is_first_rank() is known in the text model's __init__
+    runner = "sglang.srt.model_executor.model_runner"
+    init = src.source_of(src.find_method(runner, "ModelRunner", "__init__"))
+    assert init.index("self.init_torch_distributed()") < init.index("self.initialize(")
+    assert "self.load_model()" in src.source_of(src.find_method(runner, "ModelRunner", "initialize"))
 
 
 def test_journal_follower_and_request_order(tmp_path):
@@ -428,3 +480,187 @@ def test_stage02_backend_sglang_refuses_before_any_engine_starts(stories260k, tm
     info.architecture = "Qwen2ForCausalLM"
     with pytest.raises(UsageError, match="KimiK25ForConditionalGeneration.*Qwen2ForCausalLM"):
         check_sglang_verifier(Namespace(model_path="qwen"), info)
+
+
+# --- scripts/check_sglang_capture.py: the agreement it promises ------------------------------------------------------
+
+def _hidden_states_folder(folder: Path, samples, tensors) -> Path:
+    """A finished stage-02 output holding `tensors[i]` (aux_0, aux_1, aux_2, final) for sample i."""
+    from common.extract.writer import write_samples
+    from common.formats.hidden_states import write_index
+    from common.formats.manifest import Manifest
+
+    folder.mkdir(parents=True)
+    write_samples(folder, samples, tensors)
+    write_index(folder, samples, range(len(samples)))
+    Manifest(folder, "02_extract_hidden_states", {}).complete()
+    return folder
+
+
+def test_check_script_needs_cosine_above_0999_per_file_and_names_the_worst(tmp_path):
+    import importlib.util
+
+    from common.formats.prepared_data import read_prepared_data
+
+    spec = importlib.util.spec_from_file_location("check_sglang_capture", REPO / "scripts" / "check_sglang_capture.py")
+    check = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(check)
+    assert check.MIN_COSINE == 0.999
+    samples, _ = read_prepared_data(_prepared(tmp_path / "data", [12, 7, 9]), 512, 2048)
+    generator = torch.Generator().manual_seed(0)
+    reference = [[torch.randn(s.num_tokens, 64, generator=generator) for _ in range(4)] for s in samples]
+
+    def noisy(scale: float, which: tuple[int, int]):
+        """The reference with noise of relative size `scale` added to one file (sample, tensor)."""
+        out = [[t.clone() for t in files] for files in reference]
+        tensor = out[which[0]][which[1]]
+        tensor += scale * torch.randn(tensor.shape, generator=generator)
+        return out
+
+    hf = _hidden_states_folder(tmp_path / "hf", samples, reference)
+    # cosine ~0.9999 in one file: agrees
+    close = check.compare(hf, _hidden_states_folder(tmp_path / "close", samples, noisy(0.01, (2, 3))))
+    assert check.agrees(close)
+    assert close["worst_file"]["file"] == f"{samples[2].rel_path}/final.pt"
+    # cosine ~0.995 in one file (enough for the old 0.99 threshold): does not agree, and that file is named
+    far = check.compare(hf, _hidden_states_folder(tmp_path / "far", samples, noisy(0.1, (1, 1))))
+    assert 0.99 < far["worst_file"]["cosine"] < 0.999
+    assert not check.agrees(far)
+    assert far["worst_file"]["file"] == f"{samples[1].rel_path}/aux_1.pt"
+    assert far["worst_file"]["sample"] == samples[1].id
+    assert far["files"]["aux_1.pt"]["worst_file"] == far["worst_file"]["file"]
+    assert far["files"]["aux_0.pt"]["min_cosine"] > 0.9999  # untouched files compare equal
+
+
+# --- stage 02 with the engine in a supervised process (the stand-in engine) ----------------------------------------
+
+STANDIN_GPU_BYTES = 80 * 2**30
+
+
+@pytest.fixture
+def standin_engine(pinned_sglang, monkeypatch):
+    """Stage 02 --backend sglang with tests/sglang_standin.StandinEngine in its engine process. Stand-ins (no GPU
+    here): the engine, one visible GPU of 80 GiB. Everything else (preflight, plan, supervision, hooks, writer,
+    manifest) is the stage's own."""
+    from common.verifier import sglang_backend, sglang_engine
+
+    monkeypatch.setattr(sglang_engine, "SGLANG_ENGINE", "sglang_standin:StandinEngine")
+    monkeypatch.setattr(sglang_backend, "visible_gpu_count", lambda: 1)
+    monkeypatch.setattr(sglang_backend, "gpu_memory_bytes", lambda: STANDIN_GPU_BYTES)
+    for name in ("SGLANG_EXTERNAL_MODEL_PACKAGE", "EAGLE3_SGLANG_CAPTURE_PLAN", "PYTHONPATH"):
+        monkeypatch.setenv(name, os.environ.get(name, ""))  # the stage sets them; restored afterwards
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    from test_extract import stage02, write_prepared_data
+
+    return stage02, write_prepared_data
+
+
+def test_stage02_sglang_run_through_the_supervised_engine_process(standin_engine, stories260k, tmp_path,
+                                                                  monkeypatch):
+    from common.formats.hidden_states import open_hidden_states
+    from common.verifier import sglang_backend
+
+    import sglang_standin
+    from patches.sglang_capture import PLAN_ENV
+
+    assert sglang_standin.PLAN_ENV == PLAN_ENV
+    stage02, write_prepared_data = standin_engine
+    data = write_prepared_data(tmp_path / "data", stories260k, [30, 12, 7, 25, 9, 16])
+    out = tmp_path / "out"
+    argv = ["--model-path", str(stories260k), "--prepared-data", str(data), "--output-dir", str(out),
+            "--backend", "sglang", "--max-tokens-per-batch", "40", "--batch-size", "4"]
+    # on a GPU too small for the weights once the capture's buffers are set aside: refused before anything starts
+    monkeypatch.setattr(sglang_backend, "gpu_memory_bytes", lambda: 2**20)
+    assert stage02.main(argv) == 2
+    log = (out / "logs" / "02_extract_hidden_states.log").read_text()
+    assert "leaves SGLang no room: the weights take about" in log and "starting SGLang" not in log
+    assert not (out / "manifest.json").exists()
+    monkeypatch.setattr(sglang_backend, "gpu_memory_bytes", lambda: STANDIN_GPU_BYTES)
+    assert stage02.main(argv) == 0
+    manifest, entries = open_hidden_states(out)
+    assert manifest["status"] == "complete" and len(entries) == 6
+    memory = manifest["last_run"]["capture_memory"]
+    assert memory["tokens"] == 40 and memory["requested"] == 0.85
+    # the aux of 3 layers and the gather of 4 tensors, hidden 64, bf16; the fraction lowered by their share
+    assert memory["aux_bytes"] == 40 * 3 * 64 * 2 and memory["gather_bytes"] == 40 * 4 * 64 * 2
+    assert memory["mem_fraction_static"] == 0.849  # (0.85 - 35840 / 80 GiB) rounded down to 1/1000
+    log = (out / "logs" / "02_extract_hidden_states.log").read_text()
+    assert "GPU memory: capture buffers outside SGLang's memory plan" in log and "mem_fraction_static=0.849" in log
+
+
+def test_stage02_reports_a_hooks_failure_in_the_engine_process_and_resumes(standin_engine, stories260k, tmp_path,
+                                                                          monkeypatch):
+    """The hooks fail in the third forward; SGLang's way of answering that (the engine's process is killed) ends
+    the child, not stage 02, which exits 1 naming the hooks' error file, the samples kept and the resume command,
+    and marks its manifest failed. The printed command then finishes the run."""
+    import shlex
+
+    from common.formats.files import read_json
+    from common.formats.hidden_states import open_hidden_states
+    from sglang_standin import FAIL_AT_ENV
+
+    stage02, write_prepared_data = standin_engine
+    data = write_prepared_data(tmp_path / "data", stories260k, [30, 28, 26, 12, 9, 7, 5])
+    out = tmp_path / "out"
+    argv = ["--model-path", str(stories260k), "--prepared-data", str(data), "--output-dir", str(out),
+            "--backend", "sglang", "--max-tokens-per-batch", "32", "--batch-size", "2"]
+    monkeypatch.setenv(FAIL_AT_ENV, "2")  # forwards 0 and 1 (samples 0 and 1) are written first
+    assert stage02.main(argv) == 1
+    log = (out / "logs" / "02_extract_hidden_states.log").read_text()
+    assert "SGLang's engine process" in log and "was killed by signal 9" in log
+    assert f"the capture hooks' error file {out / ERROR_FILE}" in log
+    assert "were not recomputed (prefix cache or chunked prefill)" in log  # the hooks' own error, from the file
+    manifest = read_json(out / "manifest.json")
+    assert manifest["status"] == "failed"
+    failure = manifest["failure"]
+    assert failure["hooks_error_file"] == str(out / ERROR_FILE) and failure["samples"] == 7
+    assert failure["complete_samples"] == 2
+    assert "2 of 7 samples are complete on disk and are kept; resume with:" in log
+    assert failure["resume_command"] in log
+    # the resume command, as printed, finishes the run and keeps the two samples already written
+    monkeypatch.delenv(FAIL_AT_ENV)
+    kept = {p: p.stat().st_mtime_ns for p in out.glob("shard_*/*/final.pt")}
+    assert len(kept) == 2
+    resume = shlex.split(failure["resume_command"])
+    assert resume[:2] == ["python", "02_extract_hidden_states.py"] and "--overwrite" not in resume
+    assert stage02.main(resume[2:]) == 0
+    manifest, entries = open_hidden_states(out)
+    assert manifest["status"] == "complete" and len(entries) == 7 and "failure" not in manifest
+    assert {p: p.stat().st_mtime_ns for p in kept} == kept
+
+
+def test_capture_memory_for_kimi_is_taken_off_the_memory_fraction_or_refused():
+    from common.verifier.sglang_backend import capture_memory
+
+    gpu = 96 * 2**30  # an SM120 RTX PRO 6000 of the Kimi deployment
+    weights = 547 * 10**9 // 8  # Kimi-K2.5 int4 over 8 GPUs
+    memory = capture_memory(32768, 7168, 3, 2, gpu, 0.85, weights)
+    assert memory.aux_bytes == 32768 * 3 * 7168 * 2 == 1_409_286_144  # ~1.4 GB on every rank
+    assert memory.gather_bytes == 32768 * 4 * 7168 * 2 == 1_879_048_192  # ~1.9 GB more on rank 0
+    assert memory.mem_fraction_static == 0.818  # 0.85 - 3.29 GB / 103 GB, rounded down
+    assert (0.85 - memory.mem_fraction_static) * gpu >= memory.extra_bytes  # the whole of it is left free
+    assert "1.3 GB" in memory.describe() and "1.8 GB" in memory.describe()  # human_bytes (GiB)
+    # too many tokens per forward for the weights to fit any more: refused, with the numbers and the fix
+    with pytest.raises(UsageError, match=r"weights take about .* per GPU.*Lower --max-tokens-per-batch"):
+        capture_memory(262144, 7168, 3, 2, gpu, 0.85, weights)
+    with pytest.raises(UsageError, match="leaves SGLang no room"):
+        capture_memory(10**6, 7168, 3, 2, gpu, 0.85)
+
+
+def test_why_the_engine_runs_in_a_child_and_the_memory_plan_it_lowers(pinned_sglang):
+    """The pinned source behind sglang_engine.EngineProcess and CaptureMemory (docs/extraction.md)."""
+    # A scheduler's exception is answered by SIGQUIT to its parent, the process that made the Engine ...
+    scheduler = src.source_of(src.find_function("sglang.srt.managers.scheduler", "run_scheduler_process"))
+    assert "parent_process = psutil.Process().parent()" in scheduler
+    assert "parent_process.send_signal(signal.SIGQUIT)" in scheduler[scheduler.index("except Exception:"):]
+    # ... whose handler kills its own process tree, itself included: stage 02 must not be that process.
+    engine = src.source_of(src.find_function("sglang.srt.entrypoints.engine", "_set_envs_and_config"))
+    handler = engine[engine.index("def launch_phase_sigquit_handler"):]
+    assert "kill_process_tree(os.getpid())" in handler
+    assert "signal.signal(signal.SIGQUIT, launch_phase_sigquit_handler)" in handler
+    kill = src.source_of(src.find_function("sglang.srt.utils.common", "kill_process_tree"))
+    assert "include_parent: bool = True" in kill and "itself.kill()" in kill
+    # SGLang's KV budget keeps only pre_model_load_memory * (1 - mem_fraction_static) free for activations.
+    budget = src.source_of(src.find_method("sglang.srt.mem_cache.kv_cache_configurator", "KVCacheConfigurator",
+                                           "_profile_available_bytes"))
+    assert "slack_gb = pre_model_load_memory * (1 - get_schedule().mem_fraction_static)" in budget

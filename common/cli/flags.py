@@ -128,7 +128,8 @@ _ALL_FLAGS: list[Flag] = [
          default=2048),
     Flag("--tp-size", "Tensor-parallel GPUs for the verifier (SGLang backend).",
          aliases=("--tp", "--tensor-parallel-size"), type=_positive_int, default=1),
-    Flag("--gpu-memory-utilization", "Share of GPU memory the verifier engine may take.",
+    Flag("--gpu-memory-utilization", "Share of GPU memory the verifier engine may take (--backend sglang lowers "
+         "it by the capture's own buffers, stated in the log).",
          aliases=("--mem-fraction-static", "--gpu-mem-util", "--mem-fraction"), type=_fraction, default=0.85),
     Flag("--device", "cuda, cpu, or auto (cuda when available).", default="auto"),
     Flag("--dtype", "Precision of the verifier's computation and stored hidden states.",

@@ -181,7 +181,11 @@ def extract_hidden_states(args, inputs: ExtractionInputs, rank: distributed.Rank
             log.info("resuming: %d of %d samples are complete; %d samples (%d tokens) to go", len(complete),
                      len(samples), len(todo_samples), todo_tokens)
 
-        # 4. Disk, then (only now) clear an overwritten output.
+        # 4. The SGLang capture's GPU memory and the disk, then (only now) clear an overwritten output.
+        if args.backend == "sglang":
+            from common.verifier.sglang_backend import plan_capture_memory
+
+            memory = plan_capture_memory(args, info, samples, aux_layers, max_tokens, log)
         needed = check_disk(args, output_dir, todo_tokens, len(todo_samples), info, log)
         distributed.barrier()  # every rank has read the output folder before rank 0 changes it
         if args.overwrite and rank.is_main:
@@ -204,10 +208,14 @@ def extract_hidden_states(args, inputs: ExtractionInputs, rank: distributed.Rank
                      len(todo_samples))
 
         if args.backend == "sglang":  # SGLang's processes run the verifier; patches/sglang_capture.py writes
-            from common.verifier.sglang_backend import extract_with_sglang
+            from common.verifier.sglang_backend import SGLangRunFailed, extract_with_sglang
 
-            summary = extract_with_sglang(args, info, samples, todo_samples, complete, aux_layers, output_dir,
-                                          batch_size, max_tokens, log)
+            try:
+                summary = extract_with_sglang(args, info, samples, todo_samples, complete, aux_layers, output_dir,
+                                              batch_size, max_tokens, log, memory)
+            except SGLangRunFailed as failure:  # the samples on disk stay; the manifest says why and how to resume
+                manifest.fail(failure.details)
+                raise
             log.info("extracted %d samples (%d tokens) in %.1f s: %.0f tokens/s, about %s written",
                      summary["samples_written"], summary["tokens_written"], summary["elapsed_s"],
                      summary["tokens_per_s"], human_bytes(summary["bytes_written"]))

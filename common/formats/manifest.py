@@ -20,6 +20,7 @@ MANIFEST = "manifest.json"
 MANIFEST_VERSION = 1
 STATUS_RUNNING = "running"
 STATUS_COMPLETE = "complete"
+STATUS_FAILED = "failed"
 _PACKAGES = ("torch", "transformers", "safetensors", "tokenizers", "datasets", "numpy", "sglang")
 
 
@@ -67,6 +68,13 @@ class Manifest:
     def complete(self) -> None:
         self.data["status"] = STATUS_COMPLETE
         self.data["finished_at"] = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+        self.write()
+
+    def fail(self, details: dict[str, Any]) -> None:
+        """The run stopped with an error: record why and how to resume, for whoever reads the folder next."""
+        self.data["status"] = STATUS_FAILED
+        self.data["failure"] = details
+        self.data["failed_at"] = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
         self.write()
 
 

@@ -3,8 +3,11 @@ capture plan, the engine and its requests, progress. Division of labour and engi
 from __future__ import annotations
 
 import importlib.util
+import math
 import os
+import shlex
 import time
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Sequence
 
@@ -38,6 +41,8 @@ CAPTURE_SETTINGS: dict[str, Any] = {
     "skip_tokenizer_init": True,
 }
 REQUESTS_PER_CALL_FACTOR = 8  # requests per Engine.generate call: this many batches' worth
+CHUNKS_IN_FLIGHT = 2  # generate calls queued to the engine's process: one running, one waiting
+STAGE_SCRIPT = "02_extract_hidden_states.py"
 STALL_TIMEOUT_S = 900.0  # no sample finished for this long after the last request returned: give up
 INDEX_REFRESH_S = 60.0
 
@@ -55,6 +60,12 @@ def check_sglang_installed() -> str:
     return SUPPORTED_SGLANG_VERSION
 
 
+def visible_gpu_count() -> int:
+    import torch
+
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0
+
+
 def check_sglang_early(args) -> str:
     """The --backend sglang checks that need nothing but the flags (before the verifier config is read):
     the pinned SGLang, one process, GPUs for --tp-size. Raises UsageError; returns the SGLang version."""
@@ -65,9 +76,7 @@ def check_sglang_early(args) -> str:
     if args.device == "cpu" or str(args.device).startswith("cuda:"):
         raise UsageError(f"--device {args.device}: --backend sglang runs on the GPUs SGLang is given "
                          f"(CUDA_VISIBLE_DEVICES and --tp-size); leave --device at auto")
-    import torch
-
-    visible = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    visible = visible_gpu_count()
     if visible < args.tp_size:
         raise UsageError(f"--backend sglang --tp-size {args.tp_size} needs {args.tp_size} GPUs, {visible} visible here "
                          f"(CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES', 'unset')})")
@@ -86,13 +95,156 @@ def check_sglang_verifier(args, info) -> None:
         raise UsageError("--backend sglang needs a Hugging Face folder as --model-path, not a GGUF file")
 
 
-def engine_kwargs(args, model_folder: str, batch_size: int, max_tokens: int) -> dict[str, Any]:
-    """sglang.Engine(**kwargs) for extraction: the capture settings plus the stage's own flags."""
+def engine_kwargs(args, model_folder: str, batch_size: int, max_tokens: int,
+                  mem_fraction_static: float | None = None) -> dict[str, Any]:
+    """sglang.Engine(**kwargs) for extraction: the capture settings plus the stage's own flags (the memory
+    fraction lowered by the capture's own buffers: CaptureMemory)."""
     kwargs = dict(CAPTURE_SETTINGS)
+    fraction = args.gpu_memory_utilization if mem_fraction_static is None else mem_fraction_static
     kwargs.update(model_path=model_folder, tp_size=args.tp_size, dtype=args.dtype,
-                  trust_remote_code=bool(args.trust_remote_code), mem_fraction_static=args.gpu_memory_utilization,
+                  trust_remote_code=bool(args.trust_remote_code), mem_fraction_static=fraction,
                   max_running_requests=batch_size, max_prefill_tokens=max_tokens, log_level="info")
     return kwargs
+
+
+# --- GPU memory the capture takes outside SGLang's plan -----------------------------------------------------------
+
+@dataclass
+class CaptureMemory:
+    """The capture's GPU buffers, which SGLang's memory plan does not know about, and the lowered fraction.
+
+    SGLang sizes its KV cache from the GPU memory left after the weights minus a slack of
+    pre_model_load_memory * (1 - mem_fraction_static) for activations (0.5.23:
+    sglang/srt/mem_cache/kv_cache_configurator.py KVCacheConfigurator._profile_available_bytes). The capture adds,
+    in the longest forward, the packed aux [T, layers x H] on every rank and, on rank 0, the requests' rows of aux
+    and final gathered in the stored dtype; lowering the fraction by their share of the GPU widens the slack by
+    as much, so the first and longest batch cannot run out of memory."""
+    tokens: int
+    aux_bytes: int
+    gather_bytes: int
+    gpu_bytes: int
+    requested: float
+    mem_fraction_static: float
+
+    @property
+    def extra_bytes(self) -> int:
+        return self.aux_bytes + self.gather_bytes
+
+    def describe(self) -> str:
+        from common.formats.hidden_states import human_bytes
+
+        return (f"capture buffers outside SGLang's memory plan, at {self.tokens} tokens per forward: the packed aux "
+                f"{human_bytes(self.aux_bytes)} on every GPU, plus rank 0's gather {human_bytes(self.gather_bytes)}; "
+                f"--gpu-memory-utilization {self.requested} is lowered by "
+                f"{self.requested - self.mem_fraction_static:.3f} of the GPU's {human_bytes(self.gpu_bytes)} to "
+                f"mem_fraction_static={self.mem_fraction_static}")
+
+
+def capture_memory(tokens: int, hidden_size: int, num_aux: int, element_size: int, gpu_bytes: int,
+                   requested: float, weights_per_gpu: int | None = None) -> CaptureMemory:
+    """The capture's buffers for a forward of `tokens` tokens, and the fraction SGLang may plan with; refuses
+    (UsageError with the numbers) when the weights would no longer fit."""
+    from common.formats.hidden_states import human_bytes
+
+    aux = tokens * num_aux * hidden_size * element_size
+    gather = tokens * (num_aux + 1) * hidden_size * element_size
+    lowered = math.floor((requested - (aux + gather) / gpu_bytes) * 1000) / 1000
+    memory = CaptureMemory(tokens, aux, gather, gpu_bytes, requested, lowered)
+    if lowered <= 0 or (weights_per_gpu is not None and lowered * gpu_bytes <= weights_per_gpu):
+        weights = f" the weights take about {human_bytes(weights_per_gpu)} per GPU," if weights_per_gpu else ""
+        raise UsageError(f"{memory.describe()}, which leaves SGLang no room:{weights} {lowered} of "
+                         f"{human_bytes(gpu_bytes)} = {human_bytes(max(lowered, 0) * gpu_bytes)}. Lower "
+                         f"--max-tokens-per-batch (the buffers scale with it), or raise --gpu-memory-utilization")
+    return memory
+
+
+def gpu_memory_bytes() -> int:
+    """Total memory of the first visible GPU, read through NVML when it is there (no CUDA context in stage 02's
+    process, whose GPU 0 is SGLang's rank 0)."""
+    try:
+        import pynvml
+
+        pynvml.nvmlInit()
+        try:
+            visible = os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",")[0].strip()
+            handle = (pynvml.nvmlDeviceGetHandleByIndex(int(visible)) if visible.isdigit()
+                      else pynvml.nvmlDeviceGetHandleByIndex(0))
+            return int(pynvml.nvmlDeviceGetMemoryInfo(handle).total)
+        finally:
+            pynvml.nvmlShutdown()
+    except Exception:  # noqa: BLE001 - no NVML (or a UUID in CUDA_VISIBLE_DEVICES): ask CUDA
+        import torch
+
+        return int(torch.cuda.get_device_properties(0).total_memory)
+
+
+def plan_capture_memory(args, info, samples, aux_layers: Sequence[int], max_tokens: int, log) -> CaptureMemory:
+    """Stage 02's preflight of the capture's GPU memory: computed, stated, and taken off the memory fraction."""
+    import torch
+
+    from common.verifier.loading import weights_bytes
+
+    longest = max((s.num_tokens for s in samples), default=0)
+    weights = weights_bytes(args.model_path)
+    memory = capture_memory(max(max_tokens, longest), info.hidden_size, len(aux_layers),
+                            torch.empty(0, dtype=getattr(torch, args.dtype)).element_size(), gpu_memory_bytes(),
+                            args.gpu_memory_utilization, weights // args.tp_size if weights else None)
+    log.info("GPU memory: %s", memory.describe())
+    return memory
+
+
+# --- how a failed run is reported -------------------------------------------------------------------------------
+
+class HooksFailed(RuntimeError):
+    """The capture hooks in SGLang's process wrote their error file."""
+
+
+class SGLangRunFailed(RuntimeError):
+    """Stage 02's SGLang run stopped: the message says why, what is on disk and how to resume; `details` go
+    into the manifest."""
+
+    def __init__(self, message: str, details: dict[str, Any]):
+        super().__init__(message)
+        self.details = details
+
+
+def resume_command(args) -> str:
+    """The command that resumes this run (same settings; complete samples are kept)."""
+    argv = ["python", STAGE_SCRIPT]
+    if getattr(args, "run_dir", None):
+        argv += ["--run-dir", str(args.run_dir)]
+    argv += ["--model-path", str(args.model_path), "--prepared-data", str(args.prepared_data),
+             "--output-dir", str(args.output_dir), "--backend", "sglang", "--tp-size", str(args.tp_size),
+             "--gpu-memory-utilization", str(args.gpu_memory_utilization), "--dtype", args.dtype,
+             "--max-seq-len", str(args.max_seq_len), "--num-workers", str(args.num_workers)]
+    for flag, value in (("--batch-size", args.batch_size), ("--max-tokens-per-batch", args.max_tokens_per_batch)):
+        if value:
+            argv += [flag, str(value)]
+    if args.aux_layers:
+        argv += ["--aux-layers", ",".join(str(layer) for layer in args.aux_layers)]
+    if args.trust_remote_code:
+        argv.append("--trust-remote-code")
+    return shlex.join(argv)
+
+
+def run_failure(err: BaseException, args, plan, samples, output_dir: Path) -> SGLangRunFailed:
+    """What stage 02 says when the SGLang run stops: the cause, the hooks' error file, what is kept, the resume
+    command."""
+    from common.extract.output import scan_output
+    from patches.sglang_capture import ERROR_FILE
+
+    error_file = plan.folder / ERROR_FILE
+    complete = len(scan_output(output_dir, samples, clean=False))
+    command = resume_command(args)
+    if error_file.exists():
+        hooks = f"the capture hooks' error file {error_file}:\n{error_file.read_text()[-4000:]}"
+    else:
+        hooks = f"the capture hooks recorded no error ({error_file} is absent)"
+    message = (f"the SGLang run stopped: {err}\n{hooks}\n{complete} of {len(samples)} samples are complete on disk "
+               f"and are kept; resume with:\n    {command}")
+    details = {"error": str(err)[-2000:], "hooks_error_file": str(error_file) if error_file.exists() else None,
+               "complete_samples": complete, "samples": len(samples), "resume_command": command}
+    return SGLangRunFailed(message, details)
 
 
 # --- the run -----------------------------------------------------------------------------------------------------
@@ -122,18 +274,8 @@ class JournalFollower:
 def _check_reports(plan) -> None:
     from patches.sglang_capture import ERROR_FILE
 
-    error = plan.folder / ERROR_FILE
-    if error.exists():
-        raise RuntimeError(f"the capture hooks in SGLang failed ({error}):\n{error.read_text()[-4000:]}")
-
-
-def _check_outputs(outputs: Any, chunk: Sequence[int], samples) -> None:
-    """Each request ended normally (an aborted request was never computed, so it would never be written)."""
-    for index, output in zip(chunk, outputs if isinstance(outputs, list) else [outputs]):
-        reason = ((output or {}).get("meta_info") or {}).get("finish_reason") or {}
-        if isinstance(reason, dict) and reason.get("type") == "abort":
-            raise RuntimeError(f"SGLang aborted the request for sample {samples[index].id!r}: "
-                               f"{reason.get('message') or reason}")
+    if (plan.folder / ERROR_FILE).exists():
+        raise HooksFailed("the capture hooks in SGLang's process failed")
 
 
 def request_chunks(samples, todo: Sequence[int], batch_size: int) -> list[list[int]]:
@@ -144,19 +286,19 @@ def request_chunks(samples, todo: Sequence[int], batch_size: int) -> list[list[i
 
 
 def extract_with_sglang(args, info, samples, todo: Sequence[int], complete: set[int], aux_layers: Sequence[int],
-                        output_dir: Path, batch_size: int, max_tokens: int, log) -> dict[str, Any]:
+                        output_dir: Path, batch_size: int, max_tokens: int, log,
+                        memory: CaptureMemory | None = None) -> dict[str, Any]:
     """Run every sample of `todo` through SGLang with the capture hooks; returns the run's statistics
-    (ExtractionStats.as_dict keys). Each sample folder is complete on disk when this returns."""
-    import torch
-
-    from common.extract.extractor import ExtractionStats
-    from common.formats.hidden_states import estimate_disk_bytes, write_index
-    from common.cli.stage import Progress
+    (ExtractionStats.as_dict keys). Each sample folder is complete on disk when this returns; when the run stops
+    early it raises SGLangRunFailed (cause, the hooks' error file, samples kept, resume command). `memory`: the
+    preflight's plan_capture_memory (made here when not given)."""
+    from common.verifier import sglang_engine
     from common.verifier.loading import resolve_model_path
     from patches import SGLANG_PACKAGE_ENV
-    from patches.sglang_capture import ACTIVE_FILE, JOURNAL_FILE, PLAN_ENV, CapturePlan, sample_rid
+    from patches.sglang_capture import PLAN_ENV, CapturePlan
 
     version = check_sglang_installed()
+    memory = memory or plan_capture_memory(args, info, samples, aux_layers, max_tokens, log)
     plan = CapturePlan(output_dir=str(output_dir.resolve()), prepared_data=str(Path(args.prepared_data).resolve()),
                        vocab_size=info.vocab_size, max_seq_len=args.max_seq_len, aux_layers=list(aux_layers),
                        dtype=args.dtype, num_workers=args.num_workers, sglang_version=version)
@@ -169,23 +311,42 @@ def extract_with_sglang(args, info, samples, todo: Sequence[int], complete: set[
     os.environ["PYTHONPATH"] = os.pathsep.join([str(REPO)] + [p for p in os.environ.get("PYTHONPATH", "").split(
         os.pathsep) if p and p != str(REPO)])
 
-    from sglang.srt.entrypoints.engine import Engine
-
     model_folder, _ = resolve_model_path(args.model_path)
-    kwargs = engine_kwargs(args, model_folder, batch_size, max_tokens)
-    log.info("starting SGLang %s with the capture hooks (tp %d, %s); loading a large verifier takes a while "
-             "(Kimi-K2.5: ~20 min). Engine settings: %s", version, args.tp_size, model_folder,
-             ", ".join(f"{k}={v}" for k, v in sorted(kwargs.items()) if k != "model_path"))
-    started = time.perf_counter()
-    engine = Engine(**kwargs)
-    engine_start_s = time.perf_counter() - started
-    log.info("SGLang engine ready in %.0f s", engine_start_s)
+    kwargs = engine_kwargs(args, model_folder, batch_size, max_tokens, memory.mem_fraction_static)
+    log.info("starting SGLang %s with the capture hooks in a supervised engine process (tp %d, %s); loading a "
+             "large verifier takes a while (Kimi-K2.5: ~20 min). Engine settings: %s", version, args.tp_size,
+             model_folder, ", ".join(f"{k}={v}" for k, v in sorted(kwargs.items()) if k != "model_path"))
+    engine = sglang_engine.EngineProcess(kwargs, sglang_engine.SGLANG_ENGINE)
+    try:
+        engine.start()
+        stats = _run_requests(engine, plan, samples, todo, complete, output_dir, batch_size, info, args.dtype, log)
+    except Exception as err:  # noqa: BLE001 - every way the run stops is reported the same way
+        engine.stop(graceful=False)  # no writer of the engine's process is busy while the samples are counted
+        raise run_failure(err, args, plan, samples, output_dir) from err
+    finally:
+        engine.stop()
+    stats.extra.update(sglang_version=version, capture_memory=asdict(memory))
+    return stats.as_dict()
 
+
+def _run_requests(engine, plan, samples, todo: Sequence[int], complete: set[int], output_dir: Path,
+                  batch_size: int, info, dtype: str, log):
+    """Feed the engine's process the request chunks and follow the journal until every sample is on disk."""
+    import torch
+
+    from common.cli.stage import Progress
+    from common.extract.extractor import ExtractionStats
+    from common.formats.hidden_states import estimate_disk_bytes, write_index
+    from patches.sglang_capture import ACTIVE_FILE, JOURNAL_FILE, sample_rid
+
+    engine_start_s = engine.wait_ready(lambda: _check_reports(plan))
+    log.info("SGLang engine ready in %.0f s", engine_start_s)
     stats = ExtractionStats()
     journal = JournalFollower(output_dir / JOURNAL_FILE)
     todo_set = set(todo)
-    element = torch.empty(0, dtype=getattr(torch, args.dtype)).element_size()
-    last_index = time.perf_counter()
+    element = torch.empty(0, dtype=getattr(torch, dtype)).element_size()
+    chunks = request_chunks(samples, todo, batch_size)
+    started_work = last_index = time.perf_counter()
 
     def collect(progress) -> None:
         nonlocal last_index
@@ -201,42 +362,50 @@ def extract_with_sglang(args, info, samples, todo: Sequence[int], complete: set[
             last_index = time.perf_counter()
             write_index(output_dir, samples, complete | (journal.done & todo_set))
 
-    started_work = time.perf_counter()
-    try:
-        with Progress(total=len(todo), desc="extract (sglang)", unit="samples") as progress:
-            for number, chunk in enumerate(request_chunks(samples, todo, batch_size)):
-                outputs = engine.generate(input_ids=[samples[i].input_ids.tolist() for i in chunk],
-                                          sampling_params={"max_new_tokens": 0},
-                                          rid=[sample_rid(samples[i].position) for i in chunk])
+    with Progress(total=len(todo), desc="extract (sglang)", unit="samples") as progress:
+        submitted, answered = 0, 0
+        while answered < len(chunks):
+            while submitted < len(chunks) and submitted - answered < CHUNKS_IN_FLIGHT:
+                chunk = chunks[submitted]
+                engine.submit(submitted, [sample_rid(samples[i].position) for i in chunk],
+                              [samples[i].input_ids.tolist() for i in chunk])
+                submitted += 1
+            for message in engine.messages():
+                if message[0] != "done":
+                    continue
+                _, number, aborted = message
+                chunk = chunks[number]
+                if aborted:
+                    index, reason = aborted[0]
+                    raise RuntimeError(f"SGLang aborted {len(aborted)} requests, the first for sample "
+                                       f"{samples[chunk[index]].id!r}: {reason}")
                 _check_reports(plan)
-                _check_outputs(outputs, chunk, samples)
                 if number == 0 and not (output_dir / ACTIVE_FILE).exists():
                     raise RuntimeError(
                         f"SGLang ran the first {len(chunk)} requests but the capture hooks never saw a prefill "
                         f"forward: SGLang did not import {PATCH_PACKAGE}.sglang_capture (look for 'Ignore import "
                         f"error when loading {PATCH_PACKAGE}' in its log) or the verifier's text model is not one of "
                         f"{', '.join(sorted(set(SUPPORTED_ARCHITECTURES.values())))}")
+                answered += 1
                 stats.batches += 1
                 stats.tokens_forwarded += sum(samples[i].num_tokens for i in chunk)
-                collect(progress)
-            drain_started = time.perf_counter()
-            last_progress = drain_started
-            while not todo_set <= journal.done:  # the writers in SGLang's process finish the last batches
-                _check_reports(plan)
-                before = len(journal.done)
-                collect(progress)
-                if len(journal.done) > before:
-                    last_progress = time.perf_counter()
-                elif time.perf_counter() - last_progress > STALL_TIMEOUT_S:
-                    missing = sorted(todo_set - journal.done)
-                    raise RuntimeError(f"{len(missing)} samples were sent to SGLang but not written after "
-                                       f"{STALL_TIMEOUT_S:.0f} s (first: {samples[missing[0]].id!r}); rerun to resume")
-                time.sleep(0.5)
-            stats.extra["drain_s"] = round(time.perf_counter() - drain_started, 3)
-    finally:
-        engine.shutdown()
+            _check_reports(plan)
+            collect(progress)
+        drain_started = last_progress = time.perf_counter()
+        while not todo_set <= journal.done:  # the writers in SGLang's process finish the last batches
+            _check_reports(plan)
+            before = len(journal.done)
+            collect(progress)
+            engine.messages(timeout=0.5)  # raises when the engine's process has died
+            if len(journal.done) > before:
+                last_progress = time.perf_counter()
+            elif time.perf_counter() - last_progress > STALL_TIMEOUT_S:
+                missing = sorted(todo_set - journal.done)
+                raise RuntimeError(f"{len(missing)} samples were sent to SGLang but not written after "
+                                   f"{STALL_TIMEOUT_S:.0f} s (first: {samples[missing[0]].id!r})")
+        stats.extra["drain_s"] = round(time.perf_counter() - drain_started, 3)
     stats.padded_tokens = stats.tokens_forwarded  # SGLang packs requests without padding
     stats.files_written = stats.samples_written * 5
     stats.elapsed_s = time.perf_counter() - started_work
-    stats.extra.update(engine_start_s=round(engine_start_s, 1), sglang_version=version)
-    return stats.as_dict()
+    stats.extra["engine_start_s"] = round(engine_start_s, 1)
+    return stats

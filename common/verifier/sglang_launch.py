@@ -81,8 +81,10 @@ def build_launch_command(drafter_dir: str | Path, model_path: str, tp_size: int 
                          num_draft_tokens: int | None = DEFAULT_NUM_DRAFT_TOKENS,
                          attention_backend: str = SM120_ATTENTION_BACKEND,
                          draft_attention_backend: str = SM120_DRAFT_ATTENTION_BACKEND,
-                         trust_remote_code: bool | None = None, port: int | None = None) -> LaunchCommand:
-    """`python -m sglang.launch_server ...` for this drafter and verifier, with notes and problems."""
+                         trust_remote_code: bool | None = None, port: int | None = None,
+                         sm100: bool = False) -> LaunchCommand:
+    """`python -m sglang.launch_server ...` for this drafter and verifier, with notes and problems. `sm100`: the
+    server's GPUs are SM100 (B200/GB200), where a quantized verifier needs the drafter marked unquantized."""
     from common.verifier.loading import read_raw_config, read_verifier_info, resolve_model_path
 
     config = read_drafter_config(drafter_dir)
@@ -118,10 +120,15 @@ def build_launch_command(drafter_dir: str | Path, model_path: str, tp_size: int 
              "--speculative-num-steps", str(num_steps), "--speculative-eagle-topk", str(topk),
              "--speculative-num-draft-tokens", str(num_draft_tokens)]
     quant = verifier_quantization(raw)
-    if quant:
+    if quant and sm100:
         argv += ["--speculative-draft-model-quantization", "unquant"]
-        notes.append(f"the verifier is quantized ({quant}): the bf16 drafter is loaded unquantized (by default SGLang "
-                     f"would give it the verifier's quantization)")
+        notes.append(f"the verifier is quantized ({quant}) and the GPUs are SM100: there SGLang sets --quantization "
+                     f"from the checkpoint for DeepSeek-family verifiers, and the drafter's quantization follows "
+                     f"--quantization unless told unquant (the bf16 drafter would not load)")
+    elif quant:
+        notes.append(f"the verifier is quantized ({quant}); the bf16 drafter needs no quantization flag here: its "
+                     f"quantization follows --quantization, which is unset (SGLang reads the checkpoint's setting "
+                     f"into --quantization only on SM100; pass sm100 / --sm100 there)")
     argv += ["--attention-backend", attention_backend, "--speculative-draft-attention-backend",
              draft_attention_backend]
     if port is not None:
