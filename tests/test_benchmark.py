@@ -22,7 +22,7 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import REPO, STORIES_TEMPLATE
+from conftest import REPO, STORIES_TEMPLATE, TWO_TURN_PROMPTS
 
 pytestmark = pytest.mark.usefixtures("one_intra_op_thread")
 
@@ -417,8 +417,8 @@ def test_prompt_files_of_every_supported_format(tmp_path):
     from common.cli.errors import UsageError
     from common.bench.prompts import load_prompts
 
-    mt = load_prompts(str(REPO.parent / "shared" / "bench" / "mt_bench.jsonl"))
-    assert len(mt) == 80 and all(len(p.turns) == 2 for p in mt) and len({p.category for p in mt}) == 8
+    mt = load_prompts(str(TWO_TURN_PROMPTS))  # MT-bench's format
+    assert len(mt) == 24 and all(len(p.turns) == 2 for p in mt) and len({p.category for p in mt}) == 8
     plain = load_prompts(str(bench_prompts(tmp_path)), num_prompts=3)
     assert [p.id for p in plain] == ["1", "2", "#3"] and plain[2].turns == ["Tom and Sue went"]
     sharegpt = tmp_path / "sharegpt.json"  # a JSON array cut off mid-record, as the PyPI ShareGPT file is
