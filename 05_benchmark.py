@@ -8,7 +8,11 @@
 
 --num-prompts N takes a sample spread evenly over the prompt file's categories (shuffled with --seed), not
 its first N lines. Prompts that overlap the drafter's training data are refused unless --allow-overlap. Output (--output-dir,
-default RUN_DIR/bench): bench_<mode>_<settings>.json, .md and .png. Details: docs/benchmarking.md.
+default RUN_DIR/bench): bench_<mode>_<settings>.json, .md and .png, listed newest first in bench/README.md.
+A rerun needs only what changes: flags not given take the values of the last run in the same folder, and the
+verifier those of the stages before it (common/cli/recorded.py; the log names each), except the decoding settings
+(--num-steps, --topk, --num-draft-tokens, --temperature, --top-p, --concurrency, --tau-only), which are always
+the ones given or their defaults, as the report's file name says. Details: docs/benchmarking.md.
 """
 from __future__ import annotations
 
@@ -23,6 +27,7 @@ from common.bench.server_mode import run_server, server_summary_line
 from common.bench.settings import STAGE
 from common.cli.errors import UsageError
 from common.cli.flags import EVAL_DATA_FILE, RUN_LAYOUT, parse_stage_args
+from common.cli.recorded import take_recorded_flags
 from common.cli.stage import run_stage
 from common.formats.manifest import Manifest
 
@@ -33,8 +38,15 @@ MODES = {  # --mode: (the run, its SUMMARY line)
 }
 
 
+TAKEN: list[str] = []  # the flags parse() took from the run directory, logged once the log is set up
+DECODING_SETTINGS = ("num_steps", "topk", "num_draft_tokens", "temperature", "top_p", "concurrency")
+
+
 def parse(argv):
-    return parse_stage_args(STAGE, __doc__, argv)
+    args = parse_stage_args(STAGE, __doc__, argv)
+    TAKEN[:] = take_recorded_flags(STAGE, args, sys.argv[1:] if argv is None else argv,
+                                   never=DECODING_SETTINGS)
+    return args
 
 
 def resolve_prompts(args, log):
@@ -68,6 +80,8 @@ def prompt_set_name(spec: str, args) -> str | None:
 
 def run_benchmark(args, log):
     """Check the flags and prompts, run args.mode, write the reports and the manifest, print the summary."""
+    for note in TAKEN:
+        log.info("not given: %s", note)
     if args.temperature < 0 or not 0 < args.top_p <= 1:
         raise UsageError(f"--temperature must be >= 0 and --top-p in (0, 1] (got {args.temperature}, {args.top_p})")
     if getattr(args, "tau_only", False) and args.mode != "offline":
