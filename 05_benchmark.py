@@ -22,7 +22,7 @@ from pathlib import Path
 from common.bench.eval_mode import eval_summary_line, run_eval
 from common.bench.lineage import DATA_STAGE, check_overlap
 from common.bench.offline_mode import offline_summary_line, run_offline
-from common.bench.report import results_stem, write_reports
+from common.bench.report import results_stem, run_counts, write_reports
 from common.bench.server_mode import run_server, server_summary_line
 from common.bench.settings import STAGE
 from common.cli.errors import UsageError
@@ -78,6 +78,15 @@ def prompt_set_name(spec: str, args) -> str | None:
     return Path(spec).stem
 
 
+def verifier_record(model_path, args) -> dict:
+    """The verifier's identity as the other stages' manifests record it (a server's URL when there is no path)."""
+    if not model_path:
+        return {"url": args.url}
+    from common.verifier.loading import read_verifier_info
+
+    return read_verifier_info(model_path, args.trust_remote_code).identity()
+
+
 def run_benchmark(args, log):
     """Check the flags and prompts, run args.mode, write the reports and the manifest, print the summary."""
     for note in TAKEN:
@@ -114,6 +123,8 @@ def run_benchmark(args, log):
     files = write_reports(output_dir, stem, results, log)
     line = summary(results)
     manifest.data["results"] = files
+    manifest.data["verifier"] = verifier_record(results["settings"].get("model_path") or args.model_path, args)
+    manifest.data["counts"] = run_counts(results)
     manifest.data["summary"] = line
     manifest.complete()
     log.info("results: %s", ", ".join(files.values()))

@@ -502,6 +502,26 @@ def test_offline_mode_reports_every_number(stage05, stories260k, drafters, tmp_p
     assert [t["plain"] for t in again_turns] == [t["plain"] for t in first_turns]
     assert again["overall"]["greedy_match"]["turns_identical"] == again["overall"]["greedy_match"]["turns_checked"] == 4
 
+    # The folder's index lists every report, newest first; the reports say the dtype the models computed in
+    # (float32 here), and 4 short turns make a noisy speedup, marked as such.
+    index = (out / "README.md").read_text()
+    stems = ["bench_offline_k2_t0_prompts", "bench_offline_k3_t0.7_p0.9_prompts",
+             "bench_offline_k2_topk2_n5_t0.7_p0.9_prompts", "bench_offline_k3_t0_prompts"]
+    assert [index.index(f"[{stem}]") for stem in stems] == sorted(index.index(f"[{stem}]") for stem in stems)
+    assert again["settings"]["compute_dtype"] == "float32" and "| float32 |" in index and "(noisy)" in index
+    assert "Computed in **float32** on cpu" in (out / "bench_offline_k2_t0_prompts.md").read_text()
+    manifest = json.loads((out / "manifest.json").read_text())
+    assert manifest["verifier"]["path"] == str(stories260k) and manifest["verifier"]["vocab_size"] == 512
+    assert manifest["counts"] == {"prompts": 3, "turns": 4, "new_tokens": again["overall"]["new_tokens"]["spec"],
+                                  "verify_steps": again["overall"]["verify_steps"]}
+
+    # A rerun names only what changes: the verifier, drafter, prompts and device come from the last run's record.
+    assert stage05.main(["--output-dir", str(out), "--num-steps", "2"]) == 0
+    rerun = json.loads((out / "bench_offline_k2_t0_prompts.json").read_text())
+    assert rerun["settings"]["model_path"] == str(stories260k) and rerun["settings"]["max_new_tokens"] == 24
+    assert rerun["settings"]["baselines_reused"] == 4 and rerun["overall"]["tau"] == again["overall"]["tau"]
+    assert "not given: --draft-model-path" in (out / "logs" / "05_benchmark.log").read_text()
+
 
 def test_greedy_check_finds_the_first_divergence_and_its_margin(verifier, drafters, greedy_refs):
     """The divergence report on real verifier states: a crafted output that leaves the greedy output at

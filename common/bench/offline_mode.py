@@ -227,6 +227,7 @@ def run_offline(args, log, begin, prompt_spec, prompts, overlap) -> dict:
         "created_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
         "settings": recorded_settings(args, {"prompts": prompt_spec, "num_draft_tokens": num_draft_tokens,
                                      "drafting": decoder.drafting, "device": str(device),
+                                     "compute_dtype": str(next(verifier.parameters()).dtype).replace("torch.", ""),
                                      "aux_layers": decoder.aux_layers, "raw_text_prompts": raw,
                                      "stop_token_ids": eos, "prompt_count": len(prompts),
                                      "gpu": gpu_name(device),

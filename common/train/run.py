@@ -15,6 +15,7 @@ from common.train.checkpoints import seed_everything
 from common.train.data_parallel import make_data_parallel
 from common.train.inputs import STAGE, Inputs
 from common.train.parameters import cast_parameters
+from common.train.plots import CURVES_FILE, training_title, write_training_curves
 from common.train.step import TrainConfig
 from common.train.stopping import signal_hooks_for_tests
 from common.train.trainer import LoopConfig, Trainer
@@ -129,7 +130,11 @@ def train_drafter(args, log, inputs: Inputs, run_config: dict, resume_from: Path
     if rank.is_main:
         manifest.write()
 
-    result = trainer.fit()
+    try:
+        result = trainer.fit()
+    finally:  # the curves also for a run stopped by a signal or a failure, up to its last metrics line
+        if rank.is_main:
+            write_training_curves(trainer.metrics.path, output_dir / CURVES_FILE, training_title(args), log)
     if not rank.is_main:
         return
     manifest.data.update(best=result.get("best"), best_val_sim_accept_len=result.get("best_value"),
