@@ -9,8 +9,8 @@
 --num-prompts N takes a sample spread evenly over the prompt file's categories (shuffled with --seed), not
 its first N lines. Prompts that overlap the drafter's training data are refused unless --allow-overlap. Output (--output-dir,
 default RUN_DIR/bench): bench_<mode>_<settings>.json, .md and .png, listed newest first in bench/README.md.
-A rerun needs only what changes: flags not given take the values of the last run in the same folder, and the
-verifier those of the stages before it (common/cli/recorded.py; the log names each), except the decoding settings
+A rerun needs only what changes: flags not given take the values of the last run in the same folder and --mode, and
+the verifier those of the stages before it (common/cli/recorded.py; the log names each), except the decoding settings
 (--num-steps, --topk, --num-draft-tokens, --temperature, --top-p, --concurrency, --tau-only), which are always
 the ones given or their defaults, as the report's file name says. Details: docs/benchmarking.md.
 """
@@ -40,12 +40,13 @@ MODES = {  # --mode: (the run, its SUMMARY line)
 
 TAKEN: list[str] = []  # the flags parse() took from the run directory, logged once the log is set up
 DECODING_SETTINGS = ("num_steps", "topk", "num_draft_tokens", "temperature", "top_p", "concurrency")
+NOT_TAKEN = ("mode", *DECODING_SETTINGS)  # --mode is as given (default offline); the record must match it
 
 
 def parse(argv):
     args = parse_stage_args(STAGE, __doc__, argv)
     TAKEN[:] = take_recorded_flags(STAGE, args, sys.argv[1:] if argv is None else argv,
-                                   never=DECODING_SETTINGS)
+                                   never=NOT_TAKEN, same=("mode",))
     return args
 
 

@@ -70,6 +70,11 @@ def test_a_rerun_of_stage_05_keeps_the_last_runs_settings_but_not_its_decoding_o
     assert args.model_path == str(stories260k)  # the stage's own record names the verifier too
     assert f'--dtype "float32" taken from {own}' in stage05.TAKEN
 
+    # A run of another --mode takes only the verifier (from the manifests), none of the offline run's settings.
+    args = stage05.parse(["--run-dir", str(run), "--mode", "eval"])
+    assert args.num_prompts is None and args.prompts is None and args.dtype == "bfloat16"
+    assert args.model_path == str(stories260k) and all(n.endswith("manifest.json") for n in stage05.TAKEN)
+
     # The log of the rerun says what it took, and from where (it stops for want of a drafter).
     assert stage05.main(["--run-dir", str(run)]) != 0
     log = (run / "logs" / "05_benchmark.log").read_text()

@@ -4,7 +4,7 @@
 "--num-steps 7"`) benchmarks the same verifier, prompts and settings as the last run, at k=7:
 
 - a flag not given on the command line takes the value the stage's last run used (its own
-  `NN_name.config.json` in its output folder);
+  `NN_name.config.json` in its output folder), when that run was of the same kind (stage 05: the same --mode);
 - the verifier (--model-path, --trust-remote-code, --chat-template), when the stage's own record lacks it,
   comes from the manifests of the stages before it, the nearest first (04, then 03, 02, 01);
 - a flag given on the command line always wins.
@@ -75,11 +75,13 @@ def recorded_sources(stage: str, args: argparse.Namespace) -> list[tuple[Path, d
 
 
 def take_recorded_flags(stage: str, args: argparse.Namespace, argv: Sequence[str],
-                        never: Sequence[str] = ()) -> list[str]:
+                        never: Sequence[str] = (), same: Sequence[str] = ()) -> list[str]:
     """Fill the flags argv leaves out (except `never`, by dest) from what the run directory recorded; returns
-    one line per value taken."""
+    one line per value taken. The stage's own record counts only when it agrees with this run on `same` (stage
+    05: the --mode; an eval run takes nothing but the verifier from an offline run's record)."""
     given = given_on_command_line(build_parser(stage, ""), argv)
-    sources = recorded_sources(stage, args)
+    sources = [(path, flags, own) for path, flags, own in recorded_sources(stage, args)
+               if not own or all(flags.get(dest) == getattr(args, dest) for dest in same)]
     notes = []
     for dest in _takeable(stage, args, never):
         if dest in given:
