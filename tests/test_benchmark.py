@@ -599,10 +599,12 @@ def test_offline_mode_checks_inputs_before_loading(stage05, stories260k, drafter
     assert stage05.main(base + ["--draft-model-path", str(tmp_path / "missing")]) == 2
     assert stage05.main(base + ["--draft-model-path", str(drafters["trained_dir"]), "--topk", "1",
                                 "--num-draft-tokens", "9"]) == 2
+    # No prompts (in a fresh folder: a rerun in "out" would take the --prompts its last run recorded).
     assert stage05.main(["--mode", "offline", "--model-path", str(stories260k), "--draft-model-path",
-                         str(drafters["trained_dir"]), "--output-dir", str(tmp_path / "out")]) == 2  # no prompts
+                         str(drafters["trained_dir"]), "--output-dir", str(tmp_path / "fresh")]) == 2
     log = (tmp_path / "out" / "logs" / "05_benchmark.log").read_text()
-    assert "no drafter there" in log and "num_draft_tokens" in log and "--prompts" in log
+    assert "no drafter there" in log and "num_draft_tokens" in log
+    assert "no prompts: give --prompts" in (tmp_path / "fresh" / "logs" / "05_benchmark.log").read_text()
 
 
 # --- server mode --------------------------------------------------------------------------------------
