@@ -389,7 +389,7 @@ def test_drafter_config_sets_the_shape_of_the_trained_and_exported_drafter(run_a
 
     assert stage04.main(train_argv(run_a, out, stories260k, resume=True,
                                    **{**flags, "drafter_config": '{"intermediate_size": 192}'})) == 2
-    assert "drafter_config: was {'intermediate_size': 176}, now {'intermediate_size': 192}" in log_text(out)
+    assert "drafter_config.intermediate_size: was 176, now 192" in log_text(out)
     other = tmp_path / "other"
     _refused(stage04, train_argv(run_a, other, stories260k, finetune_from=out / "best", epochs=1,
                                  drafter_config='{"intermediate_size": 192}'), other,
