@@ -104,7 +104,9 @@ def compute_dtype_line(settings: dict[str, Any]) -> list[str]:
     if not used:
         return []
     asked = settings.get("dtype")
-    note = f" (--dtype {asked} applies on a GPU; on a CPU the stage computes in float32)" if asked and asked != used else ""
+    note = ""
+    if asked and asked != used:
+        note = f" (--dtype {asked} applies on a GPU; on a CPU the stage computes in float32)"
     return [f"Computed in **{used}** on {settings.get('device')}{note}.", ""]
 
 
@@ -242,7 +244,8 @@ def run_counts(results: dict[str, Any]) -> dict[str, Any]:
     if mode == "offline":
         overall = results["overall"]
         return {"prompts": settings.get("prompt_count"), "turns": overall.get("turns"),
-                "new_tokens": (overall.get("new_tokens") or {}).get("spec"), "verify_steps": overall.get("verify_steps")}
+                "new_tokens": (overall.get("new_tokens") or {}).get("spec"),
+                "verify_steps": overall.get("verify_steps")}
     if mode == "server":
         spec = results.get("speculative") or {}
         return {"prompts": settings.get("prompt_count"), "requests": spec.get("requests"),

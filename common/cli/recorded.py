@@ -65,7 +65,8 @@ def _read(path: Path, key: str | None) -> dict:
 
 def recorded_sources(stage: str, args: argparse.Namespace) -> list[tuple[Path, dict, bool]]:
     """(file, its recorded flags, whether it is the stage's own record): the stage's last configuration, then
-    the manifests of the stages before it in the run directory, nearest first; files missing or unreadable are left out."""
+    the manifests of the stages before it in the run directory, nearest first; missing or unreadable files are
+    left out."""
     sources = [(Path(args.output_dir) / f"{stage}{CONFIG_FILE_SUFFIX}", None, True)]
     if getattr(args, "run_dir", None):
         stages = list(RUN_LAYOUT)
