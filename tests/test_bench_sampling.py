@@ -1,6 +1,7 @@
 """Stage 05's prompt selection (--num-prompts, --seed) and the divergence measure of the greedy check.
 
-Pure Python on the real MT-bench file (80 two-turn questions, 8 categories of 10, sorted by category).
+Pure Python on a real prompt file in MT-bench's format (tests/assets: 24 two-turn questions, 8 categories of 3,
+sorted by category).
 """
 from __future__ import annotations
 
@@ -10,9 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import REPO
-
-MT_BENCH = REPO.parent / "shared" / "bench" / "mt_bench.jsonl"
+from conftest import TWO_TURN_PROMPTS as MT_BENCH
 
 
 @pytest.fixture(scope="module")
@@ -20,7 +19,7 @@ def mt_bench():
     from common.bench.prompts import load_prompts
 
     prompts = load_prompts(str(MT_BENCH))
-    assert len(prompts) == 80 and len({p.category for p in prompts}) == 8
+    assert len(prompts) == 24 and len({p.category for p in prompts}) == 8
     return prompts
 
 
@@ -32,7 +31,7 @@ def test_a_sample_is_spread_evenly_over_the_categories(mt_bench):
     assert len(chosen) == 16 and set(counts.values()) == {2} and len(counts) == 8  # 2 per category
     assert record["per_category"] == dict(counts) and sum(record["per_category"].values()) == 16
     assert record["ids"] == [str(p.id) for p in chosen] and len(set(record["ids"])) == 16
-    assert record["chosen"] == 16 and record["available"] == 80 and record["seed"] == 0
+    assert record["chosen"] == 16 and record["available"] == 24 and record["seed"] == 0
     assert [p.id for p in chosen] != [p.id for p in mt_bench[:16]]  # not the first lines (writing, roleplay)
 
     chosen, record = select_prompts(mt_bench, 10, seed=0)
@@ -58,9 +57,9 @@ def test_all_prompts_keep_file_order_and_uncategorised_prompts_are_one_category(
     from common.bench.prompt_selection import NO_CATEGORY, select_prompts, selection_summary
     from common.bench.prompts import load_prompts
 
-    for n in (None, 80, 500):
+    for n in (None, 24, 500):
         chosen, record = select_prompts(mt_bench, n, seed=3)
-        assert [p.id for p in chosen] == [p.id for p in mt_bench] and record["chosen"] == 80
+        assert [p.id for p in chosen] == [p.id for p in mt_bench] and record["chosen"] == 24
         assert record["method"].startswith("all prompts")
     rows = [{"prompt": f"p{i}", "category": "a"} for i in range(4)] + [{"prompt": f"q{i}"} for i in range(6)]
     path = tmp_path / "mixed.jsonl"

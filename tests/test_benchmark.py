@@ -22,7 +22,7 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import REPO, STORIES_TEMPLATE
+from conftest import REPO, STORIES_TEMPLATE, TWO_TURN_PROMPTS
 
 pytestmark = pytest.mark.usefixtures("one_intra_op_thread")
 
@@ -417,8 +417,8 @@ def test_prompt_files_of_every_supported_format(tmp_path):
     from common.cli.errors import UsageError
     from common.bench.prompts import load_prompts
 
-    mt = load_prompts(str(REPO.parent / "shared" / "bench" / "mt_bench.jsonl"))
-    assert len(mt) == 80 and all(len(p.turns) == 2 for p in mt) and len({p.category for p in mt}) == 8
+    mt = load_prompts(str(TWO_TURN_PROMPTS))  # MT-bench's format
+    assert len(mt) == 24 and all(len(p.turns) == 2 for p in mt) and len({p.category for p in mt}) == 8
     plain = load_prompts(str(bench_prompts(tmp_path)), num_prompts=3)
     assert [p.id for p in plain] == ["1", "2", "#3"] and plain[2].turns == ["Tom and Sue went"]
     sharegpt = tmp_path / "sharegpt.json"  # a JSON array cut off mid-record, as the PyPI ShareGPT file is
@@ -473,6 +473,7 @@ def test_offline_mode_reports_every_number(stage05, stories260k, drafters, tmp_p
     assert_valid_png(out / "bench_offline_k3_t0_prompts.png")
     log = (out / "logs" / "05_benchmark.log").read_text()
     assert "overlap check SKIPPED" in log and "SUMMARY tau" in log and "teacher-forced top-1 on these outputs" in log
+    assert "HF generate (noisy: 4 turns" in log  # 4 short turns: the SUMMARY line says the speedup is noise
     taught = overall["teacher_forced"]
     assert len(taught["acc_per_step"]) == 3 and taught["tokens"] > 0 and taught["sim_accept_len"] > 1.0
 
@@ -501,6 +502,26 @@ def test_offline_mode_reports_every_number(stage05, stories260k, drafters, tmp_p
     again_turns = [t for p in again["prompts"] for t in p["turns"]]
     assert [t["plain"] for t in again_turns] == [t["plain"] for t in first_turns]
     assert again["overall"]["greedy_match"]["turns_identical"] == again["overall"]["greedy_match"]["turns_checked"] == 4
+
+    # The folder's index lists every report, newest first; the reports say the dtype the models computed in
+    # (float32 here), and 4 short turns make a noisy speedup, marked as such.
+    index = (out / "README.md").read_text()
+    stems = ["bench_offline_k2_t0_prompts", "bench_offline_k3_t0.7_p0.9_prompts",
+             "bench_offline_k2_topk2_n5_t0.7_p0.9_prompts", "bench_offline_k3_t0_prompts"]
+    assert [index.index(f"[{stem}]") for stem in stems] == sorted(index.index(f"[{stem}]") for stem in stems)
+    assert again["settings"]["compute_dtype"] == "float32" and "| float32 |" in index and "(noisy)" in index
+    assert "Computed in **float32** on cpu" in (out / "bench_offline_k2_t0_prompts.md").read_text()
+    manifest = json.loads((out / "manifest.json").read_text())
+    assert manifest["verifier"]["path"] == str(stories260k) and manifest["verifier"]["vocab_size"] == 512
+    assert manifest["counts"] == {"prompts": 3, "turns": 4, "new_tokens": again["overall"]["new_tokens"]["spec"],
+                                  "verify_steps": again["overall"]["verify_steps"]}
+
+    # A rerun names only what changes: the verifier, drafter, prompts and device come from the last run's record.
+    assert stage05.main(["--output-dir", str(out), "--num-steps", "2"]) == 0
+    rerun = json.loads((out / "bench_offline_k2_t0_prompts.json").read_text())
+    assert rerun["settings"]["model_path"] == str(stories260k) and rerun["settings"]["max_new_tokens"] == 24
+    assert rerun["settings"]["baselines_reused"] == 4 and rerun["overall"]["tau"] == again["overall"]["tau"]
+    assert "not given: --draft-model-path" in (out / "logs" / "05_benchmark.log").read_text()
 
 
 def test_greedy_check_finds_the_first_divergence_and_its_margin(verifier, drafters, greedy_refs):
@@ -579,10 +600,12 @@ def test_offline_mode_checks_inputs_before_loading(stage05, stories260k, drafter
     assert stage05.main(base + ["--draft-model-path", str(tmp_path / "missing")]) == 2
     assert stage05.main(base + ["--draft-model-path", str(drafters["trained_dir"]), "--topk", "1",
                                 "--num-draft-tokens", "9"]) == 2
+    # No prompts (in a fresh folder: a rerun in "out" would take the --prompts its last run recorded).
     assert stage05.main(["--mode", "offline", "--model-path", str(stories260k), "--draft-model-path",
-                         str(drafters["trained_dir"]), "--output-dir", str(tmp_path / "out")]) == 2  # no prompts
+                         str(drafters["trained_dir"]), "--output-dir", str(tmp_path / "fresh")]) == 2
     log = (tmp_path / "out" / "logs" / "05_benchmark.log").read_text()
-    assert "no drafter there" in log and "num_draft_tokens" in log and "--prompts" in log
+    assert "no drafter there" in log and "num_draft_tokens" in log
+    assert "no prompts: give --prompts" in (tmp_path / "fresh" / "logs" / "05_benchmark.log").read_text()
 
 
 # --- server mode --------------------------------------------------------------------------------------

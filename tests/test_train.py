@@ -300,6 +300,14 @@ def test_training_learns_and_writes_sglang_ready_checkpoints(trained, run_a, nes
     assert manifest["status"] == "complete" and manifest["best"] == best["checkpoint"]
     assert manifest["inputs"]["hidden_states"]["manifest_sha256"]
     assert "the verifier itself is not loaded" in log_text(trained)
+    # The curves from metrics.jsonl (no TensorBoard needed), and every file readable as a plain open() makes
+    # it (safetensors' save_file alone makes 0600, which a group sharing the run cannot read).
+    assert (trained / "training_curves.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert "training curves (loss, acceptance by step)" in log_text(trained)
+    umask = os.umask(0)
+    os.umask(umask)
+    for file in [*(trained / last).iterdir(), trained / "training_curves.png", run_a / "vocab" / "vocab_mapping.safetensors"]:
+        assert file.stat().st_mode & 0o777 == 0o666 & ~umask, file
 
 
 @pytest.mark.slow

@@ -9,7 +9,7 @@ from common.bench.drafter_check import check_drafter
 from common.bench.metrics import (by_category, first_divergence, repetition_share, share_before_divergence,
                                   summarize_generations)
 from common.bench.prompts import has_chat_template, render_conversation
-from common.bench.report import fmt
+from common.bench.report import fmt, noisy_timing
 from common.bench.settings import STAGE, recorded_settings
 from common.cli.errors import UsageError
 from common.cli.flags import require
@@ -227,6 +227,7 @@ def run_offline(args, log, begin, prompt_spec, prompts, overlap) -> dict:
         "created_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
         "settings": recorded_settings(args, {"prompts": prompt_spec, "num_draft_tokens": num_draft_tokens,
                                      "drafting": decoder.drafting, "device": str(device),
+                                     "compute_dtype": str(next(verifier.parameters()).dtype).replace("torch.", ""),
                                      "aux_layers": decoder.aux_layers, "raw_text_prompts": raw,
                                      "stop_token_ids": eos, "prompt_count": len(prompts),
                                      "gpu": gpu_name(device),
@@ -247,6 +248,8 @@ def offline_summary_line(results: dict) -> str:
         timing = (f"tok/s: speculative {fmt(tps['spec'], 1)}, same loop without drafter {fmt(tps['plain'], 1)}, "
                   f"HF generate {fmt(tps['hf'], 1)} | speedup {fmt(overall['speedup_vs_plain'], 2)}x vs loop, "
                   f"{fmt(overall['speedup_vs_hf_generate'], 2)}x vs HF generate")
+        noisy = noisy_timing(overall["turns"], overall["new_tokens"].get("spec"))
+        timing += f" ({noisy})" if noisy else ""
     else:
         timing = "tau only: no timing baselines"
     line = (f"tau {fmt(overall['tau'])} | {timing} | acceptance by position [{rates}] | 4-gram repetition "

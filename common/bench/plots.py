@@ -1,32 +1,102 @@
-"""The PNG of a benchmark report: matplotlib when installed, else a small built-in bar-chart rasteriser."""
+"""The PNG of a benchmark report: matplotlib when installed, else a small built-in bar-chart rasteriser.
+
+Every matplotlib panel has axis labels, and the figure's title names the setting (drafter, prompts, k/topk, T, tau).
+"""
 from __future__ import annotations
 
 import struct
 import zlib
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, NamedTuple, Sequence
 
 from common.formats.files import atomic_path
 
 
-def _plot_series(results: dict[str, Any]) -> list[tuple[str, list[str], list[float]]]:
-    """(title, labels, values) panels: acceptance by draft position, and tau per category if any."""
+class Panel(NamedTuple):
+    """One bar chart: its title, x tick labels and values (None: undefined there, drawn as no bar), axis labels."""
+    title: str
+    labels: list[str]
+    values: list[float | None]
+    xlabel: str = ""
+    ylabel: str = ""
+
+
+def setting_title(results: dict[str, Any]) -> str:
+    """The figure's title: what was measured, with which drafter, prompts and decoding settings, and its tau."""
+    settings = results.get("settings", {})
+    mode = results.get("mode")
+    drafter = settings.get("draft_checkpoint") or (Path(settings["draft_model_path"]).name
+                                                   if settings.get("draft_model_path") else None)
+    prompts = settings.get("prompts")
+    parts = [f"drafter {drafter}" if drafter else None,
+             f"prompts {Path(str(prompts)).name}" if prompts else None]
+    if mode == "offline":
+        k = f"k={settings.get('num_steps')}"
+        if (settings.get("topk") or 1) > 1:
+            k += f", topk={settings['topk']} ({settings.get('num_draft_tokens')} tokens)"
+        parts += [k, f"T={settings.get('temperature')}"]
+        tau = results.get("overall", {}).get("tau")
+        parts.append(f"tau {tau:.2f}" if isinstance(tau, (int, float)) else None)
+    elif mode == "server":
+        parts += [f"T={settings.get('temperature')}", f"concurrency {settings.get('concurrency')}"]
+        tau = (results.get("speculative") or {}).get("accept_length")
+        parts.append(f"accept length {tau:.2f}" if isinstance(tau, (int, float)) else None)
+    elif mode == "eval":
+        parts.append(f"TTT steps {settings.get('num_steps')}")
+        sim = results.get("metrics", {}).get("sim_accept_len")
+        parts.append(f"simulated tau {sim:.2f}" if isinstance(sim, (int, float)) else None)
+    return f"stage 05 {mode}: " + ", ".join(p for p in parts if p)
+
+
+def _plot_series(results: dict[str, Any]) -> list[Panel]:
+    """The panels of a report: acceptance by draft position and tau per category (offline), top-1 agreement by
+    TTT step (eval), output tokens/s (server)."""
     panels = []
     if results.get("mode") == "offline":
         rates = results["overall"]["acceptance"]["conditional_rate"]
-        panels.append(("acceptance rate by draft position", [str(j + 1) for j in range(len(rates))],
-                       [r if r is not None else 0.0 for r in rates]))
+        panels.append(Panel("conditional acceptance by draft position\n(given every earlier position accepted; "
+                            "blank: never reached)", [str(j + 1) for j in range(len(rates))], list(rates),
+                            "draft position", "conditional acceptance rate"))
         if results.get("categories"):
             names = list(results["categories"])
-            panels.append(("tau by category", names,
-                           [results["categories"][n]["tau"] or 0.0 for n in names]))
+            panels.append(Panel("tau by prompt category", names, [results["categories"][n]["tau"] for n in names],
+                                "prompt category", "tau (tokens per verify step)"))
     elif results.get("mode") == "eval":
         accs = results["metrics"].get("acc_per_step", [])
-        panels.append(("top-1 agreement by TTT step", [str(j) for j in range(len(accs))], list(accs)))
+        panels.append(Panel("top-1 agreement by TTT step (teacher-forced)", [str(j) for j in range(len(accs))],
+                            list(accs), "TTT step", "top-1 agreement with the verifier"))
     elif results.get("mode") == "server":
         rows = [(name, results[name]) for name in ("speculative", "baseline") if results.get(name)]
-        panels.append(("output tokens/s", [n for n, _ in rows], [r["output_tokens_per_s"] or 0.0 for _, r in rows]))
+        panels.append(Panel("output tokens/s", [n for n, _ in rows], [r["output_tokens_per_s"] for _, r in rows],
+                            "server", "output tokens/s"))
     return panels
+
+
+def build_figure(results: dict[str, Any]):
+    """The report's matplotlib figure (None when there is nothing to plot): bars with their values, axis labels,
+    and the setting as the title; an undefined value (None) is left blank, not drawn as 0."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    panels = _plot_series(results)
+    if not panels:
+        return None
+    fig, axes = plt.subplots(1, len(panels), figsize=(6 * len(panels), 4.4), squeeze=False)
+    for axis, panel in zip(axes[0], panels):
+        shown = [(i, v) for i, v in enumerate(panel.values) if v is not None]
+        axis.bar([i for i, _ in shown], [v for _, v in shown], color="#3b6ea8")
+        axis.set_xticks(range(len(panel.values)))
+        axis.set_xticklabels(panel.labels, rotation=30 if max((len(s) for s in panel.labels), default=0) > 3 else 0)
+        axis.set_xlim(-0.6, len(panel.values) - 0.4)
+        axis.set_title(panel.title, fontsize=10)
+        axis.set_xlabel(panel.xlabel)
+        axis.set_ylabel(panel.ylabel)
+        for i, value in shown:
+            axis.annotate(f"{value:.2f}", (i, value), ha="center", va="bottom", fontsize=8)
+    fig.suptitle(setting_title(results), fontsize=10)
+    fig.tight_layout()
+    return fig
 
 
 def write_png(path: str | Path, results: dict[str, Any], log=None) -> Path | None:
@@ -35,8 +105,6 @@ def write_png(path: str | Path, results: dict[str, Any], log=None) -> Path | Non
         return None
     path = Path(path)
     try:
-        import matplotlib
-        matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:
         if log is not None:
@@ -44,15 +112,7 @@ def write_png(path: str | Path, results: dict[str, Any], log=None) -> Path | Non
         with atomic_path(path) as tmp:
             tmp.write_bytes(render_bar_png(panels))
         return path
-    fig, axes = plt.subplots(1, len(panels), figsize=(6 * len(panels), 4), squeeze=False)
-    for axis, (title, labels, values) in zip(axes[0], panels):
-        axis.bar(range(len(values)), values, color="#3b6ea8")
-        axis.set_xticks(range(len(values)))
-        axis.set_xticklabels(labels, rotation=30 if max((len(s) for s in labels), default=0) > 3 else 0)
-        axis.set_title(title)
-        for i, value in enumerate(values):
-            axis.annotate(f"{value:.2f}", (i, value), ha="center", va="bottom", fontsize=8)
-    fig.tight_layout()
+    fig = build_figure(results)
     with atomic_path(path) as tmp:
         fig.savefig(tmp, format="png", dpi=100)
     plt.close(fig)
@@ -105,12 +165,13 @@ class _Canvas:
             chunk(b"IEND", b"")
 
 
-def render_bar_png(panels: Sequence[tuple[str, Sequence[str], Sequence[float]]], panel_width: int = 420,
-                   height: int = 300) -> bytes:
-    """Bar charts side by side, each bar labelled with its value (the fallback without matplotlib)."""
+def render_bar_png(panels: Sequence[Sequence], panel_width: int = 420, height: int = 300) -> bytes:
+    """Bar charts side by side, each bar labelled with its value (the fallback without matplotlib; digits only,
+    so no titles). Panels are (title, labels, values, ...); a None value is left blank."""
     canvas = _Canvas(panel_width * len(panels), height)
     margin, top, bottom = 30, 30, 40
-    for index, (_, labels, values) in enumerate(panels):
+    for index, panel in enumerate(panels):
+        labels, values = panel[1], panel[2]
         left = index * panel_width + margin
         right = (index + 1) * panel_width - margin // 2
         peak = max([v for v in values if v is not None] + [1e-9])
@@ -119,6 +180,8 @@ def render_bar_png(panels: Sequence[tuple[str, Sequence[str], Sequence[float]]],
         canvas.rect(left, top - 10, left + 2, height - bottom, (0, 0, 0))  # y axis
         slot = (right - left) / max(len(values), 1)
         for i, value in enumerate(values):
+            if value is None:
+                continue
             x0 = int(left + i * slot + slot * 0.15)
             x1 = int(left + (i + 1) * slot - slot * 0.15)
             y0 = int(height - bottom - (value or 0.0) * scale)

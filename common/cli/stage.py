@@ -10,6 +10,7 @@ import argparse
 import json
 import logging
 import sys
+import threading
 import time
 import traceback
 from pathlib import Path
@@ -92,7 +93,8 @@ def run_stage(stage: str, parse: Callable[[list[str] | None], argparse.Namespace
 
 
 class Progress:
-    """tqdm on a terminal; on a file (nohup), a log line with rate and ETA every `interval` seconds."""
+    """tqdm on a terminal; on a file (nohup), a log line with rate and ETA every `interval` seconds, also while no
+    item finishes (a heartbeat thread), so the log is never silent for longer than that."""
 
     def __init__(self, total: int | None, desc: str, unit: str = "it", interval: float = 30.0,
                  initial: int = 0):
@@ -104,21 +106,37 @@ class Progress:
         self.initial = initial
         self.start = time.time()
         self.last_report = self.start
+        self._last_count_at = self.start
         self.reported_count: int | None = None
         self.postfix = ""
+        self._lock = threading.Lock()
+        self._closed = threading.Event()
+        if not self.interactive and interval > 0:  # a long batch (a regeneration round) must not leave the log silent
+            threading.Thread(target=self._heartbeat, name=f"progress {desc}", daemon=True).start()
+
+    def _heartbeat(self) -> None:
+        """Report every `interval` seconds without an update too: the line then says how long it has been."""
+        while not self._closed.wait(self.interval / 4):
+            with self._lock:
+                if time.time() - self.last_report >= self.interval:
+                    self.last_report = time.time()
+                    self._report(still=True)
 
     def update(self, n: int = 1, postfix: str = "") -> None:
         self.count += n
+        self._last_count_at = time.time()
         self.bar.update(n)
         if postfix:
             self.postfix = postfix
             self.bar.set_postfix_str(postfix, refresh=False)
-        now = time.time()
-        if not self.interactive and now - self.last_report >= self.interval:
-            self.last_report = now
-            self._report()
+        with self._lock:
+            now = time.time()
+            if not self.interactive and now - self.last_report >= self.interval:
+                self.last_report = now
+                self._report()
 
-    def _report(self) -> None:
+    def _report(self, still: bool = False) -> None:
+        quiet = time.time() - self._last_count_at if still else 0.0
         self.reported_count = self.count
         elapsed = time.time() - self.start
         done = self.count - self.initial
@@ -131,12 +149,16 @@ class Progress:
         line += f", {rate:.1f} {self.unit}/s, elapsed {tqdm.format_interval(elapsed)}"
         if self.postfix:
             line += f", {self.postfix}"
+        if quiet >= self.interval:
+            line += f"; working, no item finished for {tqdm.format_interval(quiet)}"
         get_logger().info(line)
 
     def close(self) -> None:
+        self._closed.set()
         self.bar.close()
-        if not self.interactive and self.reported_count != self.count:  # the last update may have just said it
-            self._report()
+        with self._lock:
+            if not self.interactive and self.reported_count != self.count:  # the last update may have just said it
+                self._report()
 
     def __enter__(self) -> "Progress":
         return self

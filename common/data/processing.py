@@ -8,7 +8,7 @@ from itertools import islice
 from typing import TYPE_CHECKING, Callable, Iterator
 
 from common.cli.errors import UsageError
-from common.cli.stage import Progress
+from common.cli.stage import Progress, get_logger
 from common.data.chat_tokenizer import ChatTokenizer, Sample
 from common.data.records import BadRecordError, BadRecords, Record
 
@@ -95,6 +95,9 @@ def fill(candidates: Iterator[Record], need: int | None, process: Processor,
          sink: Callable[[Record, list[Sample]], None], desc: str) -> int:
     """Process candidates in order until `need` conversations are accepted (None: all of them)."""
     accepted = 0
+    get_logger().info("%s: taking %s conversations, in rounds of up to %d records (%s)", desc,
+                      need if need is not None else "all remaining", process.chunk_records,
+                      "regenerate the replies, then tokenize" if process.regenerate else "tokenize")
     with Progress(total=need, desc=desc, unit="conv") as progress:
         while need is None or accepted < need:
             room = process.chunk_records if need is None else min(process.chunk_records, need - accepted)

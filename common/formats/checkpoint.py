@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING
 import torch
 from torch import Tensor
 
+from common.formats.files import readable_like_any_file
 from common.formats.layer_ids import (LAYER_CONVENTION, aux_layers_from_eagle_config, eagle_config_layer_ids,
                                       server_default_layers)
 
@@ -78,6 +79,7 @@ def save_drafter(model: Eagle3Drafter, directory, extra: dict | None = None) -> 
     staging.mkdir(parents=True)
     try:
         save_file(drafter_state_dict(model), str(staging / WEIGHTS_FILE), metadata={"format": "pt"})
+        readable_like_any_file(staging / WEIGHTS_FILE)  # save_file makes 0600
         (staging / CONFIG_FILE).write_text(json.dumps(config, indent=2, default=str) + "\n")
         old = None
         if directory.exists() or directory.is_symlink():

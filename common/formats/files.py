@@ -15,6 +15,12 @@ os.umask(_UMASK)
 
 # --- atomic writes ---------------------------------------------------------------------------------
 
+def readable_like_any_file(path: str | os.PathLike) -> None:
+    """Give a file the mode a plain open() would (0644 under the usual umask): mkstemp and safetensors' save_file
+    make files only their owner can read, which a group sharing a run directory then cannot."""
+    os.chmod(path, 0o666 & ~_UMASK)
+
+
 @contextmanager
 def atomic_path(path: str | os.PathLike) -> Iterator[Path]:
     """Yield a temporary path beside `path`; rename it into place only if the block succeeds."""
@@ -23,9 +29,9 @@ def atomic_path(path: str | os.PathLike) -> Iterator[Path]:
     fd, tmp_name = tempfile.mkstemp(prefix=f".{final.name}.", suffix=".tmp", dir=final.parent)
     os.close(fd)
     tmp = Path(tmp_name)
-    os.chmod(tmp, 0o666 & ~_UMASK)  # mkstemp makes 0600; artifacts should be readable like any file
     try:
         yield tmp
+        readable_like_any_file(tmp)  # after the writer: mkstemp and safetensors' save_file make 0600
         os.replace(tmp, final)
     finally:
         if tmp.exists():

@@ -15,6 +15,7 @@ from common.train.checkpoints import seed_everything
 from common.train.data_parallel import make_data_parallel
 from common.train.inputs import STAGE, Inputs
 from common.train.parameters import cast_parameters
+from common.train.plots import CURVES_FILE, training_title, write_training_curves
 from common.train.step import TrainConfig
 from common.train.stopping import signal_hooks_for_tests
 from common.train.trainer import LoopConfig, Trainer
@@ -51,6 +52,21 @@ def count_parameters(inputs: Inputs) -> int:
     with torch.device("meta"):
         model = Eagle3Drafter(inputs.drafter_config())
     return sum(p.numel() for p in model.parameters() if p.requires_grad)
+
+
+class CurvesAfterValidation:
+    """A step hook that redraws training_curves.png after each validation, so a long run's curves are current."""
+
+    def __init__(self, output_dir: Path, title: str, log):
+        self.png, self.title, self.log, self.seen = output_dir / CURVES_FILE, title, log, None
+
+    def __call__(self, trainer) -> None:
+        if trainer.last_eval is not None and trainer.last_eval is not self.seen:
+            self.seen = trainer.last_eval
+            self.draw(trainer, quiet=True)
+
+    def draw(self, trainer, quiet: bool = False) -> None:
+        write_training_curves(trainer.metrics.path, self.png, self.title, None if quiet else self.log)
 
 
 def train_drafter(args, log, inputs: Inputs, run_config: dict, resume_from: Path | None, device: str, rank,
@@ -119,11 +135,13 @@ def train_drafter(args, log, inputs: Inputs, run_config: dict, resume_from: Path
     parallel = None
     if rank.distributed:
         parallel = make_data_parallel(rank, device, args.fsdp)
+    curves = CurvesAfterValidation(output_dir, training_title(args), log) if rank.is_main else None
     trainer = Trainer(model, verifier_lm_head, cfg, loop, train_set, val_set, output_dir, args.keep_last,
                       run_config,
                       validate_checkpoint=lambda path: check_drafter_dir(path, data_manifest=inputs.data_manifest,
                                                                          verifier_info=inputs.verifier),
-                      is_main=rank.is_main, hooks=[*hooks, *signal_hooks_for_tests(rank.rank)], parallel=parallel)
+                      is_main=rank.is_main, hooks=[*hooks, *signal_hooks_for_tests(rank.rank), *filter(None, [curves])],
+                      parallel=parallel)
     if resume_from is not None:
         trainer.load_training_state(resume_from)
         log.info("resumed from %s: step %d, epoch %d, %d batches of that epoch done", resume_from,
@@ -133,7 +151,11 @@ def train_drafter(args, log, inputs: Inputs, run_config: dict, resume_from: Path
     if rank.is_main:
         manifest.write()
 
-    result = trainer.fit()
+    try:
+        result = trainer.fit()
+    finally:  # the curves also for a run stopped by a signal or a failure, up to its last metrics line
+        if curves is not None:
+            curves.draw(trainer)
     if not rank.is_main:
         return
     manifest.data.update(best=result.get("best"), best_val_sim_accept_len=result.get("best_value"),
