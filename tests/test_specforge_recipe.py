@@ -107,7 +107,7 @@ def test_export_is_exact_and_stage05_loads_it(run_dir, trained, stories260k):
         assert config[key] == ours_config[key]
     assert "SpecForge" in config["eagle3_pipeline"]["trained_by"]
 
-    theirs = recipe.unwrapped_drafter().eval()
+    theirs = recipe.draft_model.eval()
     embed = read_embedding_tensors(str(stories260k))["embed_tokens"]
     ours = load_drafter(best, embed=embed, dtype=torch.float32).eval()
     assert torch.equal(ours.d2t, theirs.d2t.cpu()) and torch.equal(ours.t2d, theirs.t2d.cpu())

@@ -168,8 +168,8 @@ class SpecForgeRecipe:
             module, lr=settings.lr, max_grad_norm=settings.max_grad_norm, total_steps=total_steps,
             warmup_ratio=settings.warmup_ratio, lr_scheduler=settings.lr_scheduler))
         wrapped = self.backend.prepare_model(model, wrap=settings.wrap, optimizer_target=model.draft_model)
-        strategy = sf.build_step(wrapped, target_head=self.target_head)
-        self.core = sf.TrainerCore(strategy, self.backend, accumulation_steps=1)
+        self.core = sf.TrainerCore(sf.build_step(wrapped, target_head=self.target_head), self.backend,
+                                   accumulation_steps=1)
 
     def _build_drafter(self, tmp: Path, drafter_config: dict, embed, d2t, t2d):
         """AutoDraftModelConfig.from_file + AutoDraftModel.from_config (SpecForge's random init), the verifier's
@@ -217,10 +217,10 @@ class SpecForgeRecipe:
         metrics["lr"] = float(self.backend.optimizer.get_learning_rate())
         return metrics
 
-    def unwrapped_drafter(self):
-        """The trained drafter with whole tensors (one rank: FSDP holds them whole)."""
-        return self.draft_model
-
+    def trained_state(self) -> dict:
+        """The drafter's tensors as SpecForge checkpoints them: the backend's full state dict (gathered from FSDP),
+        through the strategy's checkpoint filter ("draft_model." prefix removed, the frozen embedding left out)."""
+        return self.core.strategy.checkpoint_state_filter(self.backend.state_dict()["model"])
 
 @dataclass
 class BatchMaker:

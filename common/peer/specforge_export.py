@@ -20,31 +20,29 @@ def specforge_drafter_config(cfg: DrafterConfig) -> dict:
     return cfg.to_sglang_config()
 
 
-def to_our_drafter(specforge_drafter: torch.nn.Module, cfg: DrafterConfig) -> Eagle3Drafter:
-    """Our Eagle3Drafter holding SpecForge's trained tensors (names and shapes checked, dtype kept)."""
-    theirs = specforge_drafter.state_dict()
-    names = [*expected_tensor_specs(cfg), "embed_tokens.weight"]
-    missing = [name for name in names if name not in theirs]
+def to_our_drafter(state: dict[str, torch.Tensor], cfg: DrafterConfig) -> Eagle3Drafter:
+    """Our Eagle3Drafter holding SpecForge's trained tensors (names and shapes checked, their dtype kept). The
+    embedding is not among them (SpecForge does not save the frozen copy; SGLang uses the verifier's)."""
+    names = list(expected_tensor_specs(cfg))
+    missing = [name for name in names if name not in state]
     if missing:
         raise ValueError(f"the SpecForge drafter has no {', '.join(missing)}; its layout is not "
                          f"LlamaForCausalLMEagle3's")
     model = Eagle3Drafter(cfg)
     ours = model.state_dict()
-    wrong = [f"{name} {tuple(theirs[name].shape)} != {tuple(ours[name].shape)}" for name in names
-             if tuple(theirs[name].shape) != tuple(ours[name].shape)]
+    wrong = [f"{name} {tuple(state[name].shape)} != {tuple(ours[name].shape)}" for name in names
+             if tuple(state[name].shape) != tuple(ours[name].shape)]
     if wrong:
         raise ValueError("SpecForge's drafter and ours differ in shape: " + "; ".join(wrong))
-    model.load_state_dict({name: theirs[name].detach().to("cpu", torch.float32)
-                           if theirs[name].is_floating_point() else theirs[name].detach().to("cpu")
-                           for name in names}, strict=False)
-    return model.to(theirs["fc.weight"].dtype)
+    model.load_state_dict({name: state[name].detach().to("cpu") for name in names}, strict=False)
+    return model.to(state["fc.weight"].dtype)
 
 
-def export_specforge_drafter(specforge_drafter: torch.nn.Module, cfg: DrafterConfig, directory: str | Path,
+def export_specforge_drafter(state: dict[str, torch.Tensor], cfg: DrafterConfig, directory: str | Path,
                              extra: dict, data_manifest: dict | None = None, verifier_info=None) -> list[str]:
     """Write the drafter folder atomically and check it as stage 04 checks its own; returns the checker's notes
     (warnings). Raises ValueError with the problems when the folder would not load."""
-    save_drafter(to_our_drafter(specforge_drafter, cfg), directory, extra=extra)
+    save_drafter(to_our_drafter(state, cfg), directory, extra=extra)
     problems, notes = inspect_drafter_dir(directory, data_manifest=data_manifest, verifier_info=verifier_info)
     if problems:
         raise ValueError(f"the exported drafter {directory} fails the checkpoint checks: " + "; ".join(problems))

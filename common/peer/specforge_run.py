@@ -229,7 +229,7 @@ def run_recipe(args, log):
     write_json_lines(output_dir / "metrics.jsonl", history)
     best = output_dir / "best"
     notes = specforge_export.export_specforge_drafter(
-        recipe.unwrapped_drafter(), cfg, best,
+        recipe.trained_state(), cfg, best,
         extra={"trained_by": f"SpecForge {SPECFORGE_VERSION} recipe (scripts/train_specforge_recipe.py)"},
         data_manifest=plan.data_manifest, verifier_info=info)
     for note in notes:
