@@ -152,3 +152,34 @@ def test_missing_specforge_is_a_usage_error_naming_the_install(tmp_path, monkeyp
     log = (tmp_path / "logs" / "specforge_recipe.log").read_text()
     assert "cannot import specforge" in log and "pip install --no-deps specforge==0.2.0" in log
     assert not (tmp_path / "specforge" / "best").exists()
+
+
+def test_compare_recipes_prints_the_side_by_side_table(run_dir, trained, stories260k, tmp_path):
+    """scripts/compare_recipes.py's bench and table parts on the trained run (the train part is the fixture)."""
+    from test_benchmark import bench_prompts
+
+    prompts = bench_prompts(tmp_path)
+    out = tmp_path / "compare"
+    done = run_script("scripts/compare_recipes.py", "--run-dir", str(run_dir), "--model-path", str(stories260k),
+                      "--mt-bench", str(prompts), "--heldout", str(prompts), "--output-dir", str(out), "--parts",
+                      "bench", "table", "--device", "cpu", "--dtype", "float32", "--max-new-tokens", "8",
+                      "--num-prompts", "2", env=ONE_THREAD)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    report = json.loads((out / "compare.json").read_text())
+    for row in report["sets"]:
+        taus = {name: json.loads(next((out / f"{name}_{row['set']}").glob("bench_offline_k3_t0_tau_*.json"))
+                                 .read_text())["overall"]["tau"] for name in ("ours", "specforge")}
+        assert (row["ours"], row["specforge"]) == (taus["ours"], taus["specforge"])
+        assert row["ratio"] == pytest.approx(taus["ours"] / taus["specforge"], abs=1e-3)
+    sf = json.loads((run_dir / "specforge" / "specforge_results.json").read_text())
+    ours = json.loads((run_dir / "checkpoints" / "manifest.json").read_text())
+    training = report["training"]
+    assert (training["ours_s"], training["specforge_s"]) == (ours["wall_time_s"], sf["total_s"])
+    assert report["target"]["tau_holds"] == all(r["ratio"] >= 1.05 for r in report["sets"])
+    table = (out / "compare.md").read_text()
+    assert table in done.stdout and "| mt_bench |" in table and "| training wall time (s) |" in table
+    assert "stopped early (max_steps)" in table  # the fixture's few steps are no like-for-like comparison
+    # Stage 05 ran with the chain setting on every (drafter, set): four result folders.
+    settings = [json.loads(next(p.glob("bench_offline_*tau*.json")).read_text())["settings"]
+                for p in sorted(out.glob("*_*")) if p.is_dir()]
+    assert len(settings) == 4 and all((s["num_steps"], s["topk"], s["temperature"]) == (3, 1, 0.0) for s in settings)
