@@ -183,3 +183,11 @@ def test_compare_recipes_prints_the_side_by_side_table(run_dir, trained, stories
     settings = [json.loads(next(p.glob("bench_offline_*tau*.json")).read_text())["settings"]
                 for p in sorted(out.glob("*_*")) if p.is_dir()]
     assert len(settings) == 4 and all((s["num_steps"], s["topk"], s["temperature"]) == (3, 1, 0.0) for s in settings)
+
+
+def test_a_run_directory_without_hidden_states_is_a_usage_error(tmp_path):
+    _need_specforge()
+    (tmp_path / "run").mkdir()
+    assert _script().main(["--run-dir", str(tmp_path / "run"), "--device", "cpu"]) == 2
+    log = (tmp_path / "run" / "logs" / "specforge_recipe.log").read_text()
+    assert "no hidden_states/manifest.json; run 02_extract_hidden_states.py on it first" in log

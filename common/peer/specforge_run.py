@@ -40,6 +40,9 @@ def plan_run(run_dir: Path, checkpoints_dir: Path, overrides: dict, device_type:
     """What to train on and how: stage 02's samples minus our validation ids, the settings of our stage-04
     run where it has one (else SpecForge's defaults), then the command line's overrides."""
     data_dir = run_dir / "hidden_states"
+    for folder, stage in ((data_dir, "02_extract_hidden_states.py"), (run_dir / "vocab", "03_build_vocab_mapping.py")):
+        if not (folder / MANIFEST).is_file():
+            raise UsageError(f"--run-dir {run_dir}: no {folder.name}/{MANIFEST}; run {stage} on it first")
     data_manifest, entries = open_hidden_states(data_dir)
     entries = [e for e in entries if int(e.get("loss_tokens", 1)) > 0]  # as stage 04 keeps them
     mapping = load_mapping(run_dir / "vocab")
