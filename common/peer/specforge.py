@@ -217,6 +217,15 @@ class SpecForgeRecipe:
         metrics["lr"] = float(self.backend.optimizer.get_learning_rate())
         return metrics
 
+    def close(self) -> None:
+        """End the one-rank process group this recipe started (if it did)."""
+        import torch.distributed as dist
+
+        if self.settings.wrap and dist.is_initialized():
+            from specforge.distributed import destroy_distributed
+
+            destroy_distributed()
+
     def trained_state(self) -> dict:
         """The drafter's tensors as SpecForge checkpoints them: the backend's full state dict (gathered from FSDP),
         through the strategy's checkpoint filter ("draft_model." prefix removed, the frozen embedding left out)."""

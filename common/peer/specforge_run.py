@@ -227,12 +227,16 @@ def run_recipe(args, log):
     del tensors
     setup_s = time.perf_counter() - started
     manifest = write_manifest(output_dir, plan, vars(args))
-    record = train(recipe, plan, args.num_workers, log, args.time_limit, args.max_steps)
+    best = output_dir / "best"
+    try:
+        record = train(recipe, plan, args.num_workers, log, args.time_limit, args.max_steps)
+        state = recipe.trained_state()
+    finally:
+        recipe.close()
     history = record.pop("history")
     write_json_lines(output_dir / "metrics.jsonl", history)
-    best = output_dir / "best"
     notes = specforge_export.export_specforge_drafter(
-        recipe.trained_state(), cfg, best,
+        state, cfg, best,
         extra={"trained_by": f"SpecForge {SPECFORGE_VERSION} recipe (scripts/train_specforge_recipe.py)"},
         data_manifest=plan.data_manifest, verifier_info=info)
     for note in notes:
