@@ -10,6 +10,8 @@ output is already there (so a stopped comparison resumes; --redo to redo them):
   bench  05_benchmark.py --tau-only for both drafters: chain k=3 (--num-steps 3 --topk 1 --num-draft-tokens 4),
          T=0, on MT-bench (all 80 by default) and the held-out split (RUN_DIR/data/eval_data.jsonl)
          -> OUTPUT_DIR/{ours,specforge}_{mt_bench,heldout}/
+         and 05_benchmark.py --mode eval --num-steps 3 for both: teacher-forced simulated acceptance length on
+         our stage 04's validation split (seconds; informative, not part of the target)
   table  tau per set, ours/SpecForge, training wall time and its ratio, against the target (ours >= 1.05x
          SpecForge's tau on every set in <= 0.7x its training time) -> OUTPUT_DIR/compare.{json,md}, printed
 --parts picks some of them (e.g. --parts bench table). Settings of stage 05 (--max-new-tokens, --num-prompts,
@@ -95,6 +97,11 @@ def bench_result(folder: Path) -> dict | None:
     return json.loads(found[-1].read_text()) if found else None
 
 
+def eval_result(folder: Path) -> dict | None:
+    found = sorted(folder.glob("bench_eval_*.json")) if folder.is_dir() else []
+    return json.loads(found[-1].read_text()) if found else None
+
+
 def bench(args) -> None:
     extra = []
     for flag, value in (("--max-new-tokens", args.max_new_tokens), ("--num-prompts", args.num_prompts),
@@ -110,6 +117,14 @@ def bench(args) -> None:
             run([sys.executable, "05_benchmark.py", "--mode", "offline", "--tau-only", "--run-dir", str(args.run_dir),
                  "--model-path", args.model_path, "--draft-model-path", str(drafter), "--prompts", str(prompts),
                  "--output-dir", str(out), "--device", args.device, *CHAIN, *extra])
+    for name, drafter in drafters(args).items():
+        out = bench_output(args, name, "validation")
+        if eval_result(out) is not None and not args.redo:
+            print(f"bench: {out} has its result (--redo to measure again)")
+            continue
+        run([sys.executable, "05_benchmark.py", "--mode", "eval", "--num-steps", "3", "--run-dir", str(args.run_dir),
+             "--model-path", args.model_path, "--draft-model-path", str(drafter), "--output-dir", str(out),
+             "--device", args.device, *([] if args.dtype is None else ["--dtype", args.dtype])])
 
 
 def ratio(a, b):
@@ -131,10 +146,16 @@ def table(args) -> dict:
             taus[name] = result["overall"]["tau"] if result else None
         rows.append({"set": prompt_set, "ours": taus["ours"], "specforge": taus["specforge"],
                      "ratio": ratio(taus["ours"], taus["specforge"])})
+    validation = {}
+    for name in drafters(args):
+        result = eval_result(bench_output(args, name, "validation"))
+        validation[name] = result["metrics"]["sim_accept_len"] if result else None
     ours_s, sf_s = ours_manifest.get("wall_time_s"), sf.get("total_s")
     time_ratio = ratio(ours_s, sf_s)
     tau_ok = all(r["ratio"] is not None and r["ratio"] >= TAU_TARGET for r in rows)
-    report = {"sets": rows, "training": {"ours_s": ours_s, "specforge_s": sf_s, "specforge_loop_s": sf.get("wall_time_s"),
+    report = {"sets": rows, "validation_sim_accept_len": {**validation, "ratio": ratio(validation["ours"],
+                                                                                       validation["specforge"])},
+              "training": {"ours_s": ours_s, "specforge_s": sf_s, "specforge_loop_s": sf.get("wall_time_s"),
                                          "ratio": time_ratio, "specforge_steps": sf.get("steps"),
                                          "specforge_tokens_per_s": sf.get("tokens_per_s"),
                                          "specforge_stopped_early": sf.get("stopped_early")},
@@ -144,6 +165,8 @@ def table(args) -> dict:
     fmt = lambda x: "-" if x is None else f"{x:.3f}"  # noqa: E731
     lines = ["| set | tau ours | tau SpecForge | ours / SpecForge |", "|---|---|---|---|"]
     lines += [f"| {r['set']} | {fmt(r['ours'])} | {fmt(r['specforge'])} | {fmt(r['ratio'])} |" for r in rows]
+    lines.append(f"| validation split, teacher-forced simulated acceptance length (k=3) | {fmt(validation['ours'])} | "
+                 f"{fmt(validation['specforge'])} | {fmt(report['validation_sim_accept_len']['ratio'])} |")
     lines.append(f"| training wall time (s) | {fmt(ours_s)} | {fmt(sf_s)} | {fmt(time_ratio)} |")
     lines.append("")
     lines.append(f"Target: ours >= {TAU_TARGET}x SpecForge's tau on every set ({'holds' if tau_ok else 'does not hold'}) "

@@ -154,6 +154,10 @@ def test_missing_specforge_is_a_usage_error_naming_the_install(tmp_path, monkeyp
     assert not (tmp_path / "specforge" / "best").exists()
 
 
+def split_ids(run_dir: Path) -> list[str]:
+    return json.loads((run_dir / "checkpoints" / "val_split.json").read_text())["val_ids"]
+
+
 def test_compare_recipes_prints_the_side_by_side_table(run_dir, trained, stories260k, tmp_path):
     """scripts/compare_recipes.py's bench and table parts on the trained run (the train part is the fixture)."""
     from test_benchmark import bench_prompts
@@ -181,8 +185,16 @@ def test_compare_recipes_prints_the_side_by_side_table(run_dir, trained, stories
     assert "stopped early (max_steps)" in table  # the fixture's few steps are no like-for-like comparison
     # Stage 05 ran with the chain setting on every (drafter, set): four result folders.
     settings = [json.loads(next(p.glob("bench_offline_*tau*.json")).read_text())["settings"]
-                for p in sorted(out.glob("*_*")) if p.is_dir()]
+                for p in sorted(out.glob("*_*")) if p.is_dir() and not p.name.endswith("_validation")]
     assert len(settings) == 4 and all((s["num_steps"], s["topk"], s["temperature"]) == (3, 1, 0.0) for s in settings)
+    # Teacher-forced on our validation split, both drafters on the same held-out samples (the recipe put our
+    # val_split.json beside its drafter).
+    evals = {name: json.loads(next((out / f"{name}_validation").glob("bench_eval_*.json")).read_text())
+             for name in ("ours", "specforge")}
+    assert all(e["settings"]["split"].startswith("validation split") for e in evals.values())
+    assert evals["ours"]["settings"]["samples"] == evals["specforge"]["settings"]["samples"] == len(split_ids(run_dir))
+    assert report["validation_sim_accept_len"]["specforge"] == evals["specforge"]["metrics"]["sim_accept_len"]
+    assert "| validation split, teacher-forced" in table
 
 
 def test_a_run_directory_without_hidden_states_is_a_usage_error(tmp_path):

@@ -227,6 +227,9 @@ def run_recipe(args, log):
     del tensors
     setup_s = time.perf_counter() - started
     manifest = write_manifest(output_dir, plan, vars(args))
+    split = checkpoints / "val_split.json"
+    if split.is_file():  # beside the drafter, so `05_benchmark.py --mode eval` scores it on the same held-out ids
+        write_json_atomic(output_dir / "val_split.json", read_json(split))
     best = output_dir / "best"
     try:
         record = train(recipe, plan, args.num_workers, log, args.time_limit, args.max_steps)
