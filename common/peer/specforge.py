@@ -32,7 +32,7 @@ INSTALL_HINT = (f"pip install --no-deps specforge=={SPECFORGE_VERSION} (offline:
 SPECFORGE_DEFAULTS = {"epochs": 1, "lr": 1e-4, "seed": 42, "max_length": 2048, "ttt_steps": 7,
                       "warmup_ratio": 0.015, "max_grad_norm": 0.5, "lr_scheduler": "cosine", "ploss_decay": 0.8,
                       "batch_size": 1, "accumulation_steps": 1, "dtype": "bfloat16",
-                      "attention_backend": "flex_attention", "dataloader_num_workers": 4}
+                      "attention_backend": "flex_attention"}
 
 
 @dataclass

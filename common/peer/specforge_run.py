@@ -12,7 +12,7 @@ from torch.utils.data import DataLoader, Dataset
 
 from common.cli.errors import UsageError
 from common.cli.stage import Progress
-from common.formats.files import read_json, write_json_atomic
+from common.formats.files import read_json, write_json_atomic, write_text_atomic
 from common.formats.hidden_states import load_sample, open_hidden_states
 from common.formats.manifest import MANIFEST, Manifest
 from common.formats.vocab_map import load_mapping
@@ -251,10 +251,11 @@ def run_recipe(args, log):
                "loss_mask": "stage 02's, through SpecForge's normaliser (row t counts where loss_mask[t] is set; "
                             "its target is token t+2, as with SpecForge's own data)",
                "cpu_substitutions": sf.cpu_substitutions, "train_samples": len(plan.train_entries),
-               "drafter": str(best), "setup_s": round(setup_s, 2), **record,
+               "drafter": str(best), "num_workers": args.num_workers, "setup_s": round(setup_s, 2), **record,
                # setup + training + export: what our stage 04 manifest's wall_time_s covers (ours also validates)
                "total_s": round(time.perf_counter() - started, 2), "ours": plan.ours}
     path = write_results(output_dir, results)
+    write_text_atomic(output_dir / "specforge_results.md", results_markdown(results))
     manifest.data["results"] = {k: v for k, v in results.items() if k != "ours"}
     manifest.complete()
     final = record["final_train"]
@@ -268,6 +269,25 @@ def run_recipe(args, log):
 def write_json_lines(path: Path, rows: list[dict]) -> None:
     import json
 
-    from common.formats.files import write_text_atomic
-
     write_text_atomic(path, "".join(json.dumps(row) + "\n" for row in rows))
+
+
+def results_markdown(results: dict) -> str:
+    """specforge_results.md: the settings (and where each came from) and the run's figures."""
+    lines = [f"# SpecForge {results['specforge_version']} recipe on {results['device']}", "",
+             "| setting | value | from |", "|---|---|---|"]
+    lines += [f"| {k} | {v} | {results['setting_sources'].get(k, 'SpecForge default')} |"
+              for k, v in results["settings"].items()]
+    lines += [f"| {k} | {v} | SpecForge default |" for k, v in results["specforge_defaults_used"].items()
+              if k not in results["settings"]]
+    final = results["final_train"]
+    accs = ", ".join(f"{final[k]:.3f}" for k in sorted(final) if k.startswith("acc_"))
+    lines += ["", f"{results['train_samples']} training samples; {results['steps']} of {results['planned_steps']} "
+              f"steps, {results['tokens']} tokens in {results['wall_time_s']} s ({results['tokens_per_s']} tokens/s); "
+              f"{results['total_s']} s with set-up and export. Training accuracy per TTT step over the last "
+              f"{final.get('steps', 0)} steps: {accs}."]
+    if results["stopped_early"]:
+        lines.append(f"Stopped early ({results['stopped_early']}).")
+    if results["cpu_substitutions"]:
+        lines.append("CPU substitutions: " + "; ".join(results["cpu_substitutions"]) + ".")
+    return "\n".join(lines) + "\n"
