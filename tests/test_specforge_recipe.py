@@ -203,3 +203,28 @@ def test_a_run_directory_without_hidden_states_is_a_usage_error(tmp_path):
     assert _script().main(["--run-dir", str(tmp_path / "run"), "--device", "cpu"]) == 2
     log = (tmp_path / "run" / "logs" / "specforge_recipe.log").read_text()
     assert "no hidden_states/manifest.json; run 02_extract_hidden_states.py on it first" in log
+
+
+def test_a_full_plan_trains_every_sample_once_per_epoch(run_dir, trained, stories260k):
+    """Three samples, two epochs: six steps, each sample twice, and not reported as stopped early."""
+    import logging
+
+    from common.peer import specforge, specforge_export
+    from common.peer.specforge_run import drafter_config_for, plan_run, train
+    from common.verifier.loading import read_embedding_tensors, read_verifier_info
+
+    plan = plan_run(run_dir, run_dir / "checkpoints", {"epochs": 2, "dtype": "float32"}, "cpu")
+    plan.train_entries = plan.train_entries[:3]
+    sf = specforge.import_specforge("cpu")
+    total = sf.resolve_total_steps(total_steps=None, max_steps=None, num_samples=3, batch_size=1,
+                                   accumulation_steps=1, num_epochs=2)
+    cfg = drafter_config_for(plan, run_dir / "checkpoints", read_verifier_info(str(stories260k)))
+    tensors = read_embedding_tensors(str(stories260k))
+    recipe = specforge.SpecForgeRecipe(sf, specforge_export.specforge_drafter_config(cfg), tensors["embed_tokens"],
+                                       tensors["lm_head"], plan.mapping.d2t, plan.mapping.t2d, plan.settings, total,
+                                       "cpu")
+    record = train(recipe, plan, 0, logging.getLogger("test"))
+    lengths = [min(int(e["num_tokens"]), plan.settings.max_length) for e in plan.train_entries]
+    assert (record["steps"], record["planned_steps"], record["epochs_completed"]) == (6, 6, 2)
+    assert record["stopped_early"] is None and record["tokens"] == 2 * sum(lengths)
+    assert sorted(row["tokens"] for row in record["history"]) == sorted(lengths * 2)

@@ -105,7 +105,7 @@ def train(recipe, plan: RunPlan, num_workers: int, log, time_limit_s: float | No
     """All epochs, one sample per step; returns the training record (steps, tokens, wall time, metrics)."""
     dataset = RecipeSamples(plan.data_dir, plan.train_entries, recipe.batch_maker())
     settings = plan.settings
-    steps_total = min(recipe.total_steps, max_steps or recipe.total_steps)
+    steps_total = min(recipe.total_steps, max_steps or recipe.total_steps)  # what this run will do
     history: list[dict] = []
     tokens = 0
     stopped = None
@@ -123,6 +123,8 @@ def train(recipe, plan: RunPlan, num_workers: int, log, time_limit_s: float | No
                 history.append({"step": recipe.global_step, "epoch": epoch + 1, "tokens": length, **metrics})
                 progress.update(1, f"loss {metrics.get('loss', float('nan')):.3f} "
                                    f"acc0 {metrics.get('acc_0', float('nan')):.3f}")
+                if recipe.global_step >= recipe.total_steps:
+                    continue  # the whole plan is done (the last sample of the last epoch)
                 if recipe.global_step >= steps_total:
                     stopped = "max_steps"
                 elif time_limit_s is not None and time.perf_counter() - started > time_limit_s:
