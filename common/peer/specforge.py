@@ -231,11 +231,13 @@ class SpecForgeRecipe:
         through the strategy's checkpoint filter ("draft_model." prefix removed, the frozen embedding left out)."""
         return self.core.strategy.checkpoint_state_filter(self.backend.state_dict()["model"])
 
+
 @dataclass
 class BatchMaker:
     """One stage-02 sample (load_sample's aux/final/input_ids/loss_mask) through SpecForge's offline normaliser
     (cut to max_length, last loss position cleared) into its TrainBatch. Holds no model, so loader workers
-    can run it."""
+    can run it. SpecForge's collator (DataCollatorWithPadding) is the identity for one sequence, and its module
+    imports `datasets`, which the GPU machine lacks: it is left out."""
     normalize: object
     train_batch: type
     max_length: int
