@@ -228,3 +228,13 @@ def test_a_full_plan_trains_every_sample_once_per_epoch(run_dir, trained, storie
     assert (record["steps"], record["planned_steps"], record["epochs_completed"]) == (6, 6, 2)
     assert record["stopped_early"] is None and record["tokens"] == 2 * sum(lengths)
     assert sorted(row["tokens"] for row in record["history"]) == sorted(lengths * 2)
+
+
+def test_requirements_pin_the_specforge_release_the_recipe_is_written_for():
+    import re
+
+    from common.peer.specforge import SPECFORGE_VERSION
+
+    requirements = (REPO / "requirements-test.txt").read_text()
+    assert re.search(rf"^specforge=={re.escape(SPECFORGE_VERSION)}\s*(;.*)?$", requirements, re.M), requirements
+    assert "--no-deps -r requirements-test.txt" in (REPO / "scripts" / "setup_env.sh").read_text()
