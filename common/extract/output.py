@@ -108,7 +108,7 @@ def resume_key(manifest: dict[str, Any]) -> dict[str, Any]:
         "max_seq_len": (manifest.get("flags") or {}).get("max_seq_len"),
         "verifier": verifier,
         "verifier_path": manifest.get("verifier_resolved_path"),
-        "verifier_weights": (manifest.get("verifier_weights") or {}).get("sha256"),
+        "verifier_weights": (manifest.get("verifier_weights") or {}).get("tensors"),
         "prepared_data_sha256": ((manifest.get("inputs") or {}).get("prepared_data") or {}).get("sha256"),
     }
 

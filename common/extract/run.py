@@ -126,8 +126,8 @@ def check_existing_output(args, output_dir: Path, manifest: Manifest, log) -> di
                              f"same flags), --overwrite to replace them, or choose another --output-dir")
         return None
     earlier, now = resume_key(existing), resume_key(manifest.data)
-    if earlier["verifier_weights"] is None:  # made before the weights were fingerprinted
-        now["verifier_weights"] = None
+    if earlier["verifier_weights"] is None or now["verifier_weights"] is None:  # made before fingerprints, or
+        earlier["verifier_weights"] = now["verifier_weights"] = None          # no weight files here to hash
     refuse_other_settings(f"--output-dir {output_dir} holds hidden states", setting_differences(earlier, now),
                           "They cannot be resumed: pass --overwrite to replace them, or choose another --output-dir.")
     return existing

@@ -1,63 +1,103 @@
 """A fingerprint of the verifier's weights that is cheap to recompute: two fine-tunes of one model share config and
 tokenizer, so only the weights tell them apart, and a drafter must learn the verifier it will serve.
 
-Reading every byte of a 1 TB checkpoint is not cheap; the fingerprint hashes each weight file's name and size,
-its first MiB (a safetensors file's header: tensor names, dtypes, shapes, offsets) and SAMPLES evenly spaced
-blocks of its data. A fine-tune changes nearly every byte of the tensors it trains, so it changes sampled blocks
-unless it touched almost none of the file (then it is nearly the same verifier).
+Two parts, both independent of tensor names and of how the weights are split into files (a re-saved or
+re-nested copy of the same weights has the same fingerprint):
+- "embeddings": embed_tokens and lm_head (what stage 04 trains with), SAMPLES blocks of each;
+- "tensors": every tensor of the safetensors files, as dtype, shape and one block from its middle. A fine-tune
+  changes nearly every value of each tensor it trains, so one block per tensor sees it, at one read per tensor.
+A part that cannot be computed here (a hub name, .bin or GGUF weights, an unreadable file) is None and not compared.
 """
 from __future__ import annotations
 
 import hashlib
+import json
 import os
+import struct
 from pathlib import Path
 
 from common.cli.errors import UsageError
-from common.verifier.loading import resolve_model_path
+from common.verifier.loading import locate_embedding_tensors, resolve_model_path
 
-METHOD = "sampled-sha256-v1"
-SAMPLES = 64
-BLOCK = 64 * 1024
-HEAD = 1 << 20
-WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".gguf")
-INDEX_FILE = "model.safetensors.index.json"
+METHOD = "tensor-samples-sha256-v1"
+SAMPLES = 64  # blocks of embed_tokens and lm_head
+BLOCK = 4096
 
 
-def weight_files(model_path: str) -> list[Path]:
-    """The files that hold the verifier's weights (empty for a hub name not downloaded here)."""
-    folder, gguf_file = resolve_model_path(model_path)
-    if gguf_file is not None:
-        return [Path(folder, gguf_file)]
-    root = Path(folder)
-    if not root.is_dir():
-        return []
-    return sorted(p for p in root.iterdir() if p.is_file() and (p.suffix in WEIGHT_SUFFIXES or p.name == INDEX_FILE))
-
-
-def _hash_file(digest, path: Path) -> None:
-    size = path.stat().st_size
-    digest.update(f"{path.name}\0{size}\0".encode())
+def read_header(path: Path) -> tuple[dict, int]:
+    """A safetensors file's header (name -> dtype, shape, data_offsets) and where its data starts."""
     with open(path, "rb") as handle:
-        digest.update(handle.read(HEAD))
-        span = max(0, size - HEAD - BLOCK)  # where the sampled blocks may start, after the head
-        for k in range(SAMPLES if size > HEAD else 0):
-            handle.seek(HEAD + span * k // (SAMPLES - 1))
-            digest.update(handle.read(BLOCK))
+        (length,) = struct.unpack("<Q", handle.read(8))
+        if length > 100 * 2 ** 20:
+            raise ValueError(f"{path}: not a safetensors file")
+        header = json.loads(handle.read(length))
+    header.pop("__metadata__", None)
+    return header, 8 + length
+
+
+def tensor_digest(fd: int, data_start: int, meta: dict, samples: int) -> bytes:
+    """dtype, shape and `samples` evenly spaced blocks of one tensor's bytes (one block: from its middle)."""
+    begin, end = (data_start + offset for offset in meta["data_offsets"])
+    digest = hashlib.sha256(f"{meta['dtype']}{meta['shape']}".encode())
+    span = max(0, end - begin - BLOCK)
+    starts = [begin + span // 2] if samples == 1 else [begin + span * k // (samples - 1) for k in range(samples)]
+    for start in starts:
+        digest.update(os.pread(fd, min(BLOCK, end - start), start))
+    return digest.digest()
+
+
+def _digest_files(files: dict[Path, list[str] | None], samples: int) -> list[bytes]:
+    """Digests of the named tensors of each file (None: all its tensors)."""
+    digests = []
+    for path, names in files.items():
+        header, data_start = read_header(path)
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            digests += [tensor_digest(fd, data_start, header[name], samples) for name in (names or header)]
+        finally:
+            os.close(fd)
+    return digests
+
+
+def embeddings_part(model_path: str) -> str | None:
+    folder, gguf_file = resolve_model_path(model_path)
+    if gguf_file is not None or not Path(folder).is_dir():
+        return None
+    try:
+        located = locate_embedding_tensors(model_path)
+        digests = [_digest_files({Path(folder) / shard: [name]}, SAMPLES)[0] for name, shard in located.values()]
+    except (UsageError, OSError, ValueError, KeyError):
+        return None
+    return hashlib.sha256(b"".join(digests)).hexdigest()
+
+
+def tensors_part(model_path: str) -> tuple[str | None, int]:
+    folder, gguf_file = resolve_model_path(model_path)
+    files = sorted(Path(folder).glob("*.safetensors")) if gguf_file is None and Path(folder).is_dir() else []
+    if not files:
+        return None, 0
+    try:
+        digests = sorted(_digest_files({path: None for path in files}, 1))
+    except (OSError, ValueError, KeyError):
+        return None, 0
+    return hashlib.sha256(b"".join(digests)).hexdigest(), len(digests)
 
 
 def weights_fingerprint(model_path: str) -> dict | None:
-    """{"method", "sha256", "files", "bytes"} of the verifier's weight files, or None when there are none here."""
-    files = weight_files(model_path)
-    if not files:
+    """{"method", "embeddings", "tensors", "tensor_count"} of the verifier's weights; None when neither part can
+    be computed here."""
+    embeddings = embeddings_part(model_path)
+    tensors, count = tensors_part(model_path)
+    if embeddings is None and tensors is None:
         return None
-    digest = hashlib.sha256()
-    try:
-        for path in files:
-            _hash_file(digest, path)
-    except OSError as err:
-        raise UsageError(f"--model-path {model_path}: cannot read its weights ({err})")
-    return {"method": METHOD, "sha256": digest.hexdigest(), "files": len(files),
-            "bytes": sum(os.path.getsize(p) for p in files)}
+    return {"method": METHOD, "embeddings": embeddings, "tensors": tensors, "tensor_count": count}
+
+
+def differing_parts(recorded: dict, current: dict) -> list[str]:
+    """The parts computed on both sides that differ."""
+    names = {"embeddings": "embed_tokens/lm_head", "tensors": "the tensors"}
+    return [label for key, label in names.items()
+            if recorded.get(key) and current.get(key) and recorded[key] != current[key]]
 
 
 def check_same_weights(recorded: dict | None, recorded_model: str, model_path: str, allow_other: bool, where: str,
@@ -67,17 +107,16 @@ def check_same_weights(recorded: dict | None, recorded_model: str, model_path: s
         log.warning("%s records no fingerprint of its verifier's weights (made before they were recorded): cannot "
                     "tell whether --model-path %s has the same weights as %s", where, model_path, recorded_model)
         return
-    current = weights_fingerprint(model_path)
-    if current is None:
-        log.warning("--model-path %s: no weight files here to compare with those of %s", model_path, where)
-        return
-    if current["sha256"] == recorded["sha256"]:
+    current = weights_fingerprint(model_path) or {}
+    differing = differing_parts(recorded, current)
+    if not differing:
+        if not any(recorded.get(k) and current.get(k) for k in ("embeddings", "tensors")):
+            log.warning("--model-path %s: its weights cannot be compared with those of %s here", model_path, where)
         return
     message = (f"--model-path {model_path} has other weights than the verifier {recorded_model} that {where} was "
-               f"made with (same config and tokenizer; weights fingerprint {current['sha256'][:16]}..., "
-               f"{current['bytes']} bytes in {current['files']} files, against {recorded['sha256'][:16]}..., "
-               f"{recorded['bytes']} bytes in {recorded['files']} files). A drafter must learn the verifier it "
-               f"serves: use {recorded_model}, or pass --allow-other-verifier to go on anyway")
+               f"made with: {' and '.join(differing)} differ (the config and tokenizer are the same). A drafter "
+               f"must learn the verifier it serves: use {recorded_model}, or pass --allow-other-verifier to go on "
+               f"anyway")
     if not allow_other:
         raise UsageError(message)
     log.warning("%s (continuing: --allow-other-verifier)", message)
