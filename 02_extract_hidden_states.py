@@ -5,8 +5,8 @@ For every sample of RUN_DIR/data/tokenized_data.jsonl it writes RUN_DIR/hidden_s
 aux_0/aux_1/aux_2.pt (the residual stream entering the --aux-layers decoder layers), final.pt (after the final
 norm) and meta.pt, plus index.jsonl and manifest.json. Inputs are checked before the verifier loads; a rerun
 resumes (redoing samples whose files are not whole), --overwrite starts over, --verify checks every file's
-checksum, --rebuild-manifest recovers from a damaged manifest; --backend sglang --tp-size N runs the verifier in SGLang. Details:
-docs/extraction.md.
+checksum, --rebuild-manifest recovers from a damaged manifest; --backend sglang --tp-size N runs the verifier
+in SGLang. Details: docs/extraction.md.
 """
 from __future__ import annotations
 
