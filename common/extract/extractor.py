@@ -231,6 +231,17 @@ class Extractor:
             self._samples_written(what, payload)
             self._release(buffer)
 
+    @staticmethod
+    def _finite_flag(packed: Sequence[torch.Tensor]) -> torch.Tensor:
+        """all_finite on the device, copied to the host behind the batch's own copies: whoever waits for those
+        reads it without a device sync (which would wait for the batches queued after this one too)."""
+        finite = all_finite(packed)
+        if finite.device.type != "cuda":
+            return finite
+        host = torch.empty((), dtype=torch.bool, pin_memory=True)
+        host.copy_(finite, non_blocking=True)
+        return host
+
     def _finite_writes(self, buffer: int, writes: list[tuple[int, int]], finite: torch.Tensor) -> list:
         """The writes of a batch whose states are all finite; the others are recorded (and with --skip-nonfinite
         left out, else the stage stops). The flag was computed on the device; the search runs only when it fails."""
@@ -341,7 +352,7 @@ class Extractor:
                 with torch.inference_mode(), inference_attention():
                     final = run_base(text, ids_cpu.to(device, non_blocking=True))
                     packed = capture.take() + [select(final)]
-                    finite = all_finite(packed) if writes else None  # NaN/inf: checked before anything is written
+                    finite = self._finite_flag(packed) if writes else None  # NaN/inf: checked before writing
                     if writes:  # (a resumed batch whose samples are all on disk needs no copy)
                         buffer = self._acquire_buffer()
                         events, keep_alive = self._copy_to_staging(buffer, packed)
