@@ -109,8 +109,11 @@ def test_corrupt_manifest_is_rebuilt_from_the_sample_folders(stories260k, tmp_pa
     assert all(p.stat().st_ino == kept[p] for p in kept if p != lost)  # the others kept, not rewritten
     # ... but not for samples made with other settings
     (out / "manifest.json").write_text("{")
+    config = out / "02_extract_hidden_states.config.json"
+    config_before = config.read_text()
     assert extract(stories260k, data, out, "--aux-layers", "1,2,4", "--dtype", "float32", "--rebuild-manifest") == 2
     assert "were not made with these flags" in stage_log(out)
+    assert config.read_text() == config_before  # a refused run leaves the configuration that made the output
 
 
 # --- 2. non-finite hidden states ---------------------------------------------------------------------------
