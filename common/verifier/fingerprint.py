@@ -53,7 +53,8 @@ def _digest_files(files: dict[Path, list[str] | None], samples: int) -> list[byt
         header, data_start = read_header(path)
         fd = os.open(path, os.O_RDONLY)
         try:
-            digests += [tensor_digest(fd, data_start, header[name], samples) for name in (names or header)]
+            in_file_order = sorted(names or header, key=lambda name: header[name]["data_offsets"][0])  # forward reads
+            digests += [tensor_digest(fd, data_start, header[name], samples) for name in in_file_order]
         finally:
             os.close(fd)
     return digests
