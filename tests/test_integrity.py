@@ -204,6 +204,7 @@ def test_a_second_writer_is_refused_and_a_dead_ones_lock_taken_over(stories260k,
     taken = run_script(STAGE_SCRIPT, "--output-dir", str(out), "--verify", env=ONE_THREAD)
     assert taken.returncode == 0, taken.stdout + taken.stderr
     assert f"taking over the lock left by pid {holder.pid}" in taken.stdout and "no longer running" in taken.stdout
+    assert config.read_text() == config_before  # a --verify run describes no output of its own
     assert (out / ".lock").read_text() == ""  # released cleanly
 
 

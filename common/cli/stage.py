@@ -109,7 +109,8 @@ def run_stage(stage: str, parse: Callable[[list[str] | None], argparse.Namespace
         config_file = output_dir / f"{stage}{CONFIG_FILE_SUFFIX}"
         earlier_config = read_earlier(config_file)
         try:
-            write_json_atomic(config_file, config)
+            if not getattr(args, "verify", False):  # a check (stage 02 --verify) leaves the output's configuration
+                write_json_atomic(config_file, config)
         except OSError as err:
             raise UsageError(f"--output-dir {output_dir} is not writable ({err}); choose another folder")
         try:
