@@ -4,13 +4,15 @@
 For every sample of RUN_DIR/data/tokenized_data.jsonl it writes RUN_DIR/hidden_states/shard_NNNNN/<id>/ with
 aux_0/aux_1/aux_2.pt (the residual stream entering the --aux-layers decoder layers), final.pt (after the final
 norm) and meta.pt, plus index.jsonl and manifest.json. Inputs are checked before the verifier loads; a rerun
-resumes, --overwrite starts over; --backend sglang --tp-size N runs the verifier in SGLang. Details:
-docs/extraction.md.
+resumes (redoing samples whose files are not whole), --overwrite starts over, --verify checks every file's
+checksum, --rebuild-manifest recovers from a damaged manifest; --backend sglang --tp-size N runs the verifier
+in SGLang. Details: docs/extraction.md.
 """
 from __future__ import annotations
 
 import os
 import sys
+from pathlib import Path
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
@@ -30,6 +32,10 @@ def parse(argv):
 def work(args, log) -> None:
     from common.extract.run import ExtractionInputs, check_prepared_data, extract_hidden_states
 
+    if args.verify:  # a check of the files already there: no verifier, no prepared data
+        from common.extract.verify import verify_output
+
+        return verify_output(Path(args.output_dir), log)
     require(args, "model_path", "prepared_data")
     if args.backend == "sglang":  # the pinned SGLang, GPUs, one process: checked first (common/verifier/)
         from common.verifier.sglang_backend import check_sglang_early

@@ -19,6 +19,7 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
+from common.bench.drafter_check import check_verifier_weights
 from common.bench.eval_mode import eval_summary_line, run_eval
 from common.bench.lineage import DATA_STAGE, check_overlap
 from common.bench.offline_mode import offline_summary_line, run_offline
@@ -96,6 +97,7 @@ def run_benchmark(args, log):
         raise UsageError(f"--temperature must be >= 0 and --top-p in (0, 1] (got {args.temperature}, {args.top_p})")
     if getattr(args, "tau_only", False) and args.mode != "offline":
         raise UsageError(f"--tau-only applies to --mode offline (its timing baselines); not to --mode {args.mode}")
+    check_verifier_weights(args, log)  # the same verifier, not just the same shape
     prompt_spec, prompts, overlap, selection = None, None, None, None
     if args.mode in ("offline", "server"):
         prompt_spec, prompts, selection = resolve_prompts(args, log)

@@ -16,6 +16,7 @@ and stage 02 on its hf backend, under torchrun with 8 processes (one per GPU); t
 from __future__ import annotations
 
 import argparse
+import atexit
 import contextlib
 import difflib
 import io
@@ -34,7 +35,8 @@ from common.formats.manifest import MANIFEST, STATUS_COMPLETE  # noqa: E402
 from common.formats.files import read_json  # noqa: E402
 from common.cli.flags import (FLAGS, RUN_LAYOUT, STAGE_FLAGS, StageArgumentParser, _all_option_strings,
     parse_stage_args)  # noqa: E402
-from common.cli.errors import USAGE_ERROR  # noqa: E402
+from common.cli.errors import USAGE_ERROR, UsageError  # noqa: E402
+from common.cli.lock import OutputLock  # noqa: E402
 
 REPO = Path(__file__).resolve().parent
 STAGES = list(STAGE_FLAGS)  # "01_prepare_data", ...
@@ -282,6 +284,11 @@ def main(argv: list[str] | None = None) -> int:
         selected = [s for s in selected if s >= args.from_stage]
     argvs = {stage: stage_argv(stage, str(run_dir), shared, extra) for stage in selected}
     resolved = check_all_flags(argvs)
+    try:  # one pipeline per run directory (each stage also locks its own folder)
+        atexit.register(OutputLock(run_dir, "another run_pipeline.py").acquire().release)
+    except UsageError as err:
+        print(f"run_pipeline.py: {err}", file=sys.stderr)
+        return USAGE_ERROR
 
     (run_dir / "logs").mkdir(parents=True, exist_ok=True)
     pipeline_log = (run_dir / "logs" / "pipeline.log").open("a")

@@ -5,7 +5,8 @@ vocabulary map, and (with --data-dir) the layer ids against the hidden states th
   python scripts/check_drafter.py RUN_DIR/checkpoints/best --data-dir RUN_DIR/hidden_states \
       [--model-path VERIFIER]
 
-Prints every problem (exit 1) or "OK" (exit 0); warnings (e.g. what vLLM would capture) are printed too.
+Prints every problem (exit 1) or "OK" (exit 0), warnings too. With --data-dir, SGLang or vLLM capturing other
+layers than the stored ones is a problem.
 Exit 2: bad arguments or an unreadable manifest/verifier config.
 """
 from __future__ import annotations
@@ -50,7 +51,8 @@ def main(argv=None) -> int:
         except UsageError as err:
             print(str(err), file=sys.stderr)
             return 2
-    problems, warnings = inspect_drafter_dir(args.drafter, manifest, info)
+    # Served drafters: vLLM capturing other layers than those stored is a problem, as it is for SGLang.
+    problems, warnings = inspect_drafter_dir(args.drafter, manifest, info, for_vllm=True)
     if args.json:
         print(json.dumps({"problems": problems, "warnings": warnings}, indent=2))
     else:

@@ -22,8 +22,8 @@ from common.formats.manifest import Manifest
 from common.formats.files import read_json, write_json_atomic
 from common.extract.extractor import CRASH_ENV, Extractor
 from common.extract.plan import plan_batches
-from common.formats.hidden_states import (AUX_FILES, FINAL_FILE, LAYER_CONVENTION, META_FILE, SAMPLE_FILES, TMP_PREFIX,
-    load_sample, open_hidden_states, sample_dir_name)
+from common.formats.hidden_states import (AUX_FILES, FINAL_FILE, LAYER_CONVENTION, META_FILE, RECORD_FILE,
+    SAMPLE_FILES, TMP_PREFIX, load_sample, open_hidden_states, sample_dir_name)
 from common.formats.prepared_data import read_prepared_data
 from common.verifier.capture import find_text_model
 from common.verifier.loading import load_verifier_model, read_verifier_info
@@ -291,7 +291,7 @@ def test_stage_deepseek_default_layers_files_manifest_and_reader(deepseek_dir, t
     assert all(e["path"].startswith("shard_00000/") for e in entries)
     model = load_verifier_model(str(deepseek_dir), "cpu", "float32")
     for entry, length in zip(entries, lengths):
-        assert sorted(os.listdir(out / entry["path"])) == sorted(SAMPLE_FILES)
+        assert sorted(os.listdir(out / entry["path"])) == sorted(SAMPLE_FILES + (RECORD_FILE,))
         sample = load_sample(out, entry)
         assert sample["aux"].shape == (length, 3 * 64) and sample["aux"].dtype == torch.bfloat16
         assert sample["final"].shape == (length, 64) and sample["final"].dtype == torch.bfloat16

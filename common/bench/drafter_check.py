@@ -31,3 +31,27 @@ def check_drafter(args, verifier_info, log) -> dict:
              DrafterConfig.from_sglang_config(config).aux_layers,
              (config.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids"))
     return config
+
+
+def check_verifier_weights(args, log) -> None:
+    """--model-path must have the weights of the verifier the drafter was trained for (and, in --mode eval, of the
+    hidden states' verifier): the fingerprints stage 02 recorded and stage 04 carried (unless
+    --allow-other-verifier)."""
+    from common.formats.manifest import MANIFEST
+    from common.verifier.fingerprint import check_same_weights
+
+    if not args.model_path or args.mode == "server":  # server mode loads no verifier here
+        return
+    made_with = []
+    if args.draft_model_path:
+        folder = Path(args.draft_model_path)
+        for path in (folder / MANIFEST, folder.parent / MANIFEST):  # the checkpoint, or its training run
+            manifest = read_json(path) if path.is_file() else {}
+            if manifest.get("stage") == "04_train":
+                made_with.append((manifest, f"the drafter {folder} (trained by {path})"))
+                break
+    if args.mode == "eval" and args.data_dir and (Path(args.data_dir) / MANIFEST).is_file():
+        made_with.append((read_json(Path(args.data_dir) / MANIFEST), f"--data-dir {args.data_dir}"))
+    for manifest, where in made_with:
+        check_same_weights(manifest.get("verifier_weights"), (manifest.get("verifier") or {}).get("path"),
+                           args.model_path, args.allow_other_verifier, where, log)

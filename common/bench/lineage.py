@@ -60,7 +60,7 @@ def training_lineage(draft_dir: str | Path) -> tuple[Path | None, list[str]]:
 
 def check_overlap(prompts, draft_dir: str | None, allow_overlap: bool, log) -> dict:
     """Refuse benchmark prompts whose turns were training prompts of the drafter (unless allowed)."""
-    from common.data.records import prompt_hash
+    from common.data.records import benchmark_prompt_hashes
 
     if not draft_dir or not Path(draft_dir).exists():
         log.warning("overlap check SKIPPED: no drafter folder to trace the training data from (give "
@@ -73,7 +73,7 @@ def check_overlap(prompts, draft_dir: str | None, allow_overlap: bool, log) -> d
                     ", ".join(visited) or "none")
         return {"checked": False, "reason": "training lineage not found", "manifests_visited": visited}
     trained = {line.strip() for line in hash_file.read_text().splitlines() if line.strip()}
-    overlapping = [p.id for p in prompts if any(prompt_hash(turn) in trained for turn in p.turns)]
+    overlapping = [p.id for p in prompts if any(benchmark_prompt_hashes(turn) & trained for turn in p.turns)]
     result = {"checked": True, "hash_file": str(hash_file), "training_prompts": len(trained),
               "prompts_checked": len(prompts), "overlapping": len(overlapping),
               "overlapping_ids": overlapping[:50]}

@@ -75,10 +75,11 @@ def prompt_from_record(record: Any, index: int, where: str) -> BenchPrompt | Non
 
 
 def _iter_records(path: Path) -> Iterator[tuple[str, Any]]:
-    """(location, record) for each record of a JSONL file or a JSON array file."""
-    with open(path) as handle:
-        head = handle.read(4096).lstrip()
-    if head.startswith("["):
+    """(location, record) for each record of a JSONL file or a JSON array file; bytes that are not UTF-8 stop
+    with their line, never read as U+FFFD."""
+    with open(path, "rb") as handle:
+        head = handle.read(4096).lstrip(b"\xef\xbb\xbf \t\r\n")
+    if head.startswith(b"["):
         # Read incrementally: a large file (ShareGPT, 125 MB) is not loaded whole, and one cut off
         # mid-record still yields every complete record before the cut.
         from common.data.records import BadRecordError
@@ -86,15 +87,20 @@ def _iter_records(path: Path) -> Iterator[tuple[str, Any]]:
 
         for line_number, record in iter_json_array(path):
             if isinstance(record, BadRecordError):
+                if record.reason == "invalid_utf8":
+                    raise UsageError(f"{path}:{line_number}: {record.detail}; save the prompt file as UTF-8")
                 return
             yield f"{path}:{line_number}", record
         return
-    with open(path) as handle:
-        for line_number, line in enumerate(handle, start=1):
-            if not line.strip():
+    with open(path, "rb") as handle:
+        for line_number, raw in enumerate(handle, start=1):
+            if not raw.strip():
                 continue
             try:
-                yield f"{path}:{line_number}", json.loads(line)
+                yield f"{path}:{line_number}", json.loads(raw.decode("utf-8"))
+            except UnicodeDecodeError as err:
+                raise UsageError(f"{path}:{line_number}: byte 0x{raw[err.start]:02x} at column {err.start + 1} is "
+                                 f"not UTF-8; save the prompt file as UTF-8")
             except json.JSONDecodeError as err:
                 raise UsageError(f"{path}:{line_number}: not valid JSON ({err}); --prompts takes JSONL "
                                  f"(one JSON object per line) or a JSON array")

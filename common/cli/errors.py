@@ -6,3 +6,8 @@ FAILURE = 1  # a failure during the work itself
 
 class UsageError(Exception):
     """A bad flag or bad input: the stage exits with code 2 before doing any heavy work."""
+
+
+class StageFailure(Exception):
+    """A failure during the work whose message says what went wrong and how to repair it: exit code 1, logged
+    without a traceback."""

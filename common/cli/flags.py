@@ -149,6 +149,17 @@ _ALL_FLAGS: list[Flag] = [
          metavar="A,B,C"),
     Flag("--allow-low-disk", "Proceed even when the free disk looks too small.", type=None,
          action="store_true"),
+    Flag("--verify", "Check an existing stage-02 output instead of extracting: read every stored file and compare "
+         "its size and CRC32 with those recorded when it was written (no verifier is loaded; needs only "
+         "--output-dir or --run-dir). Damaged samples are named by id and file, marked, and dropped from the "
+         "index; exit 1 if any, and a rerun with the usual flags redoes exactly those.", type=None,
+         action="store_true"),
+    Flag("--rebuild-manifest", "Stage 02: the output folder's manifest.json is missing or corrupt but its "
+         "sample folders are fine: keep every whole sample (made, you assert, with these same flags; a stored "
+         "sample's shape and dtype are checked), extract the rest, and write a new manifest and index.jsonl. "
+         "--overwrite instead starts over.", type=None, action="store_true"),
+    Flag("--skip-nonfinite", "Stage 02: drop samples whose hidden states hold NaN or inf (counted in the manifest "
+         "and the log) instead of stopping with exit 1.", type=None, action="store_true"),
     Flag("--backend", "Engine that runs the verifier.", choices=("hf", "sglang"), default="hf"),
     Flag("--device-map", "Placement of the verifier on GPUs (hf backend): single = a whole copy per GPU (stage "
          "01 regenerates with one copy on every visible GPU, stage 02 with one per torchrun rank); multi = one copy "
@@ -225,6 +236,9 @@ _ALL_FLAGS: list[Flag] = [
          "server) or generate (SGLang's /generate with token ids rendered here; needs --model-path).",
          choices=("chat", "generate"), default="chat"),
     Flag("--concurrency", "Requests in flight at once.", type=_positive_int, default=1),
+    Flag("--allow-other-verifier", "Accept a --model-path whose weights differ from those of the verifier the "
+         "hidden states were extracted with (same config and tokenizer, e.g. another fine-tune); without it the "
+         "stage refuses, since a drafter must learn the verifier it will serve.", type=None, action="store_true"),
     Flag("--allow-overlap", "Benchmark even if prompts overlap the drafter's training data.", type=None,
          action="store_true"),
     Flag("--tau-only", "--mode offline: measure acceptance only (tau, acceptance by draft position, per "
@@ -247,7 +261,8 @@ STAGE_FLAGS: dict[str, list[str]] = {
                                  "--output-dir", "--aux-layers", "--batch-size", "--max-tokens-per-batch",
                                  "--max-seq-len", "--device", "--dtype", "--num-workers",
                                  "--allow-low-disk", "--overwrite", "--backend", "--tp-size",
-                                 "--gpu-memory-utilization", "--device-map"],
+                                 "--gpu-memory-utilization", "--device-map", "--verify",
+                                 "--rebuild-manifest", "--skip-nonfinite"],
     "03_build_vocab_mapping": ["--run-dir", "--model-path", "--trust-remote-code", "--prepared-data",
                                "--output-dir", "--draft-vocab-size", "--overwrite"],
     "04_train": ["--run-dir", "--model-path", "--trust-remote-code", "--data-dir", "--vocab-mapping-dir",
@@ -256,12 +271,12 @@ STAGE_FLAGS: dict[str, list[str]] = {
                  "--val-ratio", "--scheduler", "--warmup-ratio", "--grad-accum", "--max-grad-norm",
                  "--eval-interval", "--save-interval", "--keep-last", "--resume", "--num-workers",
                  "--seed", "--device", "--dtype", "--log-interval", "--overwrite", "--allow-low-disk",
-                 "--drafter-config", "--fsdp", "--fp8", "--ttt-positions"],
+                 "--drafter-config", "--fsdp", "--fp8", "--ttt-positions", "--allow-other-verifier"],
     "05_benchmark": ["--run-dir", "--model-path", "--trust-remote-code", "--draft-model-path",
                      "--data-dir", "--output-dir", "--mode", "--prompts", "--num-prompts", "--max-new-tokens",
                      "--num-steps", "--topk", "--num-draft-tokens", "--temperature", "--top-p", "--url",
                      "--baseline-url", "--concurrency", "--allow-overlap", "--device", "--dtype", "--seed",
-                     "--chat-template", "--server-api", "--tau-only"],
+                     "--chat-template", "--server-api", "--tau-only", "--allow-other-verifier"],
 }
 
 # Where each stage's artifacts live inside a run directory.

@@ -18,9 +18,10 @@ from typing import Callable
 
 from tqdm import tqdm
 
-from common.formats.files import write_json_atomic
-from common.cli.errors import FAILURE, USAGE_ERROR, UsageError
+from common.formats.files import atomic_path, write_json_atomic
+from common.cli.errors import FAILURE, USAGE_ERROR, StageFailure, UsageError
 from common.cli.flags import log_dir_for
+from common.cli.lock import OutputLock
 
 LOGGER_NAME = "eagle3"
 CONFIG_FILE_SUFFIX = ".config.json"
@@ -57,6 +58,33 @@ def resolved_config(args: argparse.Namespace) -> dict:
     return {key: value for key, value in sorted(vars(args).items())}
 
 
+def take_output_lock(stage: str, output_dir: Path) -> OutputLock | None:
+    """The output folder's lock, held by the main process (under torchrun rank 0 holds it for every rank)."""
+    from common.cli.distributed import rank_info
+
+    if not rank_info().is_main:
+        return None
+    return OutputLock(output_dir, f"another {stage} run").acquire()
+
+
+def read_earlier(path: Path) -> bytes | None:
+    try:
+        return path.read_bytes()
+    except OSError:
+        return None
+
+
+def restore_earlier(path: Path, content: bytes | None) -> None:
+    """Put back the configuration of the run that made the output (a first, refused run keeps its own)."""
+    if content is None:
+        return
+    try:
+        with atomic_path(path) as tmp:
+            tmp.write_bytes(content)
+    except OSError:
+        pass  # the refusal itself is what the user needs to see
+
+
 def run_stage(stage: str, parse: Callable[[list[str] | None], argparse.Namespace],
               work: Callable[[argparse.Namespace, logging.Logger], None],
               argv: list[str] | None = None) -> int:
@@ -71,23 +99,41 @@ def run_stage(stage: str, parse: Callable[[list[str] | None], argparse.Namespace
     config = resolved_config(args)
     logger.info("%s starting; resolved configuration:\n%s", stage, json.dumps(config, indent=2, default=str))
     started = time.time()
+    lock = None
     try:
         output_dir = Path(args.output_dir)
         try:
             output_dir.mkdir(parents=True, exist_ok=True)
-            write_json_atomic(output_dir / f"{stage}{CONFIG_FILE_SUFFIX}", config)
         except OSError as err:
             raise UsageError(f"--output-dir {output_dir} is not writable ({err}); choose another folder")
-        work(args, logger)
+        lock = take_output_lock(stage, output_dir)  # before anything in the folder changes
+        config_file = output_dir / f"{stage}{CONFIG_FILE_SUFFIX}"
+        earlier_config = read_earlier(config_file)
+        try:
+            if not getattr(args, "verify", False):  # a check (stage 02 --verify) leaves the output's configuration
+                write_json_atomic(config_file, config)
+        except OSError as err:
+            raise UsageError(f"--output-dir {output_dir} is not writable ({err}); choose another folder")
+        try:
+            work(args, logger)
+        except UsageError:  # a refused run leaves the configuration of the run that made the output
+            restore_earlier(config_file, earlier_config)
+            raise
     except UsageError as err:
         logger.error("%s: %s", stage, err)
         return USAGE_ERROR
+    except StageFailure as err:
+        logger.error("%s failed: %s", stage, err)
+        return FAILURE
     except KeyboardInterrupt:
         logger.error("%s interrupted; rerun the same command to resume", stage)
         return 130
     except Exception:  # noqa: BLE001 - every other failure is reported with its traceback
         logger.error("%s failed:\n%s", stage, traceback.format_exc())
         return FAILURE
+    finally:
+        if lock is not None:
+            lock.release()
     logger.info("%s finished in %.1f s", stage, time.time() - started)
     return 0
 

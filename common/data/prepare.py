@@ -161,7 +161,8 @@ def prepare_data(args, inputs: Inputs, log) -> dict:
                                 "eval": str(inputs.eval_file.resolve()) if n_eval else None}
     manifest.data["train_prompt_hashes"] = {"file": PROMPT_HASHES_FILE, "count": len(written.train_prompt_hashes),
                                             "normalisation": "whitespace collapsed, lowercased, sha256 "
-                                                             "(common.data.records.prompt_hash)"}
+                                                             "(common.data.records.prompt_hash) of each chat's "
+                                                             "first prompt and of each text's text_prompt_hashes"}
     if regenerator is not None:
         manifest.data["regeneration"] = {"settings": cache.settings, "cache": cache.path.name, **regenerator.counts,
                                          "hit_max_new_tokens": regenerator.respond.hit_max_new_tokens}

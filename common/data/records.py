@@ -28,6 +28,26 @@ def prompt_hash(text: str) -> str:
     return hashlib.sha256(normalise_prompt(text).encode("utf-8")).hexdigest()
 
 
+PREFIX_WORDS = 32  # a benchmark prompt that starts with the same 32 words as a training text overlaps it
+
+
+def _prefix(text: str) -> str | None:
+    words = text.split()
+    return " ".join(words[:PREFIX_WORDS]) if len(words) >= PREFIX_WORDS else None
+
+
+def text_prompt_hashes(text: str) -> set[str]:
+    """What of a plain-text (or completion) training record a benchmark prompt could repeat: the whole text, its
+    first line (the prompt of a prompt-newline-completion text) and its first PREFIX_WORDS words."""
+    parts = [text, text.strip().split("\n", 1)[0], _prefix(text)]
+    return {prompt_hash(part) for part in parts if part and part.strip()}
+
+
+def benchmark_prompt_hashes(turn: str) -> set[str]:
+    """The hashes of a benchmark turn that are looked up among the training hashes (see text_prompt_hashes)."""
+    return {prompt_hash(part) for part in (turn, _prefix(turn)) if part}
+
+
 def first_user_prompt(messages: list[dict]) -> str | None:
     return next((m["content"] for m in messages if m["role"] == USER), None)
 

@@ -129,6 +129,9 @@ def iter_jsonl(path: Path) -> Iterator[RawItem]:
                 yield number, BadRecordError("invalid_json", str(err)[:120])
 
 
+_INVALID_BYTE = re.compile("[\udc80-\udcff]")
+
+
 def iter_json_array(path: Path, chunk_chars: int = 1 << 20) -> Iterator[RawItem]:
     """Elements of a top-level JSON array, decoded one at a time from a growing buffer.
 
@@ -138,7 +141,9 @@ def iter_json_array(path: Path, chunk_chars: int = 1 << 20) -> Iterator[RawItem]
     """
     decoder = json.JSONDecoder()
     separators = re.compile(r"[\s,]*")
-    with open(path, encoding="utf-8", errors="replace") as handle:
+    # Invalid UTF-8 bytes decode to lone surrogates (U+DC80..U+DCFF), so the element holding them is found and
+    # reported as a bad record, never read with U+FFFD in its place.
+    with open(path, encoding="utf-8", errors="surrogateescape") as handle:
         buffer, eof = handle.read(chunk_chars), False
         buffer = buffer.lstrip("\ufeff")
         pos = separators.match(buffer).end()
@@ -175,7 +180,13 @@ def iter_json_array(path: Path, chunk_chars: int = 1 << 20) -> Iterator[RawItem]
                 yield line, BadRecordError("invalid_json", f"{str(error)[:100]}; reading stops here "
                                                            "(truncated or broken JSON array)")
                 return
-            yield line, obj
+            bad_byte = _INVALID_BYTE.search(buffer, pos, end)
+            if bad_byte is not None:
+                at = line + buffer.count("\n", pos, bad_byte.start())
+                byte = ord(bad_byte.group()) - 0xDC00
+                yield line, BadRecordError("invalid_utf8", f"byte 0x{byte:02x} on line {at} is not UTF-8")
+            else:
+                yield line, obj
             pos = end
             if pos > chunk_chars:  # drop what has been consumed, keeping line counting consistent
                 line += buffer.count("\n", counted_to, pos)

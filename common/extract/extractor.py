@@ -14,6 +14,7 @@ from typing import Any, Sequence
 
 import torch
 
+from common.extract.finite import all_finite, first_nonfinite, layer_names, nonfinite_failure
 from common.extract.plan import TokenSelector, batch_inputs
 from common.extract.writer import _SAVE_CONFIG, STAGING_BUFFERS, StagingBuffers, _writer_process, write_sample
 from common.formats.hidden_states import SAMPLE_FILES
@@ -65,6 +66,7 @@ def merge_rank_stats(summaries: Sequence[dict[str, Any]]) -> dict[str, Any]:
         "tokens_per_s": round(merged["tokens_written"] / elapsed, 1) if elapsed else 0.0,
         "write_bytes_per_s": round(merged["bytes_written"] / elapsed, 1) if elapsed else 0.0,
         "waited_for_writers_s": max(s["waited_for_writers_s"] for s in summaries),
+        "skipped_nonfinite": {k: v for s in summaries for k, v in (s.get("skipped_nonfinite") or {}).items()},
         "world_size": len(summaries),
         "ranks": list(summaries),
     })
@@ -81,8 +83,10 @@ class Extractor:
 
     def __init__(self, output_dir: str | os.PathLike, samples: Sequence[Sample], batches: Sequence[list[int]],
                  aux_layers: Sequence[int], hidden_size: int, store_dtype: torch.dtype, num_workers: int,
-                 staging_buffers: int = STAGING_BUFFERS):
+                 staging_buffers: int = STAGING_BUFFERS, skip_nonfinite: bool = False):
         self.output_dir = Path(output_dir)
+        self.skip_nonfinite = skip_nonfinite
+        self._nonfinite: dict[str, str] = {}  # sample id -> where its values first stop being finite
         self.samples = samples
         self.aux_layers = list(aux_layers)
         self.hidden_size = hidden_size
@@ -160,6 +164,8 @@ class Extractor:
                 self._error = message
 
     def _check(self) -> None:
+        if self._nonfinite and not self.skip_nonfinite:
+            raise nonfinite_failure(self._nonfinite)
         if self._error is not None:
             raise RuntimeError(f"writing hidden states failed:\n{self._error}")
 
@@ -187,10 +193,11 @@ class Extractor:
             job = self._jobs.get()
             if job is None:
                 return
-            buffer, events, keep_alive, writes = job
+            buffer, events, keep_alive, writes, finite = job
             try:
                 for event in events:
                     event.synchronize()
+                writes = self._finite_writes(buffer, writes, finite)
             except BaseException:  # noqa: BLE001
                 self._fail(traceback.format_exc())
                 return
@@ -223,6 +230,42 @@ class Extractor:
                 return
             self._samples_written(what, payload)
             self._release(buffer)
+
+    @staticmethod
+    def _finite_flag(packed: Sequence[torch.Tensor]) -> torch.Tensor:
+        """all_finite on the device, copied to the host behind the batch's own copies: whoever waits for those
+        reads it without a device sync (which would wait for the batches queued after this one too)."""
+        finite = all_finite(packed)
+        if finite.device.type != "cuda":
+            return finite
+        host = torch.empty((), dtype=torch.bool, pin_memory=True)
+        host.copy_(finite, non_blocking=True)
+        return host
+
+    def _finite_writes(self, buffer: int, writes: list[tuple[int, int]], finite: torch.Tensor) -> list:
+        """The writes of a batch whose states are all finite; the others are recorded (and with --skip-nonfinite
+        left out, else the stage stops). The flag was computed on the device; the search runs only when it fails."""
+        if bool(finite):
+            return writes
+        target = self.staging.tensors[buffer]
+        names = layer_names(self.aux_layers)
+        kept, found = [], {}
+        for index, offset in writes:
+            rows = slice(offset, offset + self.samples[index].num_tokens)
+            where = first_nonfinite([target[k, rows] for k in range(target.shape[0])], names)
+            if where is None:
+                kept.append((index, offset))
+            else:
+                found[self.samples[index].id] = where
+        with self._lock:
+            self._nonfinite.update(found)
+        if not self.skip_nonfinite:
+            return []
+        return kept
+
+    def skipped_nonfinite(self) -> dict[str, str]:
+        with self._lock:
+            return dict(self._nonfinite)
 
     # -- GPU side (calling thread) --
     def _acquire_buffer(self) -> int:
@@ -262,9 +305,10 @@ class Extractor:
             keep_alive.append(tensor)
         return events, keep_alive
 
-    def _write_inline(self, buffer: int, events: list, writes: list[tuple[int, int]]) -> None:
+    def _write_inline(self, buffer: int, events: list, writes: list[tuple[int, int]], finite) -> None:
         for event in events:
             event.synchronize()
+        writes = self._finite_writes(buffer, writes, finite)
         target = self.staging.tensors[buffer]
         for index, offset in writes:
             sample = self.samples[index]
@@ -308,6 +352,7 @@ class Extractor:
                 with torch.inference_mode(), inference_attention():
                     final = run_base(text, ids_cpu.to(device, non_blocking=True))
                     packed = capture.take() + [select(final)]
+                    finite = self._finite_flag(packed) if writes else None  # NaN/inf: checked before writing
                     if writes:  # (a resumed batch whose samples are all on disk needs no copy)
                         buffer = self._acquire_buffer()
                         events, keep_alive = self._copy_to_staging(buffer, packed)
@@ -317,9 +362,9 @@ class Extractor:
                 self._stats.padded_tokens += ids_cpu.numel()
                 self._stats.tokens_written += sum(self.samples[i].num_tokens for i, _ in writes)
                 if writes and self._processes:
-                    self._jobs.put((buffer, events, keep_alive, writes))
+                    self._jobs.put((buffer, events, keep_alive, writes, finite))
                 elif writes:
-                    self._write_inline(buffer, events, writes)
+                    self._write_inline(buffer, events, writes, finite)
                 if progress is not None:
                     rate = self._stats.tokens_forwarded / (time.perf_counter() - started)
                     progress.update(len(writes), postfix=f"{rate:.0f} tok/s")
@@ -329,6 +374,7 @@ class Extractor:
             drain_started = time.perf_counter()
             self._drain()
             self._stats.extra["drain_s"] = round(time.perf_counter() - drain_started, 3)
+            self._stats.extra["skipped_nonfinite"] = self.skipped_nonfinite()
         except torch.cuda.OutOfMemoryError as err:
             raise RuntimeError(f"out of GPU memory on a batch of {len(batch)} sequences x {ids_cpu.shape[1]} tokens: "
                                f"lower --max-tokens-per-batch or --batch-size and rerun (finished samples are "

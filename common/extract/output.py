@@ -1,8 +1,8 @@
-"""Stage 02's output folder: what is already there (resume), what it owns (--overwrite), its lock, and the
-rules for reusing an earlier run's samples."""
+"""Stage 02's output folder: what is already there (resume, with damaged samples found and redone), what it owns
+(--overwrite), and the rules for reusing an earlier run's samples."""
 from __future__ import annotations
 
-import fcntl
+import logging
 import os
 import re
 import shutil
@@ -10,16 +10,18 @@ from pathlib import Path
 from typing import Any, Sequence
 
 from common.cli.errors import UsageError
-from common.formats.hidden_states import INDEX_FILE, TMP_PREFIX, is_complete_sample
+from common.formats.hidden_states import INDEX_FILE, TMP_PREFIX, sample_problem
 from common.formats.manifest import MANIFEST
 from common.formats.prepared_data import Sample
 
-LOCK_FILE = ".lock"
+MAX_LISTED = 20  # damaged samples named one by one in the log; the rest are counted
 
 
 def scan_output(output_dir: Path, samples: Sequence[Sample], clean: bool = True) -> set[int]:
-    """Indices of samples already complete on disk; with `clean`, remove temp folders and incomplete samples."""
+    """Indices of samples already whole on disk; with `clean`, remove temp folders and the samples that are not
+    whole (missing, empty, short or unreadable files), naming each in the log: the run redoes them."""
     complete: set[int] = set()
+    damaged: list[str] = []
     by_shard: dict[str, dict[str, int]] = {}
     for index, sample in enumerate(samples):
         shard, name = sample.rel_path.split("/")
@@ -37,11 +39,22 @@ def scan_output(output_dir: Path, samples: Sequence[Sample], clean: bool = True)
                 index = names.get(entry.name)
                 if index is None or not entry.is_dir():
                     continue
-                if is_complete_sample(Path(entry.path)):
+                problem = sample_problem(Path(entry.path))
+                if problem is None:
                     complete.add(index)
                 elif clean:
+                    damaged.append(f"{samples[index].id!r} ({shard}/{entry.name}): {problem}")
                     shutil.rmtree(entry.path, ignore_errors=True)
+    if damaged:
+        report_damaged(output_dir, damaged)
     return complete
+
+
+def report_damaged(output_dir: Path, damaged: list[str]) -> None:
+    listed = "\n  ".join(damaged[:MAX_LISTED])
+    more = f"\n  ... and {len(damaged) - MAX_LISTED} more" if len(damaged) > MAX_LISTED else ""
+    logging.getLogger("eagle3").warning("%s: %d samples were not whole and are redone:\n  %s%s", output_dir,
+                                        len(damaged), listed, more)
 
 
 def owned_entries(output_dir: Path) -> list[Path]:
@@ -67,35 +80,6 @@ def remove_owned(output_dir: Path) -> int:
         else:
             path.unlink()
     return len(entries)
-
-
-class OutputLock:
-    """An exclusive lock on the output folder, so two runs never write into the same samples."""
-
-    def __init__(self, output_dir: Path):
-        self.path = output_dir / LOCK_FILE
-        self.handle = None
-
-    def __enter__(self) -> "OutputLock":
-        self.handle = open(self.path, "a+")
-        try:
-            fcntl.flock(self.handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            self.handle.seek(0)
-            holder = self.handle.read().strip() or "unknown"
-            self.handle.close()
-            raise UsageError(f"{self.path.parent}: another extraction (pid {holder}) is writing here; wait for "
-                             f"it or use another --output-dir")
-        self.handle.seek(0)
-        self.handle.truncate()
-        self.handle.write(str(os.getpid()))
-        self.handle.flush()
-        return self
-
-    def __exit__(self, *exc) -> None:
-        if self.handle is not None:
-            fcntl.flock(self.handle, fcntl.LOCK_UN)
-            self.handle.close()
 
 
 def check_writable(output_dir: Path) -> None:
@@ -124,6 +108,7 @@ def resume_key(manifest: dict[str, Any]) -> dict[str, Any]:
         "max_seq_len": (manifest.get("flags") or {}).get("max_seq_len"),
         "verifier": verifier,
         "verifier_path": manifest.get("verifier_resolved_path"),
+        "verifier_weights": (manifest.get("verifier_weights") or {}).get("tensors"),
         "prepared_data_sha256": ((manifest.get("inputs") or {}).get("prepared_data") or {}).get("sha256"),
     }
 

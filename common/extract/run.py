@@ -14,7 +14,7 @@ from common.cli import distributed
 from common.cli.errors import UsageError
 from common.cli.stage import Progress
 from common.extract.extractor import Extractor, merge_rank_stats
-from common.extract.output import (OutputLock, check_writable, owned_entries, remove_owned, resume_key,
+from common.extract.output import (check_writable, owned_entries, remove_owned, resume_key,
     scan_output, tree_bytes)
 from common.extract.plan import padding_stats, plan_batches, rank_batches
 from common.formats.files import sha256_file
@@ -24,6 +24,7 @@ from common.formats.manifest import MANIFEST, Manifest, check_verifier_matches, 
 from common.formats.resume import earlier_manifest, refuse_other_settings, setting_differences
 from common.formats.prepared_data import Sample, read_prepared_data
 from common.verifier.capture import find_text_model
+from common.verifier.fingerprint import weights_fingerprint
 from common.verifier.loading import choose_device_map, load_verifier_model, resolve_model_path
 
 UPSTREAM = "01_prepare_data"
@@ -70,11 +71,25 @@ def verifier_resolved_path(model_path: str) -> str:
     return str(path.resolve()) if path.exists() else model_path
 
 
+def check_kept_sample(output_dir: Path, sample: Sample, hidden_size: int, dtype: str) -> None:
+    """--rebuild-manifest: one kept sample must have the shape and dtype these flags give, and the same tokens."""
+    folder = output_dir / sample.rel_path
+    stored = torch.load(folder / AUX_FILES[0], map_location="cpu", weights_only=True, mmap=True)
+    meta = torch.load(folder / META_FILE, map_location="cpu", weights_only=True)
+    expected = (sample.num_tokens, hidden_size)
+    if tuple(stored.shape) != expected or stored.dtype != getattr(torch, dtype) or \
+            not torch.equal(meta["input_ids"], sample.input_ids):
+        raise UsageError(f"--rebuild-manifest: {folder} holds {tuple(stored.shape)} {stored.dtype} for other tokens or "
+                         f"settings than these flags give ({expected} {dtype}); the samples there were not made with "
+                         f"these flags. Use the flags they were made with, or --overwrite")
+
+
 def build_manifest(args, info, upstream_dir: Path, data_sha, aux_layers, compute_dtype) -> Manifest:
     manifest = Manifest(args.output_dir, STAGE, {k: v for k, v in sorted(vars(args).items())})
     manifest.add_input("prepared_data", args.prepared_data, upstream_dir / MANIFEST)
     manifest.data["inputs"]["prepared_data"]["sha256"] = data_sha
     manifest.data["verifier"] = info.identity()
+    manifest.data["verifier_weights"] = weights_fingerprint(args.model_path)  # stages 04 and 05 compare it
     manifest.data.update({
         "format_version": FORMAT_VERSION,
         "backend": args.backend,
@@ -96,16 +111,24 @@ def build_manifest(args, info, upstream_dir: Path, data_sha, aux_layers, compute
 
 def check_existing_output(args, output_dir: Path, manifest: Manifest, log) -> dict | None:
     """The earlier run's manifest when resuming it; refuses results made with other settings."""
-    existing = earlier_manifest(output_dir, STAGE, args.overwrite)
+    if args.rebuild_manifest:
+        log.warning("--rebuild-manifest: keeping the whole samples in %s as made with these flags; the manifest "
+                    "and index are written anew", output_dir)
+        return None
+    existing = earlier_manifest(output_dir, STAGE, args.overwrite, "or --rebuild-manifest to keep every whole "
+                                "sample (extracted with these same flags) and write a new manifest")
     if args.overwrite:
         return None
     if existing is None:
         if owned_entries(output_dir):
             raise UsageError(f"--output-dir {output_dir} holds shard folders but no {MANIFEST}, so their origin is "
-                             f"unknown; pass --overwrite to replace them or choose another --output-dir")
+                             f"unknown; pass --rebuild-manifest to keep them (if they were extracted with these "
+                             f"same flags), --overwrite to replace them, or choose another --output-dir")
         return None
-    refuse_other_settings(f"--output-dir {output_dir} holds hidden states",
-                          setting_differences(resume_key(existing), resume_key(manifest.data)),
+    earlier, now = resume_key(existing), resume_key(manifest.data)
+    if earlier["verifier_weights"] is None or now["verifier_weights"] is None:  # made before fingerprints, or
+        earlier["verifier_weights"] = now["verifier_weights"] = None          # no weight files here to hash
+    refuse_other_settings(f"--output-dir {output_dir} holds hidden states", setting_differences(earlier, now),
                           "They cannot be resumed: pass --overwrite to replace them, or choose another --output-dir.")
     return existing
 
@@ -131,8 +154,16 @@ def check_disk(args, output_dir: Path, todo_tokens: int, todo_samples: int, info
 def finish_output(output_dir: Path, samples, manifest: Manifest, summary: dict, log) -> None:
     """6. Index and manifest over everything on disk (this run plus earlier ones), for either backend."""
     complete = scan_output(output_dir, samples, clean=False)
-    if len(complete) != len(samples):
+    skipped = summary.get("skipped_nonfinite") or {}  # --skip-nonfinite: left out on purpose
+    if len(complete) + len(skipped) != len(samples):
         raise RuntimeError(f"{len(samples) - len(complete)} samples are missing after the run; rerun to resume")
+    if skipped:
+        log.warning("--skip-nonfinite: %d samples with NaN/inf hidden states were left out: %s", len(skipped),
+                    ", ".join(f"{sample_id!r} (from {where})" for sample_id, where in list(skipped.items())[:20]))
+        kept = [samples[i] for i in complete]  # the counts describe what the index lists
+        manifest.data["counts"].update({"samples": len(kept), "tokens": sum(s.num_tokens for s in kept),
+                                        "loss_tokens": int(sum(int(s.loss_mask.sum()) for s in kept)),
+                                        "skipped_nonfinite": len(skipped)})
     write_index(output_dir, samples, complete)
     manifest.data["counts"]["files"] = len(complete) * len(SAMPLE_FILES)
     manifest.data["last_run"] = summary
@@ -150,7 +181,7 @@ def extract_hidden_states(args, inputs: ExtractionInputs, rank: distributed.Rank
     # 3. The output folder: writable, not in use, and either empty, resumable, or --overwrite.
     output_dir = Path(args.output_dir)
     check_writable(output_dir)
-    with OutputLock(output_dir) if rank.is_main else nullcontext():  # rank 0 holds it for all ranks
+    with nullcontext():  # (the folder's lock is held by common.cli.stage.run_stage, on rank 0 for all ranks)
         manifest = build_manifest(args, info, data_file.parent, data_sha, aux_layers, compute_dtype)
         existing = check_existing_output(args, output_dir, manifest, log)
         batch_size = args.batch_size or DEFAULT_BATCH_SIZE["cpu" if device == "cpu" else "cuda"]
@@ -167,8 +198,10 @@ def extract_hidden_states(args, inputs: ExtractionInputs, rank: distributed.Rank
                   "truncated_samples": sum(s.truncated for s in samples)}
         manifest.data["counts"] = dict(counts)
 
-        if existing is not None and not todo_samples:
-            if existing.get("status") == "complete":
+        if args.rebuild_manifest and complete:
+            check_kept_sample(output_dir, samples[min(complete)], info.hidden_size, args.dtype)
+        if (existing is not None or args.rebuild_manifest) and not todo_samples:
+            if existing is not None and existing.get("status") == "complete":
                 log.info("%s already holds all %d samples (%d tokens) extracted with these settings; nothing to do "
                          "(pass --overwrite to extract again)", output_dir, len(samples), total_tokens)
                 return
@@ -224,7 +257,7 @@ def extract_hidden_states(args, inputs: ExtractionInputs, rank: distributed.Rank
 
         # 5. Writers first (forked without a model), then the verifier, then the batches.
         with Extractor(output_dir, samples, batches, aux_layers, info.hidden_size, getattr(torch, args.dtype),
-                       args.num_workers) as extractor:
+                       args.num_workers, skip_nonfinite=args.skip_nonfinite) as extractor:
             device_map = choose_device_map(args.model_path, device, args.device_map)
             log.info("loading the verifier%s ...", " sharded over the visible GPUs" if device_map else f" on {device}")
             started = time.time()

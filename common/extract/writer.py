@@ -12,7 +12,8 @@ from typing import Sequence
 
 import torch
 
-from common.formats.hidden_states import AUX_FILES, FINAL_FILE, META_BYTES_PER_TOKEN, META_FILE, TMP_PREFIX
+from common.formats.hidden_states import (AUX_FILES, FINAL_FILE, META_BYTES_PER_TOKEN, META_FILE, RECORD_FILE,
+    TMP_PREFIX, record_files)
 from common.formats.prepared_data import Sample
 
 STAGING_BUFFERS = 3  # one being filled by the GPU, up to two being written
@@ -82,7 +83,8 @@ def flush_to_disk(folder: Path, files: Sequence[Path]) -> None:
 
 
 def stage_sample(output_dir: Path, sample: Sample, tensors: Sequence[torch.Tensor]) -> tuple[Path, list[Path], int]:
-    """Write aux_0..2, final and meta of one sample into its temporary folder: (folder, files, bytes)."""
+    """Write aux_0..2, final, meta and the record of their sizes and checksums of one sample into its temporary
+    folder: (folder, files, bytes)."""
     final_dir = output_dir / sample.rel_path
     tmp_dir = final_dir.parent / f"{TMP_PREFIX}{final_dir.name}_{os.getpid()}"
     if tmp_dir.exists():
@@ -95,6 +97,8 @@ def stage_sample(output_dir: Path, sample: Sample, tensors: Sequence[torch.Tenso
         written += tensor.numel() * tensor.element_size()
     torch.save({"input_ids": sample.input_ids, "loss_mask": sample.loss_mask}, tmp_dir / META_FILE)
     files.append(tmp_dir / META_FILE)
+    record_files(tmp_dir)  # sizes and CRC32s, read back from the page cache: what a later check compares with
+    files.append(tmp_dir / RECORD_FILE)
     return tmp_dir, files, written + sample.num_tokens * META_BYTES_PER_TOKEN
 
 

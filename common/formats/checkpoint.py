@@ -183,10 +183,12 @@ def check_drafter_dir(directory, data_manifest: dict | None = None, verifier_inf
 
 
 
-def inspect_drafter_dir(directory, data_manifest: dict | None = None,
-                        verifier_info=None) -> tuple[list[str], list[str]]:
+def inspect_drafter_dir(directory, data_manifest: dict | None = None, verifier_info=None,
+                        for_vllm: bool = False) -> tuple[list[str], list[str]]:
     """(problems, warnings) of a drafter folder: files, config fields, tensor keys/shapes/dtypes,
-    vocabulary map, layer ids against the hidden-state manifest, sizes against the verifier."""
+    vocabulary map, layer ids against the hidden-state manifest, sizes against the verifier. With `for_vllm`,
+    vLLM capturing other layers than the stored ones is a problem (the drafter is to be served), not a warning
+    (a drafter only fine-tuned from is exported again with the right ids)."""
     from common.model.config import DrafterConfig
 
     directory = Path(directory)
@@ -203,7 +205,7 @@ def inspect_drafter_dir(directory, data_manifest: dict | None = None,
     except (ValueError, TypeError) as err:
         return [f"{config_path}: {err}"], notes
     sglang_layers = _check_layer_ids(config, config_path, cfg, sglang_ids, data_manifest, verifier_info,
-                                     problems, notes)
+                                     problems, notes, problems if for_vllm else notes)
     _check_sizes(cfg, config_path, sglang_layers, data_manifest, verifier_info, problems)
     _check_tensors(cfg, weights_path, problems, notes)
     return problems, notes
@@ -259,9 +261,10 @@ def _config_field_problems(config: dict, config_path: Path, problems: list[str])
 
 def _check_layer_ids(config: dict, config_path: Path, cfg: DrafterConfig, sglang_ids: list[int] | None,
                      data_manifest: dict | None, verifier_info, problems: list[str],
-                     notes: list[str]) -> list[int] | None:
-    """Append what each server will capture (HF output_hidden_states indices) against the stored layers;
-    returns the layers SGLang captures (None without eagle_config ids)."""
+                     notes: list[str], vllm_mismatch: list[str]) -> list[int] | None:
+    """Append what each server will capture (HF output_hidden_states indices) against the stored layers (vLLM
+    capturing other layers goes to `vllm_mismatch`); returns the layers SGLang captures (None without
+    eagle_config ids)."""
     vllm_ids = config.get("eagle_aux_hidden_state_layer_ids")
     # SGLang's id rule depends on the verifier's architecture: the verifier's own, else the one recorded.
     architecture = (getattr(verifier_info, "architecture", None)
@@ -286,7 +289,7 @@ def _check_layer_ids(config: dict, config_path: Path, cfg: DrafterConfig, sglang
             except ValueError as err:  # nothing to fix in this folder: only vLLM can serve such a drafter
                 notes.append(f"{mismatch}: {err}")
         if vllm_effective != stored:
-            notes.append(f"{config_path}: vLLM would capture the inputs of layers {vllm_effective}, not the "
+            vllm_mismatch.append(f"{config_path}: vLLM would capture the inputs of layers {vllm_effective}, not the "
                          f"stored {stored}; set the top-level eagle_aux_hidden_state_layer_ids to {stored}")
     elif sglang_layers is not None and vllm_ids and list(vllm_ids) != sglang_layers:
         problems.append(f"{config_path}: SGLang captures layers {sglang_layers} but the top-level (vLLM) ids "

@@ -5,6 +5,7 @@ import hashlib
 import json
 import os
 import tempfile
+import zlib
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Iterator
@@ -64,3 +65,12 @@ def sha256_file(path: str | os.PathLike, chunk: int = 1 << 20) -> str:
 
 def sha256_text(text: str) -> str:
     return hashlib.sha256(text.encode()).hexdigest()
+
+
+def crc32_file(path: str | os.PathLike, chunk: int = 8 << 20) -> int:
+    """zlib's CRC32 of a file's bytes (about 2 GB/s on one core: cheap beside writing them)."""
+    crc = 0
+    with open(path, "rb") as handle:
+        while block := handle.read(chunk):
+            crc = zlib.crc32(block, crc)
+    return crc

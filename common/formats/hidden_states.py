@@ -11,8 +11,8 @@ from typing import TYPE_CHECKING, Iterable, Sequence
 
 import torch
 
-from common.cli.errors import UsageError
-from common.formats.files import write_text_atomic
+from common.cli.errors import StageFailure, UsageError
+from common.formats.files import crc32_file, read_json, write_json_atomic, write_text_atomic
 from common.formats.manifest import load_manifest
 
 if TYPE_CHECKING:
@@ -30,6 +30,10 @@ SAMPLE_FILES = AUX_FILES + (FINAL_FILE, META_FILE)
 LAYER_CONVENTION = "hf_output_hidden_states_index (input of decoder layer)"
 FINAL_CONVENTION = "last hidden state after the final norm (lm_head(final) == logits)"
 TMP_PREFIX = ".tmp_"
+# Each sample folder records its files' sizes and CRC32s, written with them (so both backends record them);
+# index.jsonl repeats them, a rerun re-checks the sizes and `--verify` the checksums.
+RECORD_FILE = "files.json"
+DAMAGED_MARK = "DAMAGED"  # left in a sample folder by `--verify`: the next run redoes that sample
 
 _UNSAFE = re.compile(r"[^A-Za-z0-9._-]")
 
@@ -52,20 +56,105 @@ def sample_path(position: int, sample_id: str) -> str:
     return f"{shard_name(position)}/{sample_dir_name(sample_id)}"
 
 
-def is_complete_sample(folder: Path) -> bool:
-    """All five files present and non-empty (files are not fsynced: after a power loss a renamed folder could
-    hold empty files, which makes the sample incomplete and redone)."""
+def record_files(folder: Path, names: Sequence[str] = SAMPLE_FILES) -> dict[str, dict[str, int]]:
+    """Write RECORD_FILE into a freshly written sample folder: each file's byte size and CRC32."""
+    record = {name: {"bytes": (folder / name).stat().st_size, "crc32": crc32_file(folder / name)}
+              for name in names}
+    write_json_atomic(folder / RECORD_FILE, record)
+    return record
+
+
+def read_record(folder: Path) -> dict[str, dict[str, int]] | None:
+    """The sizes and checksums recorded when the sample was written; None for samples written before
+    records existed, or a record that cannot be read."""
+    try:
+        record = read_json(folder / RECORD_FILE)
+    except (OSError, ValueError):
+        return None
+    return record if isinstance(record, dict) else None
+
+
+def sample_problem(folder: Path) -> str | None:
+    """Why the sample in `folder` is not whole (a file missing, empty, unreadable, or of another size than
+    recorded), or None. Cheap: sizes only, no file is read but the record."""
     try:
         with os.scandir(folder) as entries:
             sizes = {entry.name: entry.stat().st_size for entry in entries}
+    except OSError as err:
+        return f"unreadable folder ({err.strerror or err})"
+    if DAMAGED_MARK in sizes:
+        try:
+            return "found damaged by --verify: " + (folder / DAMAGED_MARK).read_text().strip()
+        except OSError:
+            return "found damaged by --verify"
+    missing = [name for name in SAMPLE_FILES if name not in sizes]
+    if missing:
+        return f"{', '.join(missing)} missing"
+    empty = [name for name in SAMPLE_FILES if sizes[name] == 0]
+    if empty:  # files are not fsynced one by one: after a power loss a renamed folder can hold empty files
+        return f"{', '.join(empty)} empty"
+    if RECORD_FILE not in sizes:
+        return None  # written before records existed: non-empty is all that can be checked
+    record = read_record(folder)
+    if record is None:
+        return f"{RECORD_FILE} unreadable"
+    for name in SAMPLE_FILES:
+        expected = (record.get(name) or {}).get("bytes")
+        if expected != sizes[name]:
+            return f"{name} is {sizes[name]} bytes, {expected} were written"
+    return None
+
+
+def is_complete_sample(folder: Path) -> bool:
+    return sample_problem(folder) is None
+
+
+def verify_sample(folder: Path) -> list[str]:
+    """Every problem of one sample, checksums included (reads every byte): ['aux_1.pt: CRC32 ...', ...]."""
+    problem = sample_problem(folder)
+    if problem is not None:
+        return [problem]
+    record = read_record(folder)
+    if record is None:  # written before records existed: the size check above is all there is
+        return []
+    problems = []
+    for name in SAMPLE_FILES:
+        try:
+            found = crc32_file(folder / name)
+        except OSError as err:
+            problems.append(f"{name} unreadable ({err.strerror or err})")
+            continue
+        if found != record[name].get("crc32"):
+            problems.append(f"{name}: CRC32 {found:08x}, {int(record[name].get('crc32') or 0):08x} was written")
+    return problems
+
+
+_RECORDS: dict[tuple[str, int, int], dict] = {}  # (folder, inode, mtime) -> record: a refresh reads only new ones
+
+
+def cached_record(folder: Path) -> dict | None:
+    try:
+        stat = os.stat(folder / RECORD_FILE)
     except OSError:
-        return False
-    return all(sizes.get(name, 0) > 0 for name in SAMPLE_FILES)
+        return None
+    key = (str(folder), stat.st_ino, stat.st_mtime_ns)
+    if key not in _RECORDS:
+        record = read_record(folder)
+        if record is None:
+            return None
+        _RECORDS[key] = record
+    return _RECORDS[key]
 
 
 def write_index(output_dir: Path, samples: Sequence[Sample], complete: Iterable[int]) -> list[dict]:
-    entries = [{"id": samples[i].id, "path": samples[i].rel_path, "num_tokens": samples[i].num_tokens,
-                "loss_tokens": int(samples[i].loss_mask.sum())} for i in sorted(complete)]
+    entries = []
+    for i in sorted(complete):
+        entry = {"id": samples[i].id, "path": samples[i].rel_path, "num_tokens": samples[i].num_tokens,
+                 "loss_tokens": int(samples[i].loss_mask.sum())}
+        record = cached_record(Path(output_dir) / samples[i].rel_path)
+        if record is not None:
+            entry["files"] = record
+        entries.append(entry)
     write_text_atomic(output_dir / INDEX_FILE, "".join(json.dumps(e) + "\n" for e in entries))
     return entries
 
@@ -110,13 +199,40 @@ def open_hidden_states(data_dir: str | os.PathLike, require_complete: bool = Tru
     return manifest, entries
 
 
+def rerun_command(data_dir: str | os.PathLike) -> str:
+    """The stage-02 command that made `data_dir`, from its manifest's flags: a rerun redoes damaged samples."""
+    try:
+        flags = read_json(Path(data_dir) / "manifest.json").get("flags") or {}
+    except (OSError, ValueError):
+        flags = {}
+    words = [f"python {STAGE}.py", f"--output-dir {data_dir}"]
+    for name in ("model_path", "prepared_data", "aux_layers", "dtype", "max_seq_len", "backend"):
+        value = flags.get(name)
+        if value not in (None, ""):
+            value = ",".join(map(str, value)) if isinstance(value, list) else value
+            words.append(f"--{name.replace('_', '-')} {value}")
+    return " ".join(words)
+
+
+def repair_command(data_dir: str | os.PathLike) -> str:
+    """The commands that find and redo damaged samples of `data_dir`."""
+    return (f"`python {STAGE}.py --output-dir {data_dir} --verify` (checks every file and marks the damaged "
+            f"samples), then `{rerun_command(data_dir)}` (redoes them)")
+
+
 def load_sample(data_dir: str | os.PathLike, entry: dict, mmap: bool = False) -> dict[str, torch.Tensor]:
     """One sample: aux [S, 3H] (aux_0 | aux_1 | aux_2 along the last dim), final [S, H], input_ids int64 [S],
-    loss_mask uint8 [S]. Tensors keep the stored dtype (manifest["dtype"])."""
+    loss_mask uint8 [S]. Tensors keep the stored dtype (manifest["dtype"]). A file that cannot be read stops
+    with a StageFailure naming the sample, the file and the repair command."""
     folder = Path(data_dir) / entry["path"]
 
     def read(name: str):
-        return torch.load(folder / name, map_location="cpu", weights_only=True, mmap=mmap)
+        try:
+            return torch.load(folder / name, map_location="cpu", weights_only=True, mmap=mmap)
+        except Exception as err:  # noqa: BLE001 - missing, cut short, or not a torch file: all a damaged sample
+            raise StageFailure(f"sample {entry.get('id')!r}: cannot read {folder / name} "
+                               f"({type(err).__name__}: {str(err)[:200]}). Repair it with "
+                               f"{repair_command(data_dir)}") from None
 
     aux = torch.cat([read(name) for name in AUX_FILES], dim=-1)
     meta = read(META_FILE)

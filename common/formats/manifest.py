@@ -136,6 +136,8 @@ def check_verifier_matches(upstream: dict[str, Any], upstream_name: str, current
                            current_name: str) -> None:
     """The upstream artifact must come from the same tokenizer, vocabulary and hidden size."""
     theirs = upstream.get("verifier", {})
+    if theirs.get("path") and theirs.get("path") != current.get("path"):  # name both models, not only hashes
+        upstream_name = f"{upstream_name} (verifier {theirs['path']})"
     fix = ("Use the same --model-path as the upstream stage, or rerun the upstream stage for this "
            "verifier.")
     for key in ("tokenizer_sha256", "vocab_size", "hidden_size"):

@@ -15,7 +15,7 @@ from common.formats.files import read_json
 from common.formats.manifest import MANIFEST
 
 
-def earlier_manifest(output_dir: Path, stage: str, overwrite: bool) -> dict[str, Any] | None:
+def earlier_manifest(output_dir: Path, stage: str, overwrite: bool, other_fix: str = "") -> dict[str, Any] | None:
     """The manifest an earlier run of `stage` left in `output_dir`, or None when there is none.
 
     An unreadable manifest is refused unless --overwrite (then it counts as none). A folder written by another
@@ -29,7 +29,8 @@ def earlier_manifest(output_dir: Path, stage: str, overwrite: bool) -> dict[str,
     except (json.JSONDecodeError, UnicodeDecodeError) as err:
         if overwrite:
             return None
-        raise UsageError(f"{path} is not valid JSON ({err}); pass --overwrite to start this stage again")
+        raise UsageError(f"{path} is not valid JSON ({err}); pass --overwrite to start this stage again"
+                         + (f", {other_fix}" if other_fix else ""))
     if existing.get("stage") != stage:
         raise UsageError(f"--output-dir {output_dir} holds the output of {existing.get('stage')!r}, not {stage}; "
                          "choose another --output-dir (or --run-dir)")

@@ -143,6 +143,10 @@ def check_verifier(args, data_dir: Path, data_manifest: dict) -> tuple[VerifierI
     except ValueError as err:
         logging.getLogger(STAGE).warning("%s: %s; vLLM can serve this drafter, SGLang cannot (rerun "
                                          "02_extract_hidden_states.py with other --aux-layers for SGLang)", name, err)
+    from common.verifier.fingerprint import check_same_weights
+
+    check_same_weights(data_manifest.get("verifier_weights"), recorded.get("path"), model_path,
+                       args.allow_other_verifier, f"--data-dir {data_dir}", logging.getLogger("eagle3"))
     locate_embedding_tensors(model_path)  # safetensors index/headers only: the tensors are read later
     return info, aux_layers
 

@@ -80,6 +80,7 @@ def train_drafter(args, log, inputs: Inputs, run_config: dict, resume_from: Path
     if args.finetune_from:
         manifest.add_input("finetune_from", args.finetune_from, Path(args.finetune_from) / MANIFEST)
     manifest.data["verifier"] = inputs.verifier.identity()
+    manifest.data["verifier_weights"] = inputs.data_manifest.get("verifier_weights")  # stage 05 compares it
     manifest.data.update(aux_layers=inputs.aux_layers, draft_vocab_size=len(inputs.mapping.d2t),
                          resumed_from=str(resume_from) if resume_from else None, world_size=rank.world_size,
                          parallelism=("fsdp" if args.fsdp else "ddp") if rank.distributed else None)

@@ -157,7 +157,7 @@ class Trainer:
                         torch.manual_seed((loop.seed * 1_000_003 + state.step) * 1_009 + self.rank)
                     out = train_step(self.model, group, self.optimizer, self.scheduler, self.verifier_lm_head, cfg,
                                      parallel=self.parallel, weights=[weight for _, weight in share])
-                    self._check_finite(out)
+                    self._check_finite(out, group, [plan[i] for i, _ in share])
                     state.step += 1
                     state.batches_consumed = end  # global: the plan position, whatever the number of ranks
                     window.add(out)
@@ -172,15 +172,28 @@ class Trainer:
         self.metrics.close()
         return self.summary(best=state.best_checkpoint, best_value=state.best_value, last_eval=self.last_eval)
 
-    def _check_finite(self, out: dict[str, Any]) -> None:
+    def _check_finite(self, out: dict[str, Any], group: list[dict], positions: list[list[int]]) -> None:
         if out["finite"]:
             self.state.nonfinite_in_a_row = 0
             return
         self.state.nonfinite_in_a_row += 1
-        self.log.warning("step %d: non-finite gradient norm; update skipped", self.state.step + 1)
+        self.log.warning("step %d: non-finite loss or gradient norm; update skipped. %s", self.state.step + 1,
+                         self._name_nonfinite(group, positions))
         if self.state.nonfinite_in_a_row >= MAX_NONFINITE_IN_A_ROW:
             raise RuntimeError(f"training diverged: {MAX_NONFINITE_IN_A_ROW} non-finite gradients in a row at "
                                f"step {self.state.step + 1}; lower --lr or --max-grad-norm, or check the data")
+
+    def _name_nonfinite(self, group: list[dict], positions: list[list[int]]) -> str:
+        """Which samples of the step: those whose stored hidden states hold NaN/inf, else all of this rank's."""
+        entries = self.train_set.entries
+        ids = [entries[p]["id"] for batch in positions for p in batch]
+        bad = [entries[p]["id"] for batch, micro in zip(positions, group) for row, p in enumerate(batch)
+               if not all(bool(torch.isfinite(micro[key][row]).all()) for key in ("aux", "final"))]
+        if bad:
+            return (f"Samples with NaN/inf in their stored hidden states: {', '.join(map(repr, bad[:20]))}; the "
+                    f"verifier produced them (check its weights and dtype), and stage 02 now refuses such samples: "
+                    f"extract again into a new --output-dir, with --skip-nonfinite to leave them out")
+        return f"Its inputs are finite; its samples (this rank): {', '.join(map(repr, ids[:50]))}"
 
     def _after_step(self, window: MetricsWindow, progress: Progress, epoch: int, epoch_end: bool) -> str | None:
         """Progress, then (when due) a training-metrics line, validation, and a checkpoint, whose name it
