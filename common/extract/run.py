@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import shutil
 import time
-from contextlib import nullcontext
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -181,118 +180,118 @@ def extract_hidden_states(args, inputs: ExtractionInputs, rank: distributed.Rank
     # 3. The output folder: writable, not in use, and either empty, resumable, or --overwrite.
     output_dir = Path(args.output_dir)
     check_writable(output_dir)
-    with nullcontext():  # (the folder's lock is held by common.cli.stage.run_stage, on rank 0 for all ranks)
-        manifest = build_manifest(args, info, data_file.parent, data_sha, aux_layers, compute_dtype)
-        existing = check_existing_output(args, output_dir, manifest, log)
-        batch_size = args.batch_size or DEFAULT_BATCH_SIZE["cpu" if device == "cpu" else "cuda"]
-        max_tokens = args.max_tokens_per_batch or DEFAULT_MAX_TOKENS_PER_BATCH["cpu" if device == "cpu" else "cuda"]
-        batches = plan_batches(samples, batch_size, max_tokens)
-        complete = set() if args.overwrite else distributed.from_main(
-            lambda: scan_output(output_dir, samples, clean=False))  # one scan, the same on every rank
-        todo_batches = [b for b in batches if any(i not in complete for i in b)]
-        todo_samples = [i for i in range(len(samples)) if i not in complete]
-        todo_tokens = sum(samples[i].num_tokens for i in todo_samples)
-        total_tokens = sum(s.num_tokens for s in samples)
-        counts = {"samples": len(samples), "tokens": total_tokens,
-                  "loss_tokens": int(sum(int(s.loss_mask.sum()) for s in samples)),
-                  "truncated_samples": sum(s.truncated for s in samples)}
-        manifest.data["counts"] = dict(counts)
+    # (the folder's lock is held by common.cli.stage.run_stage, on rank 0 for all ranks)
+    manifest = build_manifest(args, info, data_file.parent, data_sha, aux_layers, compute_dtype)
+    existing = check_existing_output(args, output_dir, manifest, log)
+    batch_size = args.batch_size or DEFAULT_BATCH_SIZE["cpu" if device == "cpu" else "cuda"]
+    max_tokens = args.max_tokens_per_batch or DEFAULT_MAX_TOKENS_PER_BATCH["cpu" if device == "cpu" else "cuda"]
+    batches = plan_batches(samples, batch_size, max_tokens)
+    complete = set() if args.overwrite else distributed.from_main(
+        lambda: scan_output(output_dir, samples, clean=False))  # one scan, the same on every rank
+    todo_batches = [b for b in batches if any(i not in complete for i in b)]
+    todo_samples = [i for i in range(len(samples)) if i not in complete]
+    todo_tokens = sum(samples[i].num_tokens for i in todo_samples)
+    total_tokens = sum(s.num_tokens for s in samples)
+    counts = {"samples": len(samples), "tokens": total_tokens,
+              "loss_tokens": int(sum(int(s.loss_mask.sum()) for s in samples)),
+              "truncated_samples": sum(s.truncated for s in samples)}
+    manifest.data["counts"] = dict(counts)
 
-        if args.rebuild_manifest and complete:
-            check_kept_sample(output_dir, samples[min(complete)], info.hidden_size, args.dtype)
-        if (existing is not None or args.rebuild_manifest) and not todo_samples:
-            if existing is not None and existing.get("status") == "complete":
-                log.info("%s already holds all %d samples (%d tokens) extracted with these settings; nothing to do "
-                         "(pass --overwrite to extract again)", output_dir, len(samples), total_tokens)
-                return
-            if rank.is_main:
-                write_index(output_dir, samples, complete)  # killed after the last sample, before finishing
-                manifest.complete()
-            log.info("all %d samples were already on disk; manifest completed", len(samples))
+    if args.rebuild_manifest and complete:
+        check_kept_sample(output_dir, samples[min(complete)], info.hidden_size, args.dtype)
+    if (existing is not None or args.rebuild_manifest) and not todo_samples:
+        if existing is not None and existing.get("status") == "complete":
+            log.info("%s already holds all %d samples (%d tokens) extracted with these settings; nothing to do "
+                     "(pass --overwrite to extract again)", output_dir, len(samples), total_tokens)
             return
-        if existing is not None:
-            log.info("resuming: %d of %d samples are complete; %d samples (%d tokens) to go", len(complete),
-                     len(samples), len(todo_samples), todo_tokens)
-
-        # 4. The SGLang capture's GPU memory and the disk, then (only now) clear an overwritten output.
-        if args.backend == "sglang":
-            from common.verifier.sglang_backend import plan_capture_memory
-
-            memory = plan_capture_memory(args, info, samples, aux_layers, max_tokens, log)
-        needed = check_disk(args, output_dir, todo_tokens, len(todo_samples), info, log)
-        distributed.barrier()  # every rank has read the output folder before rank 0 changes it
-        if args.overwrite and rank.is_main:
-            removed = remove_owned(output_dir)
-            if removed:
-                log.info("--overwrite: removed %d earlier entries from %s", removed, output_dir)
         if rank.is_main:
-            scan_output(output_dir, samples, clean=True)  # drop temp folders and partial samples of a killed run
-        pad = padding_stats(samples, todo_batches)
-        log.info("plan: %d batches (<= %d sequences, <= %d padded tokens each), padding waste %.1f%%",
-                 len(todo_batches), batch_size, max_tokens, 100 * pad["padding_waste"])
-        manifest.data["planned_bytes"] = needed
-        if rank.is_main:
-            manifest.write()
-        if rank.distributed:
-            distributed.barrier()  # cleaned up before any rank writes a sample
-            todo_batches = rank_batches(samples, todo_batches, rank.world_size, rank.rank)
-            todo_samples = [i for batch in todo_batches for i in batch if i not in complete]
-            log.info("%d ranks; rank 0 extracts %d batches (%d samples)", rank.world_size, len(todo_batches),
-                     len(todo_samples))
+            write_index(output_dir, samples, complete)  # killed after the last sample, before finishing
+            manifest.complete()
+        log.info("all %d samples were already on disk; manifest completed", len(samples))
+        return
+    if existing is not None:
+        log.info("resuming: %d of %d samples are complete; %d samples (%d tokens) to go", len(complete),
+                 len(samples), len(todo_samples), todo_tokens)
 
-        if args.backend == "sglang":  # SGLang's processes run the verifier; patches/sglang_capture.py writes
-            from common.verifier.sglang_backend import SGLangRunFailed, extract_with_sglang
+    # 4. The SGLang capture's GPU memory and the disk, then (only now) clear an overwritten output.
+    if args.backend == "sglang":
+        from common.verifier.sglang_backend import plan_capture_memory
 
-            try:
-                summary = extract_with_sglang(args, info, samples, todo_samples, complete, aux_layers, output_dir,
-                                              batch_size, max_tokens, log, memory)
-            except SGLangRunFailed as failure:  # the samples on disk stay; the manifest says why and how to resume
-                manifest.fail(failure.details)
-                raise
-            log.info("extracted %d samples (%d tokens) in %.1f s: %.0f tokens/s, about %s written",
-                     summary["samples_written"], summary["tokens_written"], summary["elapsed_s"],
-                     summary["tokens_per_s"], human_bytes(summary["bytes_written"]))
-            finish_output(output_dir, samples, manifest, summary, log)
-            return
+        memory = plan_capture_memory(args, info, samples, aux_layers, max_tokens, log)
+    needed = check_disk(args, output_dir, todo_tokens, len(todo_samples), info, log)
+    distributed.barrier()  # every rank has read the output folder before rank 0 changes it
+    if args.overwrite and rank.is_main:
+        removed = remove_owned(output_dir)
+        if removed:
+            log.info("--overwrite: removed %d earlier entries from %s", removed, output_dir)
+    if rank.is_main:
+        scan_output(output_dir, samples, clean=True)  # drop temp folders and partial samples of a killed run
+    pad = padding_stats(samples, todo_batches)
+    log.info("plan: %d batches (<= %d sequences, <= %d padded tokens each), padding waste %.1f%%",
+             len(todo_batches), batch_size, max_tokens, 100 * pad["padding_waste"])
+    manifest.data["planned_bytes"] = needed
+    if rank.is_main:
+        manifest.write()
+    if rank.distributed:
+        distributed.barrier()  # cleaned up before any rank writes a sample
+        todo_batches = rank_batches(samples, todo_batches, rank.world_size, rank.rank)
+        todo_samples = [i for batch in todo_batches for i in batch if i not in complete]
+        log.info("%d ranks; rank 0 extracts %d batches (%d samples)", rank.world_size, len(todo_batches),
+                 len(todo_samples))
 
-        # 5. Writers first (forked without a model), then the verifier, then the batches.
-        with Extractor(output_dir, samples, batches, aux_layers, info.hidden_size, getattr(torch, args.dtype),
-                       args.num_workers, skip_nonfinite=args.skip_nonfinite) as extractor:
-            device_map = choose_device_map(args.model_path, device, args.device_map)
-            log.info("loading the verifier%s ...", " sharded over the visible GPUs" if device_map else f" on {device}")
-            started = time.time()
-            model = load_verifier_model(args.model_path, device, compute_dtype, args.trust_remote_code, device_map)
-            text = find_text_model(model, info.num_layers)
-            embedding = text.base.get_input_embeddings() if hasattr(text.base, "get_input_embeddings") else None
-            width = getattr(embedding, "embedding_dim", info.hidden_size)
-            if width != info.hidden_size:
-                raise RuntimeError(f"the text model found at {text.name} has hidden size {width}, but the config "
-                                   f"says {info.hidden_size}; this architecture needs support in "
-                                   f"common/verifier/capture.find_text_model")
-            log.info("verifier loaded in %.0f s; text model at %s", time.time() - started, text.name)
-            if getattr(model, "hf_device_map", None) and {"cpu", "disk"} & set(map(str, model.hf_device_map.values())):
-                log.warning("parts of the verifier were placed on cpu/disk: extraction will be very slow")
-            with Progress(total=len(todo_samples), desc="extract", unit="samples") as progress:
-                # index.jsonl grows during the run (run_pipeline.py --status reads it for progress)
-                def refresh(written):  # (rank 0 only: the others' samples join the index at the end)
-                    write_index(output_dir, samples, complete | written)
+    if args.backend == "sglang":  # SGLang's processes run the verifier; patches/sglang_capture.py writes
+        from common.verifier.sglang_backend import SGLangRunFailed, extract_with_sglang
 
-                stats = extractor.run(text, todo_batches, complete, progress,
-                                      on_checkpoint=refresh if rank.is_main else None)
-        summary = stats.as_dict()
-        log.info("extracted %d samples (%d tokens) in %.1f s: %.0f tokens/s, %s written (%s/s), padding waste %.1f%%",
-                 summary["samples_written"], summary["tokens_written"], summary["elapsed_s"], summary["tokens_per_s"],
-                 human_bytes(summary["bytes_written"]), human_bytes(summary["write_bytes_per_s"]),
-                 100 * summary["padding_waste"])
-
-        if rank.distributed:  # once every rank has reported, all their samples are on disk
-            summary = merge_rank_stats(distributed.all_gather_object(summary))
-            if not rank.is_main:
-                distributed.shutdown()
-                return
-            log.info("all %d ranks: %d samples (%d tokens) in %.1f s: %.0f tokens/s", rank.world_size,
-                     summary["samples_written"], summary["tokens_written"], summary["elapsed_s"],
-                     summary["tokens_per_s"])
-
+        try:
+            summary = extract_with_sglang(args, info, samples, todo_samples, complete, aux_layers, output_dir,
+                                          batch_size, max_tokens, log, memory)
+        except SGLangRunFailed as failure:  # the samples on disk stay; the manifest says why and how to resume
+            manifest.fail(failure.details)
+            raise
+        log.info("extracted %d samples (%d tokens) in %.1f s: %.0f tokens/s, about %s written",
+                 summary["samples_written"], summary["tokens_written"], summary["elapsed_s"],
+                 summary["tokens_per_s"], human_bytes(summary["bytes_written"]))
         finish_output(output_dir, samples, manifest, summary, log)
+        return
+
+    # 5. Writers first (forked without a model), then the verifier, then the batches.
+    with Extractor(output_dir, samples, batches, aux_layers, info.hidden_size, getattr(torch, args.dtype),
+                   args.num_workers, skip_nonfinite=args.skip_nonfinite) as extractor:
+        device_map = choose_device_map(args.model_path, device, args.device_map)
+        log.info("loading the verifier%s ...", " sharded over the visible GPUs" if device_map else f" on {device}")
+        started = time.time()
+        model = load_verifier_model(args.model_path, device, compute_dtype, args.trust_remote_code, device_map)
+        text = find_text_model(model, info.num_layers)
+        embedding = text.base.get_input_embeddings() if hasattr(text.base, "get_input_embeddings") else None
+        width = getattr(embedding, "embedding_dim", info.hidden_size)
+        if width != info.hidden_size:
+            raise RuntimeError(f"the text model found at {text.name} has hidden size {width}, but the config "
+                               f"says {info.hidden_size}; this architecture needs support in "
+                               f"common/verifier/capture.find_text_model")
+        log.info("verifier loaded in %.0f s; text model at %s", time.time() - started, text.name)
+        if getattr(model, "hf_device_map", None) and {"cpu", "disk"} & set(map(str, model.hf_device_map.values())):
+            log.warning("parts of the verifier were placed on cpu/disk: extraction will be very slow")
+        with Progress(total=len(todo_samples), desc="extract", unit="samples") as progress:
+            # index.jsonl grows during the run (run_pipeline.py --status reads it for progress)
+            def refresh(written):  # (rank 0 only: the others' samples join the index at the end)
+                write_index(output_dir, samples, complete | written)
+
+            stats = extractor.run(text, todo_batches, complete, progress,
+                                  on_checkpoint=refresh if rank.is_main else None)
+    summary = stats.as_dict()
+    log.info("extracted %d samples (%d tokens) in %.1f s: %.0f tokens/s, %s written (%s/s), padding waste %.1f%%",
+             summary["samples_written"], summary["tokens_written"], summary["elapsed_s"], summary["tokens_per_s"],
+             human_bytes(summary["bytes_written"]), human_bytes(summary["write_bytes_per_s"]),
+             100 * summary["padding_waste"])
+
+    if rank.distributed:  # once every rank has reported, all their samples are on disk
+        summary = merge_rank_stats(distributed.all_gather_object(summary))
+        if not rank.is_main:
+            distributed.shutdown()
+            return
+        log.info("all %d ranks: %d samples (%d tokens) in %.1f s: %.0f tokens/s", rank.world_size,
+                 summary["samples_written"], summary["tokens_written"], summary["elapsed_s"],
+                 summary["tokens_per_s"])
+
+    finish_output(output_dir, samples, manifest, summary, log)
     distributed.shutdown()
