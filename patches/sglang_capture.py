@@ -289,7 +289,8 @@ class SampleFileWriter:
 
     def __init__(self, output_dir: str | os.PathLike, samples: Sequence[Any], store_dtype: torch.dtype,
                  num_workers: int, journal: Callable[[int], None] | None = None,
-                 on_error: Callable[[str], None] | None = None, pending_batches: int = PENDING_BATCHES):
+                 on_error: Callable[[str], None] | None = None, pending_batches: int = PENDING_BATCHES,
+                 aux_layers: Sequence[int] = ()):
         from common.extract.writer import write_samples
 
         self._write_samples = write_samples
@@ -297,6 +298,7 @@ class SampleFileWriter:
         self.output_dir = Path(output_dir)
         self.samples = samples
         self.store_dtype = store_dtype
+        self.aux_layers = list(aux_layers)
         self.journal = journal
         self.on_error = on_error
         self._pool = ThreadPoolExecutor(self.num_workers, thread_name_prefix="eagle3-writer")
@@ -349,6 +351,7 @@ class SampleFileWriter:
         device = batch.tensors[0].device
         index = torch.cat([torch.arange(r.start, r.start + r.length) for r in todo]).to(device)
         gathered = [tensor.index_select(0, index).to(self.store_dtype) for tensor in batch.tensors]
+        self._refuse_nonfinite(todo, gathered)
         self._slots.acquire()  # back-pressure: wait for a buffer the writers have finished with
         try:
             buffer = self._buffer(len(gathered), index.numel(), gathered[0].shape[-1], device)
@@ -371,6 +374,21 @@ class SampleFileWriter:
         remaining = [len(chunks)]
         for chunk in chunks:
             self._pool.submit(self._write_chunk, chunk, buffer, remaining)
+
+    def _refuse_nonfinite(self, todo: list[RequestRows], gathered: list[torch.Tensor]) -> None:
+        """NaN/inf never reach the disk: one reduction for the batch, then (only when found) the samples and the
+        layer where they first appear, as the hf backend reports them (common.extract.finite)."""
+        from common.extract.finite import all_finite, first_nonfinite, layer_names, nonfinite_failure
+
+        if bool(all_finite(gathered)):
+            return
+        names, found, offset = layer_names(self.aux_layers), {}, 0
+        for request in todo:
+            where = first_nonfinite([t[offset:offset + request.length] for t in gathered], names)
+            if where is not None:
+                found[self.samples[request.position].id] = where
+            offset += request.length
+        raise CaptureError(str(nonfinite_failure(found)))
 
     def _write_chunk(self, chunk: list[tuple[RequestRows, int]], buffer: torch.Tensor, remaining: list[int]) -> None:
         try:
@@ -470,7 +488,7 @@ class CapturePlan:
                 handle.write(f"{position}\n")
 
         return SampleFileWriter(self.folder, samples, getattr(torch, self.dtype), self.num_workers, journal,
-                                on_error=self.record_error)
+                                on_error=self.record_error, aux_layers=self.aux_layers)
 
 
 def is_first_rank() -> bool:

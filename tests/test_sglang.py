@@ -349,6 +349,33 @@ def test_capture_hooks_on_hf_models_in_sglang_calling_convention(which, verifier
         assert torch.equal(files[META_FILE]["loss_mask"], sample.loss_mask)
 
 
+def test_capture_refuses_nonfinite_states_naming_the_sample_and_layer(verifiers, tmp_path):
+    """NaN in the residual stream of one packed request: the hooks stop before writing anything of the batch and
+    name that request's sample and the first captured layer that holds it, as the hf backend does."""
+    from common.verifier.capture import find_text_model
+
+    model, text, samples, plan = _setup(verifiers["stories"], tmp_path, [1, 2, 3], [8, 6])
+    hooks = CaptureHooks([1, 2, 3], plan.open_writer, on_error=plan.record_error).install(SGLangStyleTextModel)
+
+    def poison_second_request(module, args, output):  # layer 1's MLP feeds the input of layer 2 (aux_1.pt)
+        output[0, 8:] = float("nan")  # the rows of the second packed request
+        return output
+
+    handle = find_text_model(model).layers[1].mlp.register_forward_hook(poison_second_request)
+    try:
+        with torch.no_grad(), pytest.raises(CaptureError, match="NaN or inf") as caught:
+            text(*pack([(sample_rid(0), samples[0].input_ids), (sample_rid(1), samples[1].input_ids)]))
+    finally:
+        handle.remove()
+        hooks.remove()
+    message = str(caught.value)
+    assert f"{samples[1].id!r}: first in the input of decoder layer 2 (aux_1.pt)" in message
+    assert repr(samples[0].id) not in message
+    hooks._sink.close()
+    assert not any(plan.folder.glob("shard_*/*/aux_0.pt"))  # nothing of the batch reached the disk
+    assert "NaN or inf" in (plan.folder / ERROR_FILE).read_text()
+
+
 def test_capture_refuses_forwards_that_are_not_one_row_per_prompt_token(verifiers, tmp_path):
     model, text, samples, plan = _setup(verifiers["stories"], tmp_path, [1, 2, 3], [8, 8, 5])
     hooks = CaptureHooks([1, 2, 3], plan.open_writer, on_error=plan.record_error).install(SGLangStyleTextModel)

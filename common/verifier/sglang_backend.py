@@ -80,6 +80,9 @@ def check_sglang_early(args) -> str:
     if visible < args.tp_size:
         raise UsageError(f"--backend sglang --tp-size {args.tp_size} needs {args.tp_size} GPUs, {visible} visible here "
                          f"(CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES', 'unset')})")
+    if getattr(args, "skip_nonfinite", False):
+        raise UsageError("--skip-nonfinite is for --backend hf: with --backend sglang a sample whose hidden states "
+                         "hold NaN or inf stops stage 02, named with the layer (samples already written are kept)")
     if os.environ.get("SGLANG_EXTERNAL_MODEL_PACKAGE") not in (None, "", PATCH_PACKAGE):
         raise UsageError(f"SGLANG_EXTERNAL_MODEL_PACKAGE={os.environ['SGLANG_EXTERNAL_MODEL_PACKAGE']} is set; stage "
                          f"02 needs it for its own hooks ({PATCH_PACKAGE}): unset it")
