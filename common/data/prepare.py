@@ -98,7 +98,7 @@ def make_regenerator(args, inputs: Inputs, stop_ids: set[int], cache, records: l
         lambda device: load_verifier_model(args.model_path, device, args.dtype, args.trust_remote_code,
                                            device_map),
         inputs.tokenizer, stop_ids, args.max_new_tokens, args.temperature, batch_size, args.max_seq_len,
-        args.seed, devices)
+        args.seed, devices, args.regenerate_engine)
     return Regenerator(responder, cache, batch_size)
 
 
