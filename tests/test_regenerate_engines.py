@@ -197,3 +197,29 @@ def test_regeneration_resumes_after_a_kill_with_the_same_output(tmp_path, storie
     done = run_script("01_prepare_data.py", *stage_args(stories260k, template_file, data, whole, *args))
     assert done.returncode == 0, done.stderr[-3000:]
     assert (killed / "tokenized_data.jsonl").read_text() == (whole / "tokenized_data.jsonl").read_text()
+
+
+def test_grouped_decode_attention_equals_transformers_sdpa():
+    """One decoding step with a left-padding mask: the grouped-query SDPA call gives transformers' `sdpa`
+    result (which copies each K/V head per query head), including a value head size unlike the query's."""
+    import torch
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    from common.verifier.decode_attention import gqa_decode_attention
+
+    torch.manual_seed(0)
+
+    class Layer(torch.nn.Module):
+        num_key_value_groups = 3
+        is_causal = True
+
+    for value_dim in (16, 24):
+        query = torch.randn(4, 6, 1, 16)
+        key, value = torch.randn(4, 2, 10, 16), torch.randn(4, 2, 10, value_dim)
+        mask = torch.ones(4, 1, 1, 10, dtype=torch.bool)
+        mask[1, ..., :3] = False  # a left-padded row
+        mask[3, ..., :7] = False
+        expected, _ = sdpa_attention_forward(Layer(), query, key, value, mask, scaling=0.25)
+        found, _ = gqa_decode_attention(Layer(), query, key, value, mask, scaling=0.25)
+        assert found.shape == expected.shape == (4, 1, 6, value_dim)
+        torch.testing.assert_close(found, expected, rtol=1e-5, atol=1e-6)

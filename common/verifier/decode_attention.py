@@ -29,7 +29,7 @@ def gqa_decode_attention(module, query, key, value, attention_mask, dropout: flo
     grouped = query.view(batch, key.shape[1], groups, dim)
     output = F.scaled_dot_product_attention(grouped, key, value, attn_mask=attention_mask, dropout_p=dropout,
                                             scale=scaling)
-    return output.reshape(batch, 1, heads, dim), None
+    return output.reshape(batch, 1, heads, value.shape[-1]), None
 
 
 def use_gqa_decode_attention(model) -> None:
