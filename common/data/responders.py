@@ -25,13 +25,13 @@ from common.verifier.loading import inference_attention
 
 # How HFResponder runs the verifier (docs/data.md, "Regeneration engines"): "static" = `generate` with a
 # static KV cache, which transformers compiles on a GPU, decoding with common.verifier.decode_attention;
-# "continuous" = transformers' continuous batching
-# (`generate_batch`, a paged cache); "generate" = plain batched `generate` with a dynamic cache (the first
-# engine, kept as the reference and the fallback).
+# "continuous" = transformers' continuous batching (`generate_batch`, a paged cache); "generate" = plain
+# batched `generate` with a dynamic cache (the first engine, kept as the reference and the fallback).
 ENGINES = ("static", "continuous", "generate")
 DEFAULT_ENGINE = "static"
 # Static-cache prompts are left-padded to a multiple of this, so batches share a few compiled shapes.
 STATIC_WIDTH_STEP = 128
+
 
 class HFResponder:
     """Batched `generate` on a transformers causal LM (left padding), loaded on first use.
@@ -162,7 +162,8 @@ class HFResponder:
         pad = self.pad_id
         input_ids = torch.tensor([[pad] * (width - len(p)) + p for p in prompts], device=device)
         attention = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts], device=device)
-        output = model.generate(input_ids=input_ids, attention_mask=attention, generation_config=self._config(**extra))
+        output = model.generate(input_ids=input_ids, attention_mask=attention,
+                                generation_config=self._config(**extra))
         return output[:, width:].tolist()
 
     def _generate_continuous(self, model, prompts: list[list[int]], device) -> list[list[int]]:
