@@ -144,6 +144,7 @@ def test_several_sampled_replies_per_prompt_are_samples_with_their_own_ids(tmp_p
     assert done.returncode == 0, done.stderr[-3000:]
     manifest = __import__("json").loads((out / "manifest.json").read_text())
     assert (manifest["regeneration"]["reused"], manifest["regeneration"]["generated"]) == (8 * 2 + 2, 8)
+    assert manifest["regeneration"]["replies_per_prompt"] == 3 and manifest["regeneration"]["engine"] == "static"
     assert sorted(s["id"] for s in read_jsonl(out / "tokenized_data.jsonl")) == sorted(ids)
 
 

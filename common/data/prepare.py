@@ -164,7 +164,9 @@ def prepare_data(args, inputs: Inputs, log) -> dict:
                                                              "(common.data.records.prompt_hash)"}
     if regenerator is not None:
         manifest.data["regeneration"] = {"settings": cache.settings, "cache": cache.path.name, **regenerator.counts,
-                                         "hit_max_new_tokens": regenerator.respond.hit_max_new_tokens}
+                                         "hit_max_new_tokens": regenerator.respond.hit_max_new_tokens,
+                                         "replies_per_prompt": args.replies_per_prompt,
+                                         "engine": None if args.regenerate_endpoint else args.regenerate_engine}
         if args.regenerate_endpoint:  # requests that failed after retries (their conversations are bad records)
             manifest.data["regeneration"].update(failures=regenerator.respond.failures,
                                                  failure_examples=regenerator.respond.errors)
