@@ -231,7 +231,7 @@ def markdown(report: dict) -> str:
                          f"{json.dumps(part['static_vs_generate_replies'])}")
     if report.get("fp32_static_vs_generate"):
         lines.append(f"- float32, static vs generate: {json.dumps(report['fp32_static_vs_generate'])}")
-    if report.get("llama_8b_shaped", {}).get("bound_ms_per_step"):
+    if report.get("llama_8b_shaped", {}).get("bound_ms_per_step") is not None:
         part = report["llama_8b_shaped"]
         lines.append(f"- 8B-shaped: {part['static_ms_per_step']} ms per decoding step, bound by HBM "
                      f"{part['bound_ms_per_step']} ms (weights + KV cache read once a step)")
