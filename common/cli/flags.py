@@ -122,6 +122,16 @@ _ALL_FLAGS: list[Flag] = [
          default=256),
     Flag("--regenerate-endpoint", "OpenAI-compatible server that regenerates the responses instead of loading "
          "--model-path in-process; the tokenizer still comes from --model-path.", metavar="URL"),
+    Flag("--regenerate-engine", "How the in-process verifier generates with --regenerate: static = transformers' "
+         "generate with a static KV cache (compiled by transformers on a GPU; the fastest measured on an H200 "
+         "without flash-attn); continuous = transformers' continuous batching (generate_batch, a paged cache; "
+         "fast only with flash attention installed); generate = plain batched generate (the first engine, "
+         "the fallback). Greedy float32 replies are the same token for token (docs/data.md).",
+         choices=("static", "continuous", "generate"), default="static"),
+    Flag("--replies-per-prompt", "With --regenerate: sample this many replies per training conversation "
+         "(needs --temperature > 0); each becomes its own training sample with its own id (ID, ID#reply1, "
+         "...). Eval conversations keep one reply, and never share a prompt with training.",
+         type=_positive_int, default=1),
     # --- shared compute settings -----------------------------------------------------------------
     Flag("--batch-size", "Sequences per batch.", aliases=("--bs", "--per-device-batch-size",
          "--train-batch-size", "--micro-batch-size"), type=_positive_int),
@@ -256,7 +266,7 @@ STAGE_FLAGS: dict[str, list[str]] = {
                         "--chat-template", "--max-seq-len", "--num-samples", "--seed", "--eval-ratio",
                         "--eval-output", "--max-bad-fraction", "--max-turns", "--regenerate", "--max-new-tokens",
                         "--batch-size", "--device", "--device-map", "--dtype", "--temperature", "--overwrite",
-                        "--regenerate-endpoint", "--concurrency"],
+                        "--regenerate-endpoint", "--concurrency", "--regenerate-engine", "--replies-per-prompt"],
     "02_extract_hidden_states": ["--run-dir", "--model-path", "--trust-remote-code", "--prepared-data",
                                  "--output-dir", "--aux-layers", "--batch-size", "--max-tokens-per-batch",
                                  "--max-seq-len", "--device", "--dtype", "--num-workers",

@@ -53,6 +53,7 @@ def check_inputs(args) -> Inputs:
         raise UsageError("--eval-output is set but --eval-ratio is 0; give --eval-ratio (e.g. 0.01) for a "
                          "held-out split")
     eval_file = Path(args.eval_output) if args.eval_output else out / EVAL_DATA_FILE
+    _check_replies(args)
     check_writable(out, "--output-dir")
     if args.eval_ratio > 0:
         check_writable(eval_file.parent, "--eval-output")
@@ -67,6 +68,18 @@ def check_inputs(args) -> Inputs:
     return Inputs(out, out / PREPARED_DATA_FILE, eval_file, sources, tokenizer, verifier.identity(), template_sha,
                   _fingerprint(args, verifier.tokenizer_sha256, template_sha, eval_file, served_model), device,
                   served_model)
+
+
+def _check_replies(args) -> None:
+    """--replies-per-prompt above 1 only makes sense for sampled regeneration."""
+    if args.replies_per_prompt == 1:
+        return
+    if not args.regenerate:
+        raise UsageError(f"--replies-per-prompt {args.replies_per_prompt} is set without --regenerate; the data's "
+                         "own replies exist once, so add --regenerate (with --temperature > 0)")
+    if args.temperature <= 0:
+        raise UsageError(f"--replies-per-prompt {args.replies_per_prompt} with --temperature {args.temperature}: "
+                         "greedy replies to one prompt are all the same; give --temperature (e.g. 0.7)")
 
 
 def _check_endpoint(args) -> str | None:
@@ -108,6 +121,8 @@ def _fingerprint(args, tokenizer_sha: str, template_sha: str | None, eval_file: 
     if args.regenerate:
         fingerprint.update(max_new_tokens=args.max_new_tokens, temperature=args.temperature,
                            **generator_identity(args, served_model))
+        if args.replies_per_prompt > 1:  # only then, so outputs made before the flag existed stay complete
+            fingerprint["replies_per_prompt"] = args.replies_per_prompt
     return fingerprint
 
 

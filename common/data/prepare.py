@@ -98,7 +98,7 @@ def make_regenerator(args, inputs: Inputs, stop_ids: set[int], cache, records: l
         lambda device: load_verifier_model(args.model_path, device, args.dtype, args.trust_remote_code,
                                            device_map),
         inputs.tokenizer, stop_ids, args.max_new_tokens, args.temperature, batch_size, args.max_seq_len,
-        args.seed, devices)
+        args.seed, devices, args.regenerate_engine)
     return Regenerator(responder, cache, batch_size)
 
 
@@ -165,7 +165,9 @@ def prepare_data(args, inputs: Inputs, log) -> dict:
                                                              "first prompt and of each text's text_prompt_hashes"}
     if regenerator is not None:
         manifest.data["regeneration"] = {"settings": cache.settings, "cache": cache.path.name, **regenerator.counts,
-                                         "hit_max_new_tokens": regenerator.respond.hit_max_new_tokens}
+                                         "hit_max_new_tokens": regenerator.respond.hit_max_new_tokens,
+                                         "replies_per_prompt": args.replies_per_prompt,
+                                         "engine": None if args.regenerate_endpoint else args.regenerate_engine}
         if args.regenerate_endpoint:  # requests that failed after retries (their conversations are bad records)
             manifest.data["regeneration"].update(failures=regenerator.respond.failures,
                                                  failure_examples=regenerator.respond.errors)

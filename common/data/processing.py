@@ -59,27 +59,38 @@ class Processor:
         self.duplicate_samples = 0
         self._seen: set[bytes] = set()
 
-    def __call__(self, chunk: list[Record]) -> list[tuple[Record, list[Sample]]]:
-        generated = self.regenerate([r for r in chunk if r.is_chat]) if self.regenerate else {}
+    def __call__(self, chunk: list[Record], replies: int = 1) -> list[tuple[Record, list[Sample]]]:
+        """With a regenerator and `replies` > 1, each conversation gets that many regenerated replies, each
+        its own sample (id from reply_id); a reply that fails is counted bad on its own."""
+        generated = self.regenerate([r for r in chunk if r.is_chat], replies) if self.regenerate else {}
         accepted = []
         for record in chunk:
-            self.processed += 1
-            to_tokenize = record
-            if record.id in generated:
-                entry = generated[record.id]
-                if "bad" in entry:
-                    self.bad.add(entry["bad"], record.source, record.line, entry.get("detail", ""), record.id)
-                    continue
-                to_tokenize = replace(record, messages=entry["messages"])
-            try:
-                samples = self.chat.record(to_tokenize)
-            except BadRecordError as err:
-                self.bad.add(err.reason, record.source, record.line, err.detail, record.id)
-                continue
-            samples = [s for s in samples if self._first_time(s)]
+            variants = [record]
+            if record.is_chat and self.regenerate:
+                from common.data.regenerate import reply_id
+
+                variants = [replace(record, id=reply_id(record.id, k)) for k in range(replies)]
+            samples = [s for variant in variants for s in self._samples(variant, generated)]
             if samples:
                 accepted.append((record, samples))
         return accepted
+
+    def _samples(self, record: Record, generated: dict[str, dict]) -> list[Sample]:
+        """The new samples of one record (or one reply to it); a bad one is counted and gives none."""
+        self.processed += 1
+        to_tokenize = record
+        if record.id in generated:
+            entry = generated[record.id]
+            if "bad" in entry:
+                self.bad.add(entry["bad"], record.source, record.line, entry.get("detail", ""), record.id)
+                return []
+            to_tokenize = replace(record, messages=entry["messages"])
+        try:
+            samples = self.chat.record(to_tokenize)
+        except BadRecordError as err:
+            self.bad.add(err.reason, record.source, record.line, err.detail, record.id)
+            return []
+        return [s for s in samples if self._first_time(s)]
 
     def _first_time(self, sample: Sample) -> bool:
         """Identical token sequences (e.g. the same prompts regenerated greedily) are kept once."""
@@ -92,8 +103,9 @@ class Processor:
 
 
 def fill(candidates: Iterator[Record], need: int | None, process: Processor,
-         sink: Callable[[Record, list[Sample]], None], desc: str) -> int:
-    """Process candidates in order until `need` conversations are accepted (None: all of them)."""
+         sink: Callable[[Record, list[Sample]], None], desc: str, replies: int = 1) -> int:
+    """Process candidates in order until `need` conversations are accepted (None: all of them), each with
+    `replies` regenerated replies."""
     accepted = 0
     get_logger().info("%s: taking %s conversations, in rounds of up to %d records (%s)", desc,
                       need if need is not None else "all remaining", process.chunk_records,
@@ -104,7 +116,7 @@ def fill(candidates: Iterator[Record], need: int | None, process: Processor,
             chunk = list(islice(candidates, room))
             if not chunk:
                 break
-            done = process(chunk)
+            done = process(chunk, replies)
             for record, samples in done:
                 sink(record, samples)
             accepted += len(done)

@@ -210,6 +210,19 @@ def regenerate_conversations(conversations: Sequence[Any], respond: Responder, c
     return results, {"reused": reused, "generated": len(todo)}
 
 
+def reply_id(conversation_id: str, index: int) -> str:
+    """The id of a conversation's reply number `index`: the conversation's own id for the first (so caches
+    made with one reply per prompt are reused), "ID#replyK" for the others. The cache is keyed by it, so a
+    run killed half-way resumes reply by reply."""
+    return conversation_id if index == 0 else f"{conversation_id}#reply{index}"
+
+
+@dataclass
+class _Reply:
+    id: str
+    messages: list[dict]
+
+
 class Regenerator:
     """regenerate_conversations bound to one responder and cache, counting over calls (stage 01 uses it
     once per chunk of conversations)."""
@@ -218,8 +231,10 @@ class Regenerator:
         self.respond, self.cache, self.batch_size = respond, cache, batch_size
         self.counts = {"reused": 0, "generated": 0}
 
-    def __call__(self, conversations: Sequence[Any]) -> dict[str, dict]:
-        results, counts = regenerate_conversations(conversations, self.respond, self.cache, self.batch_size)
+    def __call__(self, conversations: Sequence[Any], replies: int = 1) -> dict[str, dict]:
+        """Cache entries keyed by reply_id(conversation id, k) for k < replies."""
+        expanded = [_Reply(reply_id(c.id, k), c.messages) for c in conversations for k in range(replies)]
+        results, counts = regenerate_conversations(expanded, self.respond, self.cache, self.batch_size)
         for key, value in counts.items():
             self.counts[key] += value
         return results

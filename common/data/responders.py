@@ -23,6 +23,16 @@ from common.verifier.loading import inference_attention
 
 # --- the transformers responder ----------------------------------------------------------------------
 
+# How HFResponder runs the verifier (docs/data.md, "Regeneration engines"): "static" = `generate` with a
+# static KV cache, which transformers compiles on a GPU, decoding with common.verifier.decode_attention;
+# "continuous" = transformers' continuous batching (`generate_batch`, a paged cache); "generate" = plain
+# batched `generate` with a dynamic cache (the first engine, kept as the reference and the fallback).
+ENGINES = ("static", "continuous", "generate")
+DEFAULT_ENGINE = "static"
+# Static-cache prompts are left-padded to a multiple of this, so batches share a few compiled shapes.
+STATIC_WIDTH_STEP = 128
+
+
 class HFResponder:
     """Batched `generate` on a transformers causal LM (left padding), loaded on first use.
 
@@ -30,11 +40,16 @@ class HFResponder:
     generated, so a run whose responses are all cached never loads the verifier. With several devices (one
     whole copy of the verifier on each GPU) the batches of a call are spread over the copies, each driven
     by its own thread: `generate` on a small verifier waits mostly on its GPU, so the copies overlap.
+    With the "continuous" engine a call's prompts are split evenly over the copies instead of into
+    `batch_size` chunks: the library schedules them itself, requests joining as others finish.
     """
 
     def __init__(self, load_model: Callable[[str], Any], tokenizer, stop_ids: set[int], max_new_tokens: int,
                  temperature: float, batch_size: int, max_prompt_tokens: int, seed: int = 0,
-                 devices: Sequence[str] = ("cpu",)):
+                 devices: Sequence[str] = ("cpu",), engine: str = DEFAULT_ENGINE):
+        if engine not in ENGINES:
+            raise ValueError(f"unknown regeneration engine {engine!r}; one of {', '.join(ENGINES)}")
+        self.engine = engine
         self._load_model = load_model
         self.devices = list(devices)
         self.models: list[Any] = []
@@ -46,6 +61,7 @@ class HFResponder:
         self.max_prompt_tokens = max_prompt_tokens
         self.seed = seed
         self.hit_max_new_tokens = 0
+        self.generated_tokens = 0  # up to each reply's stop token, for rates
         # Any id works for padding (padded positions are masked out); left padding is done by hand.
         self.pad_id = next(i for i in (tokenizer.pad_token_id, tokenizer.eos_token_id, min(stop_ids, default=0))
                            if i is not None)
@@ -72,7 +88,8 @@ class HFResponder:
         replies: list[str | None] = [None] * len(conversations)
         usable = [i for i, ids in enumerate(encoded) if ids is not None and 0 < len(ids) < self.max_prompt_tokens]
         usable.sort(key=lambda i: len(encoded[i]))  # similar lengths together: less padding
-        chunks = [usable[start:start + self.batch_size] for start in range(0, len(usable), self.batch_size)]
+        size = self.batch_size if self.engine != "continuous" else max(1, -(-len(usable) // len(self.devices)))
+        chunks = [usable[start:start + size] for start in range(0, len(usable), size)]
         for chunk, rows in zip(chunks, self._generate_all([[encoded[i] for i in chunk] for chunk in chunks])):
             for i, row in zip(chunk, rows):
                 replies[i] = self._decode(row)
@@ -99,30 +116,92 @@ class HFResponder:
         with inference_attention(), ThreadPoolExecutor(len(models), thread_name_prefix="regenerate") as pool:
             return list(pool.map(run, batches))
 
-    def _generate(self, model, prompts: list[list[int]]) -> list[list[int]]:
-        import torch
+    def _config(self, **extra):
         from transformers import GenerationConfig
 
+        sampling = self.temperature > 0
+        return GenerationConfig(max_new_tokens=self.max_new_tokens, do_sample=sampling,
+                                temperature=self.temperature if sampling else None,
+                                top_p=1.0 if sampling else None, top_k=0 if sampling else None,
+                                eos_token_id=sorted(self.stop_ids), pad_token_id=self.pad_id, **extra)
+
+    def _generate(self, model, prompts: list[list[int]]) -> list[list[int]]:
+        import torch
+
         device = next(model.parameters()).device
+        self._set_attention(model)
+        on_gpu = torch.cuda.device(device) if device.type == "cuda" else nullcontext()
+        if self.engine == "continuous":
+            # not under inference_mode: the library's own thread updates tensors made here (it turns off
+            # gradients itself)
+            with on_gpu, inference_attention():
+                return self._generate_continuous(model, prompts, device)
+        with on_gpu, torch.inference_mode(), inference_attention():
+            return self._generate_padded(model, prompts, device)
+
+    def _set_attention(self, model) -> None:
+        """"static" decodes with common.verifier.decode_attention (no K/V copies for grouped heads); the other
+        engines with transformers' own SDPA (a model shared between engines is switched back)."""
+        from common.verifier.decode_attention import NAME, use_gqa_decode_attention
+
+        if self.engine == "static":
+            use_gqa_decode_attention(model)
+        elif getattr(model.config, "_attn_implementation", None) == NAME:
+            model.set_attn_implementation("sdpa")
+
+    def _generate_padded(self, model, prompts: list[list[int]], device) -> list[list[int]]:
+        """One left-padded batch through `generate`; "static" pads to a multiple of STATIC_WIDTH_STEP so
+        the compiled decoding step is reused across batches."""
+        import torch
+
         width = max(len(p) for p in prompts)
+        extra = {}
+        if self.engine == "static":
+            width = -(-width // STATIC_WIDTH_STEP) * STATIC_WIDTH_STEP
+            extra["cache_implementation"] = "static"
         pad = self.pad_id
         input_ids = torch.tensor([[pad] * (width - len(p)) + p for p in prompts], device=device)
         attention = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts], device=device)
-        sampling = self.temperature > 0
-        config = GenerationConfig(max_new_tokens=self.max_new_tokens, do_sample=sampling,
-                                  temperature=self.temperature if sampling else None,
-                                  top_p=1.0 if sampling else None, top_k=0 if sampling else None,
-                                  eos_token_id=sorted(self.stop_ids), pad_token_id=pad)
-        on_gpu = torch.cuda.device(device) if device.type == "cuda" else nullcontext()
-        with on_gpu, torch.inference_mode(), inference_attention():
-            output = model.generate(input_ids=input_ids, attention_mask=attention, generation_config=config)
+        output = model.generate(input_ids=input_ids, attention_mask=attention,
+                                generation_config=self._config(**extra))
         return output[:, width:].tolist()
+
+    def _generate_continuous(self, model, prompts: list[list[int]], device) -> list[list[int]]:
+        """All prompts through transformers' continuous batching; rows in the prompts' order."""
+        outputs = model.generate_batch(prompts, generation_config=self._config(),
+                                       continuous_batching_config=continuous_batching_config(device, self.seed),
+                                       progress_bar=False)
+        rows = list(outputs.values())
+        failed = [o for o in rows if getattr(o, "error", None) is not None]
+        if len(rows) != len(prompts) or failed:
+            detail = failed[0].error if failed else f"{len(rows)} results for {len(prompts)} prompts"
+            raise RuntimeError(f"continuous batching did not finish every request ({detail}); rerun with "
+                               "--regenerate-engine generate to use plain generate")
+        # the library counts EOS among the generated tokens; _decode cuts at the first stop id anyway
+        return [list(o.generated_tokens) for o in rows]
 
     def _decode(self, row: list[int]) -> str:
         stop = next((i for i, token in enumerate(row) if token in self.stop_ids), None)
         if stop is None:
             self.hit_max_new_tokens += 1
+        self.generated_tokens += len(row) if stop is None else stop + 1
         return self.tokenizer.decode(row[:stop], skip_special_tokens=True).strip()
+
+
+def continuous_batching_config(device, seed: int):
+    """The paged cache's settings: sized by the library from free memory on a GPU; small and without CUDA
+    graphs on the CPU, where its memory-based sizing takes seconds and graphs do not exist. Written for
+    transformers 5.17 (block_size) and later (page_size)."""
+    import dataclasses
+
+    from transformers import ContinuousBatchingConfig
+
+    fields = {f.name for f in dataclasses.fields(ContinuousBatchingConfig)}
+    options: dict[str, Any] = {"seed": seed} if "seed" in fields else {}
+    if device.type != "cuda":
+        options.update(num_blocks=64, max_batch_tokens=1024, use_cuda_graph=False)
+        options["page_size" if "page_size" in fields else "block_size"] = 64
+    return ContinuousBatchingConfig(**options)
 
 
 # --- the OpenAI-compatible endpoint responder ---------------------------------------------------------

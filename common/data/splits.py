@@ -112,7 +112,8 @@ def write_splits(args, inputs: Inputs, records: list[Record], process: Processor
 
         if n_eval:
             written.eval_conversations = fill(eval_candidates(), n_eval, process, write_eval, "eval split")
-        written.train_conversations = fill(train_candidates(), n_train, process, write_train, "train split")
+        written.train_conversations = fill(train_candidates(), n_train, process, write_train, "train split",
+                                           args.replies_per_prompt)
         process.bad.log(log, "processing")
         write_bad_records(inputs.out / BAD_RECORDS_FILE, reading_bad, process.bad)
         written.processing_fraction = check_bad_fraction(process.bad, process.processed, args.max_bad_fraction,

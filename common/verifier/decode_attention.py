@@ -1,0 +1,44 @@
+"""SDPA attention whose decoding step reads grouped K/V heads without copying them (GQA models).
+
+transformers' SDPA attention repeats every K/V head for its group of query heads (`repeat_kv`) whenever
+there is an attention mask, and batched regeneration always has one (left padding): at each decoding step
+the whole KV cache is copied `groups` times. For one new token per sequence the copy is unnecessary: the
+query heads of a group can stand in the query-length dimension of one K/V head, so a single SDPA call with
+the same mask gives the same result. Measured on an H200 with SmolLM2-135M (3 K/V heads for 9 query heads),
+a batch of 1024, 256 new tokens and a compiled static cache: 11 ms a step against 30 ms with `sdpa`.
+Prefill (several query tokens) and models without grouped heads use transformers' `sdpa` unchanged.
+"""
+from __future__ import annotations
+
+NAME = "sdpa_gqa_decode"
+
+
+def gqa_decode_attention(module, query, key, value, attention_mask, dropout: float = 0.0, scaling=None,
+                         is_causal=None, **kwargs):
+    """transformers' attention-function signature: query (batch, heads, q_len, dim), key/value (batch,
+    kv_heads, kv_len, dim); returns (batch, q_len, heads, dim) and no weights."""
+    import torch.nn.functional as F
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    groups = getattr(module, "num_key_value_groups", 1)
+    if query.shape[2] != 1 or groups == 1 or kwargs.get("position_bias") is not None:
+        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
+                                      is_causal=is_causal, **kwargs)
+    batch, heads, _, dim = query.shape
+    # Query head h belongs to K/V head h // groups (the order repeat_kv gives), so a view groups them.
+    grouped = query.view(batch, key.shape[1], groups, dim)
+    output = F.scaled_dot_product_attention(grouped, key, value, attn_mask=attention_mask, dropout_p=dropout,
+                                            scale=scaling)
+    return output.reshape(batch, 1, heads, value.shape[-1]), None
+
+
+def use_gqa_decode_attention(model) -> None:
+    """Register the attention with transformers (once) and switch `model` to it, if it runs on SDPA."""
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+
+    if getattr(model.config, "_attn_implementation", None) not in ("sdpa", NAME):
+        return  # eager or remote code: leave the model's own attention alone
+    AttentionInterface.register(NAME, gqa_decode_attention)
+    AttentionMaskInterface.register(NAME, sdpa_mask)  # the same masks as sdpa
+    model.set_attn_implementation(NAME)

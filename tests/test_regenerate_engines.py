@@ -1,0 +1,226 @@
+"""Stage 01's regeneration engines (common.data.responders.HFResponder, --regenerate-engine): static-cache
+`generate` and transformers' continuous batching give, greedily in float32, the same replies token for token
+as plain `generate` (the first engine), on stories260K and SmolLM2; several sampled replies per prompt."""
+from __future__ import annotations
+
+import pytest
+
+from conftest import STORIES_TEMPLATE
+
+pytestmark = pytest.mark.usefixtures("one_intra_op_thread")
+
+PROMPTS = ["Once upon a time", "The dog ran to the", "Lily and Tom went to the park and saw", "A big red",
+           "One day, a little girl named Sue found a shiny stone in the garden. She", "Sam had a toy"]
+
+
+class RowRecorder:
+    """Wraps HFResponder._decode to keep the raw generated token rows (cut at the first stop id)."""
+
+    def __init__(self, responder):
+        self.rows, original = [], responder._decode
+
+        def decode(row):
+            stop = next((i for i, t in enumerate(row) if t in responder.stop_ids), len(row))
+            self.rows.append(list(row[:stop]))
+            return original(row)
+
+        responder._decode = decode
+
+
+def replies_by_engine(model_path, tokenizer, conversations, max_new_tokens, engines, batch_size=4):
+    from common.data.responders import HFResponder
+    from common.verifier.loading import load_verifier_model
+
+    model = load_verifier_model(str(model_path), "cpu", "float32")
+    stop_ids = {tokenizer.eos_token_id} | ({tokenizer.convert_tokens_to_ids("<|im_end|>")} - {None, tokenizer.unk_token_id})
+    found = {}
+    for engine in engines:
+        responder = HFResponder(lambda _device: model, tokenizer, stop_ids, max_new_tokens, 0.0, batch_size, 512,
+                                engine=engine)
+        recorder = RowRecorder(responder)
+        texts = responder(conversations)
+        found[engine] = (texts, recorder.rows, responder.hit_max_new_tokens)
+    return found
+
+
+def test_engines_agree_token_for_token_on_stories260k(stories260k):
+    from common.verifier.loading import load_tokenizer
+
+    tokenizer = load_tokenizer(str(stories260k))
+    tokenizer.chat_template = STORIES_TEMPLATE
+    conversations = [[{"role": "user", "content": text}] for text in PROMPTS]
+    found = replies_by_engine(stories260k, tokenizer, conversations, 24, ("generate", "static", "continuous"))
+    reference = found["generate"]
+    assert len(set(reference[0])) >= 4 and all(reference[0])
+    for engine in ("static", "continuous"):
+        assert found[engine][1] == reference[1], engine
+        assert found[engine][0] == reference[0] and found[engine][2] == reference[2], engine
+
+
+def test_engines_agree_token_for_token_on_smollm2(smollm2):
+    from common.verifier.loading import load_tokenizer
+
+    tokenizer = load_tokenizer(str(smollm2))
+    conversations = [[{"role": "user", "content": text}] for text in
+                     ["What is the capital of France?", "Write a haiku about rain.", "Say hi.",
+                      "List three colours and explain why the sky looks blue during the day."]]
+    found = replies_by_engine(smollm2, tokenizer, conversations, 16, ("generate", "static", "continuous"))
+    reference = found["generate"]
+    assert all(reference[0]) and len(set(reference[0])) == 4
+    for engine in ("static", "continuous"):
+        assert found[engine][1] == reference[1], engine
+
+
+# --- stage 01: several replies per prompt, resume after a kill ---------------------------------------
+
+STARTS = ["Lily found a", "Tom saw a big", "The cat and the dog", "One sunny day", "A little bird", "Sue had a red",
+          "The sky was", "Ben wanted to", "Mom made a cake", "The tree was tall"]
+
+
+def write_prompts(path, starts):
+    import json
+
+    rows = [{"id": f"c{i}", "conversations": [{"from": "human", "value": s}]} for i, s in enumerate(starts)]
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
+def stage_args(model, template, data, out, *extra):
+    return ["--model-path", str(model), "--chat-template", str(template), "--dataset", str(data),
+            "--output-dir", str(out), "--regenerate", "--device", "cpu", "--dtype", "float32",
+            "--max-seq-len", "256", *extra]
+
+
+@pytest.fixture()
+def template_file(tmp_path):
+    path = tmp_path / "stories.jinja"
+    path.write_text(STORIES_TEMPLATE)
+    return path
+
+
+def read_jsonl(path):
+    import json
+
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def test_several_sampled_replies_per_prompt_are_samples_with_their_own_ids(tmp_path, stories260k, template_file):
+    """--replies-per-prompt 3: every training conversation gives three samples (ID, ID#reply1, ID#reply2) with
+    different sampled replies; eval conversations keep one reply and share no prompt with training; a run
+    killed after some replies were cached generates only the missing ones."""
+    from conftest import run_script
+    from common.data.records import prompt_hash
+
+    data = write_prompts(tmp_path / "prompts.jsonl", STARTS)
+    out = tmp_path / "out"
+    args = stage_args(stories260k, template_file, data, out, "--replies-per-prompt", "3", "--temperature", "1.0",
+                      "--max-new-tokens", "10", "--eval-ratio", "0.2", "--batch-size", "4")
+    done = run_script("01_prepare_data.py", *args)
+    assert done.returncode == 0, done.stderr[-3000:]
+    train = read_jsonl(out / "tokenized_data.jsonl")
+    ids = [s["id"] for s in train]
+    assert len(ids) == len(set(ids)) == 8 * 3
+    conversations = {i.split("#")[0] for i in ids}
+    assert len(conversations) == 8
+    assert set(ids) == {f"{c}{suffix}" for c in conversations for suffix in ("", "#reply1", "#reply2")}
+    by_conversation = {}
+    for sample in train:
+        by_conversation.setdefault(sample["id"].split("#")[0], set()).add(tuple(sample["input_ids"]))
+    assert all(len(replies) == 3 for replies in by_conversation.values())  # three different sampled replies
+    held_out = read_jsonl(out / "eval_data.jsonl")
+    assert len(held_out) == 2 and not {s["conversation_id"] for s in held_out} & conversations
+    assert all("#reply" not in s["id"] for s in held_out)
+    train_hashes = set((out / "train_prompt_hashes.txt").read_text().split())
+    assert not {prompt_hash(s["prompt"]) for s in held_out} & train_hashes
+    cache = read_jsonl(out / "regenerated.jsonl")
+    assert len(cache) == 8 * 3 + 2
+
+    # A kill after part of the replies were written: the cache holds them, the rest is generated.
+    kept = [e for e in cache if not e["id"].endswith("#reply2")]
+    (out / "regenerated.jsonl").write_text("".join(__import__("json").dumps(e) + "\n" for e in kept)
+                                           + '{"id": "c3#reply2", "prom')  # torn last line
+    (out / "manifest.json").unlink()
+    done = run_script("01_prepare_data.py", *args)
+    assert done.returncode == 0, done.stderr[-3000:]
+    manifest = __import__("json").loads((out / "manifest.json").read_text())
+    assert (manifest["regeneration"]["reused"], manifest["regeneration"]["generated"]) == (8 * 2 + 2, 8)
+    assert manifest["regeneration"]["replies_per_prompt"] == 3 and manifest["regeneration"]["engine"] == "static"
+    assert sorted(s["id"] for s in read_jsonl(out / "tokenized_data.jsonl")) == sorted(ids)
+
+
+def test_several_replies_need_sampling_and_regeneration(tmp_path, stories260k, template_file):
+    from conftest import run_script
+
+    data = write_prompts(tmp_path / "prompts.jsonl", STARTS[:3])
+    greedy = run_script("01_prepare_data.py", *stage_args(stories260k, template_file, data, tmp_path / "a",
+                                                          "--replies-per-prompt", "2"))
+    assert greedy.returncode == 2 and "greedy replies to one prompt are all the same" in greedy.stdout + greedy.stderr
+    args = stage_args(stories260k, template_file, data, tmp_path / "b", "--replies-per-prompt", "2")
+    args.remove("--regenerate")
+    plain = run_script("01_prepare_data.py", *args)
+    assert plain.returncode == 2 and "is set without --regenerate" in plain.stdout + plain.stderr
+
+
+def test_regeneration_resumes_after_a_kill_with_the_same_output(tmp_path, stories260k, template_file):
+    """A stage 01 killed (SIGKILL) in the middle of regenerating resumes from its cache, and its output is
+    the one an uninterrupted run writes (greedy, the default engine)."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    from conftest import REPO, run_script
+
+    starts = [f"{s} number {i}" for i in range(6) for s in STARTS]  # 60 prompts, batches of 2
+    data = write_prompts(tmp_path / "prompts.jsonl", starts)
+    killed, whole = tmp_path / "killed", tmp_path / "whole"
+    args = ["--max-new-tokens", "24", "--batch-size", "2", "--regenerate-engine", "static"]
+    process = subprocess.Popen([sys.executable, str(REPO / "01_prepare_data.py"),
+                                *stage_args(stories260k, template_file, data, killed, *args)],
+                               cwd=str(REPO), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    cache = killed / "regenerated.jsonl"
+    deadline = time.time() + 300
+    while time.time() < deadline and process.poll() is None:
+        if cache.exists() and len(cache.read_text().splitlines()) >= 4:
+            break
+        time.sleep(0.05)
+    assert process.poll() is None, "the run finished before it could be killed"
+    os.kill(process.pid, signal.SIGKILL)
+    process.wait()
+    cached = len(read_jsonl(cache))
+    assert 4 <= cached < 60 and not (killed / "tokenized_data.jsonl").exists()
+
+    done = run_script("01_prepare_data.py", *stage_args(stories260k, template_file, data, killed, *args))
+    assert done.returncode == 0, done.stderr[-3000:]
+    regeneration = __import__("json").loads((killed / "manifest.json").read_text())["regeneration"]
+    assert regeneration["reused"] >= cached and regeneration["reused"] + regeneration["generated"] == 60
+    done = run_script("01_prepare_data.py", *stage_args(stories260k, template_file, data, whole, *args))
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert (killed / "tokenized_data.jsonl").read_text() == (whole / "tokenized_data.jsonl").read_text()
+
+
+def test_grouped_decode_attention_equals_transformers_sdpa():
+    """One decoding step with a left-padding mask: the grouped-query SDPA call gives transformers' `sdpa`
+    result (which copies each K/V head per query head), including a value head size unlike the query's."""
+    import torch
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    from common.verifier.decode_attention import gqa_decode_attention
+
+    torch.manual_seed(0)
+
+    class Layer(torch.nn.Module):
+        num_key_value_groups = 3
+        is_causal = True
+
+    for value_dim in (16, 24):
+        query = torch.randn(4, 6, 1, 16)
+        key, value = torch.randn(4, 2, 10, 16), torch.randn(4, 2, 10, value_dim)
+        mask = torch.ones(4, 1, 1, 10, dtype=torch.bool)
+        mask[1, ..., :3] = False  # a left-padded row
+        mask[3, ..., :7] = False
+        expected, _ = sdpa_attention_forward(Layer(), query, key, value, mask, scaling=0.25)
+        found, _ = gqa_decode_attention(Layer(), query, key, value, mask, scaling=0.25)
+        assert found.shape == expected.shape == (4, 1, 6, value_dim)
+        torch.testing.assert_close(found, expected, rtol=1e-5, atol=1e-6)
