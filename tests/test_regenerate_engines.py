@@ -144,7 +144,8 @@ def test_several_sampled_replies_per_prompt_are_samples_with_their_own_ids(tmp_p
     assert done.returncode == 0, done.stderr[-3000:]
     manifest = __import__("json").loads((out / "manifest.json").read_text())
     assert (manifest["regeneration"]["reused"], manifest["regeneration"]["generated"]) == (8 * 2 + 2, 8)
-    assert manifest["regeneration"]["replies_per_prompt"] == 3 and manifest["regeneration"]["engine"] == "static"
+    assert manifest["regeneration"]["replies_per_prompt"] == 3
+    assert manifest["regeneration"]["engine"] == "generate"  # the default, auto, on a CPU
     assert sorted(s["id"] for s in read_jsonl(out / "tokenized_data.jsonl")) == sorted(ids)
 
 
@@ -224,3 +225,14 @@ def test_grouped_decode_attention_equals_transformers_sdpa():
         found, _ = gqa_decode_attention(Layer(), query, key, value, mask, scaling=0.25)
         assert found.shape == expected.shape == (4, 1, 6, value_dim)
         torch.testing.assert_close(found, expected, rtol=1e-5, atol=1e-6)
+
+
+def test_auto_engine_is_static_on_a_gpu_and_generate_on_a_cpu():
+    """A static cache is compiled on a GPU (3x generate on an H200) but measured 1.7x slower than generate on a
+    CPU, so the default picks by device; an engine named explicitly is kept."""
+    from common.data.responders import resolve_engine
+
+    assert resolve_engine("auto", ["cpu"]) == "generate"
+    assert resolve_engine("auto", ["cuda:0", "cuda:1"]) == "static"
+    assert resolve_engine("static", ["cpu"]) == "static"
+    assert resolve_engine("continuous", ["cuda:0"]) == "continuous"

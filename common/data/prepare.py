@@ -167,7 +167,7 @@ def prepare_data(args, inputs: Inputs, log) -> dict:
         manifest.data["regeneration"] = {"settings": cache.settings, "cache": cache.path.name, **regenerator.counts,
                                          "hit_max_new_tokens": regenerator.respond.hit_max_new_tokens,
                                          "replies_per_prompt": args.replies_per_prompt,
-                                         "engine": None if args.regenerate_endpoint else args.regenerate_engine}
+                                         "engine": None if args.regenerate_endpoint else regenerator.respond.engine}
         if args.regenerate_endpoint:  # requests that failed after retries (their conversations are bad records)
             manifest.data["regeneration"].update(failures=regenerator.respond.failures,
                                                  failure_examples=regenerator.respond.errors)
