@@ -9,7 +9,8 @@
 #     epochs): SpecForge trains one sequence a step, so equal tokens on the full run would not fit one session;
 #     also ours with STEP_TOKENS_SMALL-token steps there (more optimizer steps, the lever).
 # Trainings whose wall time is compared run alone on the GPU, one after another; the A/B training and every
-# benchmark (acceptance only, timing-free) run side by side afterwards.
+# benchmark (acceptance only, timing-free) run side by side afterwards, each stage-05 run in its own output folder
+# (a folder has one writer at a time).
 #
 #   scripts/gpu_drafter_quality.sh VERIFIER DATA_DIR RUN_DIR
 #     VERIFIER  dense SmolLM2 folder (../shared/tools/device_smollm2.md)
@@ -100,9 +101,9 @@ fi
 if has bench; then
   pids=()
   suite "$RUN" ours "$RUN/checkpoints/best" & pids+=($!)
-  bench "$RUN" ours_fp32 "$RUN/checkpoints/best" --tau-only "${chain[@]}" --temperature 0 --dtype float32 \
+  bench "$RUN" ours_fp32_chain "$RUN/checkpoints/best" --tau-only "${chain[@]}" --temperature 0 --dtype float32 \
     --prompts "$DATA/mt_bench.jsonl" & pids+=($!)
-  bench "$RUN" ours_fp32 "$RUN/checkpoints/best" --tau-only --num-steps 3 --topk 8 --temperature 0 \
+  bench "$RUN" ours_fp32_tree "$RUN/checkpoints/best" --tau-only --num-steps 3 --topk 8 --temperature 0 \
     --dtype float32 --prompts "$DATA/mt_bench.jsonl" & pids+=($!)
   bench "$RUN" ours_t1 "$RUN/checkpoints/best" --tau-only "${chain[@]}" --temperature 1 \
     --prompts "$DATA/mt_bench.jsonl" & pids+=($!)

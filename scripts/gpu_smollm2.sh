@@ -97,11 +97,15 @@ bench_set() {  # every setting of prompt set $1 at temperature $2, one after ano
   for k in $KS; do
     for topk in $TOPKS; do
       CUDA_VISIBLE_DEVICES=$gpu limited python3 05_benchmark.py --run-dir "$RUN" --model-path "$VERIFIER" \
+        --output-dir "$(bench_dir "$gpu")" \
         --prompts "$prompts" --num-steps "$k" --topk "$topk" --temperature "$t" --num-prompts "$PROMPTS" \
         --max-new-tokens "$NEW_TOKENS" --dtype "$DTYPE" 2>&1 \
         | grep -E "SUMMARY|ERROR|overlap check|baselines:" | sed "s|^|$set k=$k topk=$topk T=$t: |" || return $?
     done
   done
+}
+bench_dir() {  # one output folder per GPU queue: a folder has one writer at a time (each keeps its own baselines)
+  if [ "$BENCH_GPUS" -gt 1 ]; then echo "$RUN/bench/gpu$1"; else echo "$RUN/bench"; fi
 }
 bench_queue() {  # GPU $1 takes every BENCH_GPUS-th prompt set; all of T=0 before T=1
   local gpu=$1 t set i
@@ -113,7 +117,7 @@ bench_queue() {  # GPU $1 takes every BENCH_GPUS-th prompt set; all of T=0 befor
     done
   done
 }
-# Each GPU decodes its own prompt sets; the baselines cache in RUN/bench is shared, one appended line per prompt.
+# Each GPU decodes its own prompt sets into its own folder (RUN/bench/gpuN when BENCH_GPUS > 1).
 # Runs side by side are not always independent: on 2026-11-30 HumanEval's baselines ran at 38.5 tok/s beside
 # another GPU's run, against 54.4 alone the day before. Quote speedups from BENCH_GPUS=1 runs.
 queues=()
