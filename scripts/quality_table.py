@@ -27,7 +27,7 @@ def offline_row(name: str, report: dict) -> list[str]:
     identical = f"{match['turns_identical']}/{match['turns_checked']}" if match else "-"
     shares = (overall.get("acceptance") or {}).get("share") or []  # P(draft i accepted): tau = 1 + their sum
     return [name, Path(str(settings.get("prompts"))).stem, settings.get("drafting", "-"),
-            fmt(settings.get("temperature"), 1), str(settings.get("dtype_used") or settings.get("dtype")),
+            fmt(settings.get("temperature"), 1), str(settings.get("compute_dtype") or settings.get("dtype")),
             str(overall.get("turns")), fmt(overall.get("tau")), " ".join(fmt(r) for r in shares), identical,
             fmt(match.get("mean_share_before_divergence"), 3) if match else "-",
             fmt(overall.get("repetition_4gram_share"))]
@@ -52,7 +52,7 @@ def main(argv: list[str]) -> int:
         elif path.stem.startswith("bench_offline"):
             row = offline_row(name, report)
             offline.append(row)
-            if row[3] == "0.0" and row[4] in ("bfloat16", "None") and row[2].startswith("chain"):
+            if row[3] == "0.0" and row[4] == "bfloat16" and row[2].startswith("chain"):
                 taus[(name, row[1])] = report["overall"]["tau"]
     header = ["drafter", "prompts", "drafting", "T", "dtype", "turns", "tau", "accepted share by position",
               "greedy identical", "share before divergence", "4-gram repetition"]
