@@ -247,3 +247,13 @@ def test_training_from_fp8_and_topk_resumes_exactly(runs, stories260k, stages, t
     expected, got = final_weights(whole), final_weights(broken)
     for key in expected:
         torch.testing.assert_close(got[key], expected[key], rtol=1e-6, atol=1e-7, msg=key)
+
+
+def test_the_sglang_backend_refuses_the_new_formats(runs, stories260k, stages):
+    """patches/sglang_capture.py writes --dtype aux and final only: the stage says so before starting anything."""
+    run = runs["reference"]
+    for flags in FORMATS.values():
+        assert stages["02"].main(["--run-dir", str(run), "--model-path", str(stories260k), "--backend", "sglang",
+                                  *flags]) == 2
+        last = (run / "logs" / "02_extract_hidden_states.log").read_text().splitlines()[-1]
+        assert "patches/sglang_capture.py" in last and "use --backend hf" in last, last
