@@ -190,6 +190,23 @@ def test_a_rerun_with_another_format_is_refused_and_older_runs_keep_working(runs
     assert extract(stages, old, stories260k, "--targets", "topk") == 2
 
 
+def test_writing_in_the_calling_thread_gives_the_same_files_and_repair_keeps_the_format(runs, stories260k, stages,
+                                                                                      tmp_path):
+    """--num-workers 0 (no writer processes) writes the very bytes the writer processes wrote; the repair command
+    a damaged sample's error names carries the format's flags (without them the rerun would be refused)."""
+    from common.formats.hidden_states import rerun_command
+
+    run = tmp_path / "inline"
+    shutil.copytree(runs["fp8_topk"] / "data", run / "data")
+    assert stages["02"].main(["--run-dir", str(run), "--model-path", str(stories260k), "--device", "cpu",
+                              "--num-workers", "0", "--dtype", "float32", *FORMATS["fp8_topk"]]) == 0
+    ours = {e["id"]: e["files"] for e in map(json.loads, (run / "hidden_states" / "index.jsonl").open())}
+    theirs = {e["id"]: e["files"] for e in map(json.loads, (runs["fp8_topk"] / "hidden_states" / "index.jsonl").open())}
+    assert ours == theirs and len(ours) > 50
+    assert f"--aux-dtype float8_e4m3 --targets topk --target-topk {TOPK}" in rerun_command(run / "hidden_states")
+    assert "--aux-dtype" not in rerun_command(runs["reference"] / "hidden_states")
+
+
 def test_the_reader_refuses_a_format_it_does_not_know(runs, stories260k, stages, tmp_path):
     run = tmp_path / "future"
     shutil.copytree(runs["fp8_topk"], run)

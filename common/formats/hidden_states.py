@@ -226,9 +226,10 @@ def rerun_command(data_dir: str | os.PathLike) -> str:
     except (OSError, ValueError):
         flags = {}
     words = [f"python {STAGE}.py", f"--output-dir {data_dir}"]
-    for name in ("model_path", "prepared_data", "aux_layers", "dtype", "max_seq_len", "backend"):
+    defaults = {"aux_dtype": "bfloat16", "targets": "final", "target_topk": 64}  # the storage format, when not these
+    for name in ("model_path", "prepared_data", "aux_layers", "dtype", "max_seq_len", "backend", *defaults):
         value = flags.get(name)
-        if value not in (None, ""):
+        if value not in (None, "", defaults.get(name)):
             value = ",".join(map(str, value)) if isinstance(value, list) else value
             words.append(f"--{name.replace('_', '-')} {value}")
     return " ".join(words)
