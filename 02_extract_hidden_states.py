@@ -3,7 +3,8 @@
 
 For every sample of RUN_DIR/data/tokenized_data.jsonl it writes RUN_DIR/hidden_states/shard_NNNNN/<id>/ with
 aux_0/aux_1/aux_2.pt (the residual stream entering the --aux-layers decoder layers), final.pt (after the final
-norm) and meta.pt, plus index.jsonl and manifest.json. Inputs are checked before the verifier loads; a rerun
+norm) and meta.pt, plus index.jsonl and manifest.json (--aux-dtype float8_e4m3 adds aux_scale.pt; --targets topk
+stores topk_ids.pt and topk_logprobs.pt instead of final.pt). Inputs are checked before the verifier loads; a rerun
 resumes (redoing samples whose files are not whole), --overwrite starts over, --verify checks every file's
 checksum, --rebuild-manifest recovers from a damaged manifest; --backend sglang --tp-size N runs the verifier
 in SGLang. Details: docs/extraction.md.
@@ -17,6 +18,7 @@ from pathlib import Path
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from common.cli import distributed  # noqa: E402
+from common.cli.errors import UsageError  # noqa: E402
 from common.cli.flags import parse_stage_args, require  # noqa: E402
 from common.cli.stage import run_stage  # noqa: E402
 from common.formats.layer_ids import check_aux_layers, default_aux_layers  # noqa: E402
@@ -39,6 +41,11 @@ def work(args, log) -> None:
     require(args, "model_path", "prepared_data")
     if args.backend == "sglang":  # the pinned SGLang, GPUs, one process: checked first (common/verifier/)
         from common.verifier.sglang_backend import check_sglang_early
+
+        if args.aux_dtype != "bfloat16" or args.targets != "final":
+            raise UsageError("--aux-dtype float8_e4m3 and --targets topk are written by the hf backend only (the "
+                             "SGLang capture in patches/sglang_capture.py stores --dtype aux and final): drop them "
+                             "or use --backend hf")
 
         check_sglang_early(args)
     elif args.tp_size != 1:
@@ -64,8 +71,8 @@ def work(args, log) -> None:
     compute_dtype = args.dtype if device != "cpu" else "float32"
     log.info("verifier %s: %s, %d layers, hidden %d, vocab %d; aux layers %s (inputs of those decoder layers = "
              "output_hidden_states indices); stored as %s, computed in %s on %s", args.model_path,
-             info.architecture, info.num_layers, info.hidden_size, info.vocab_size, aux_layers, args.dtype,
-             compute_dtype, device)
+             info.architecture, info.num_layers, info.hidden_size, info.vocab_size, aux_layers,
+             f"{args.dtype} (aux {args.aux_dtype}, targets {args.targets})", compute_dtype, device)
 
     # 2. The prepared data.
     samples, _ = check_prepared_data(args, info, log)

@@ -213,6 +213,10 @@ def print_status(run_dir: Path) -> int:
             line += " " + ", ".join(f"{k} {v}" for k, v in list(counts.items())[:4])
             if "wall_time_s" in manifest:
                 line += f"; {manifest['wall_time_s']:.0f} s"
+            if stage == "02_extract_hidden_states":  # its storage format (older runs: aux in --dtype, final)
+                storage = manifest.get("storage") or {}
+                topk = f"top-{storage['target_topk']}" if storage.get("targets") == "topk" else "final"
+                line += f"; aux {storage.get('aux_dtype', manifest.get('dtype'))}, targets {topk}"
         progress = stage_progress(run_dir, stage)
         if progress:
             line += f"; {progress}"

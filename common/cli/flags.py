@@ -172,6 +172,16 @@ _ALL_FLAGS: list[Flag] = [
     Flag("--skip-nonfinite", "Stage 02: drop samples whose hidden states hold NaN or inf (counted in the manifest "
          "and the log) instead of stopping with exit 1.", type=None, action="store_true"),
     Flag("--backend", "Engine that runs the verifier.", choices=("hf", "sglang"), default="hf"),
+    Flag("--aux-dtype", "Stage 02: how the three aux layers are stored. bfloat16 = unquantised in --dtype (as "
+         "before); float8_e4m3 = FP8 with one float32 scale per token and layer (half the bytes; quantised on "
+         "the GPU, decoded on the GPU by stage 04). hf backend only. docs/extraction.md, 'Storage formats'.",
+         choices=("bfloat16", "float8_e4m3"), default="bfloat16"),
+    Flag("--targets", "Stage 02: what stage 04 builds its targets from. final = the final hidden state (H values "
+         "per token, as before); topk = the verifier's --target-topk most likely next tokens and their "
+         "log-probabilities, computed on the GPU from lm_head(final) in float32 (a few hundred bytes per token). "
+         "hf backend only.", choices=("final", "topk"), default="final"),
+    Flag("--target-topk", "Stage 02 with --targets topk: next tokens kept per position (the rest of the "
+         "probability mass is dropped; stage 04 renormalises and reports it).", type=int, default=64),
     Flag("--device-map", "Placement of the verifier on GPUs (hf backend): single = a whole copy per GPU (stage "
          "01 regenerates with one copy on every visible GPU, stage 02 with one per torchrun rank); multi = one copy "
          "sharded over all visible GPUs (accelerate device_map=auto); auto = single when the weights fit one GPU.",
@@ -273,7 +283,8 @@ STAGE_FLAGS: dict[str, list[str]] = {
                                  "--max-seq-len", "--device", "--dtype", "--num-workers",
                                  "--allow-low-disk", "--overwrite", "--backend", "--tp-size",
                                  "--gpu-memory-utilization", "--device-map", "--verify",
-                                 "--rebuild-manifest", "--skip-nonfinite"],
+                                 "--rebuild-manifest", "--skip-nonfinite", "--aux-dtype", "--targets",
+                                 "--target-topk"],
     "03_build_vocab_mapping": ["--run-dir", "--model-path", "--trust-remote-code", "--prepared-data",
                                "--output-dir", "--draft-vocab-size", "--overwrite"],
     "04_train": ["--run-dir", "--model-path", "--trust-remote-code", "--data-dir", "--vocab-mapping-dir",

@@ -17,7 +17,7 @@ import torch
 from common.extract.finite import all_finite, first_nonfinite, layer_names, nonfinite_failure
 from common.extract.plan import TokenSelector, batch_inputs
 from common.extract.writer import _SAVE_CONFIG, STAGING_BUFFERS, StagingBuffers, _writer_process, write_sample
-from common.formats.hidden_states import SAMPLE_FILES
+from common.formats.storage import StorageFormat, encode
 from common.formats.prepared_data import Sample
 from common.verifier.capture import LayerInputCapture, TextModel, run_base
 from common.verifier.loading import inference_attention
@@ -83,7 +83,8 @@ class Extractor:
 
     def __init__(self, output_dir: str | os.PathLike, samples: Sequence[Sample], batches: Sequence[list[int]],
                  aux_layers: Sequence[int], hidden_size: int, store_dtype: torch.dtype, num_workers: int,
-                 staging_buffers: int = STAGING_BUFFERS, skip_nonfinite: bool = False):
+                 staging_buffers: int = STAGING_BUFFERS, skip_nonfinite: bool = False,
+                 storage: StorageFormat | None = None):
         self.output_dir = Path(output_dir)
         self.skip_nonfinite = skip_nonfinite
         self._nonfinite: dict[str, str] = {}  # sample id -> where its values first stop being finite
@@ -91,8 +92,10 @@ class Extractor:
         self.aux_layers = list(aux_layers)
         self.hidden_size = hidden_size
         self.store_dtype = store_dtype
+        dtype_name = str(store_dtype).split(".")[-1]
+        self.storage = storage or StorageFormat(dtype_name, "final", dtype=dtype_name)
         capacity = max((sum(samples[i].num_tokens for i in batch) for batch in batches), default=1)
-        self.staging = StagingBuffers(staging_buffers, capacity, hidden_size, store_dtype)
+        self.staging = StagingBuffers(staging_buffers, capacity, self.storage.fields(hidden_size))
         self.num_workers = num_workers
         self.crash_after = int(os.environ.get(CRASH_ENV, "0") or 0)
         self._saved_crc = _SAVE_CONFIG.compute_crc32 if _SAVE_CONFIG is not None else None
@@ -172,7 +175,7 @@ class Extractor:
     def _samples_written(self, indices: list[int], written_bytes: int) -> None:
         with self._lock:
             self._stats.samples_written += len(indices)
-            self._stats.files_written += len(indices) * len(SAMPLE_FILES)
+            self._stats.files_written += len(indices) * len(self.storage.files())
             self._stats.bytes_written += written_bytes
             self._written += len(indices)
             self._done.update(indices)
@@ -248,11 +251,11 @@ class Extractor:
         if bool(finite):
             return writes
         target = self.staging.tensors[buffer]
-        names = layer_names(self.aux_layers)
+        names = layer_names(self.aux_layers)[:3] + list(self.staging.names[3:])
         kept, found = [], {}
         for index, offset in writes:
             rows = slice(offset, offset + self.samples[index].num_tokens)
-            where = first_nonfinite([target[k, rows] for k in range(target.shape[0])], names)
+            where = first_nonfinite([field[rows].float() for field in target], names)
             if where is None:
                 kept.append((index, offset))
             else:
@@ -285,7 +288,7 @@ class Extractor:
         target = self.staging.tensors[buffer]
         events, keep_alive = [], []
         for k, tensor in enumerate(packed):
-            destination = target[k, :tensor.shape[0]]
+            destination = target[k][:tensor.shape[0]]
             if tensor.device.type != "cuda":
                 destination.copy_(tensor)
                 continue
@@ -313,9 +316,18 @@ class Extractor:
         for index, offset in writes:
             sample = self.samples[index]
             rows = slice(offset, offset + sample.num_tokens)
-            written = write_sample(self.output_dir, sample, [target[k, rows] for k in range(target.shape[0])])
+            written = write_sample(self.output_dir, sample, [field[rows] for field in target], self.staging.names)
             self._samples_written([index], written)
         self._free.put(buffer)
+
+    @property
+    def _plain(self) -> str:
+        """The key of the format stored as computed (aux and final in --dtype)."""
+        return StorageFormat(self.storage.dtype, "final", dtype=self.storage.dtype).key()
+
+    @staticmethod
+    def _lm_head(text: TextModel) -> torch.Tensor | None:
+        return getattr(text.lm_head, "weight", None)
 
     def written(self) -> set[int]:
         """Indices of the samples this Extractor has written so far (complete on disk)."""
@@ -342,7 +354,8 @@ class Extractor:
             for batch in batches:
                 self._check()
                 ids_cpu, flat_cpu = batch_inputs(self.samples, batch, pin=on_gpu)
-                select = TokenSelector(flat_cpu, self.store_dtype)
+                # the stored dtype, or as computed when the format encodes them (FP8, top-k) on the device
+                select = TokenSelector(flat_cpu, self.store_dtype if self.storage.key() == self._plain else None)
                 capture.arm(select)
                 writes, offset = [], 0  # (sample index, first row in the staging buffer)
                 for index in batch:
@@ -353,6 +366,8 @@ class Extractor:
                     final = run_base(text, ids_cpu.to(device, non_blocking=True))
                     packed = capture.take() + [select(final)]
                     finite = self._finite_flag(packed) if writes else None  # NaN/inf: checked before writing
+                    if writes and self.storage.key() != self._plain:
+                        packed = encode(self.storage, packed[:-1], packed[-1], self._lm_head(text))
                     if writes:  # (a resumed batch whose samples are all on disk needs no copy)
                         buffer = self._acquire_buffer()
                         events, keep_alive = self._copy_to_staging(buffer, packed)

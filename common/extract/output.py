@@ -11,6 +11,7 @@ from typing import Any, Sequence
 
 from common.cli.errors import UsageError
 from common.formats.hidden_states import INDEX_FILE, TMP_PREFIX, sample_problem
+from common.formats.storage import format_of_manifest
 from common.formats.manifest import MANIFEST
 from common.formats.prepared_data import Sample
 
@@ -107,6 +108,7 @@ def resume_key(manifest: dict[str, Any]) -> dict[str, Any]:
         "compute_dtype": manifest.get("compute_dtype"),
         "max_seq_len": (manifest.get("flags") or {}).get("max_seq_len"),
         "verifier": verifier,
+        "storage": format_of_manifest(manifest, "the manifest").key(),  # FP8 aux, top-k targets: other bytes
         "verifier_path": manifest.get("verifier_resolved_path"),
         "verifier_weights": (manifest.get("verifier_weights") or {}).get("tensors"),
         "prepared_data_sha256": ((manifest.get("inputs") or {}).get("prepared_data") or {}).get("sha256"),

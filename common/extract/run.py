@@ -2,6 +2,7 @@
 either backend, and the index and manifest at the end."""
 from __future__ import annotations
 
+import argparse
 import shutil
 import time
 from dataclasses import dataclass
@@ -18,8 +19,9 @@ from common.extract.output import (check_writable, owned_entries, remove_owned, 
 from common.extract.plan import padding_stats, plan_batches, rank_batches
 from common.formats.files import sha256_file
 from common.formats.hidden_states import (AUX_FILES, FINAL_CONVENTION, FINAL_FILE, FORMAT_VERSION, INDEX_FILE,
-    LAYER_CONVENTION, META_FILE, SAMPLE_FILES, SHARD_SIZE, STAGE, estimate_disk_bytes, human_bytes, write_index)
+    LAYER_CONVENTION, META_FILE, SHARD_SIZE, STAGE, estimate_disk_bytes, human_bytes, write_index)
 from common.formats.manifest import MANIFEST, Manifest, check_verifier_matches, load_manifest
+from common.formats.storage import format_of_args, format_of_manifest
 from common.formats.resume import earlier_manifest, refuse_other_settings, setting_differences
 from common.formats.prepared_data import Sample, read_prepared_data
 from common.verifier.capture import find_text_model
@@ -70,13 +72,17 @@ def verifier_resolved_path(model_path: str) -> str:
     return str(path.resolve()) if path.exists() else model_path
 
 
-def check_kept_sample(output_dir: Path, sample: Sample, hidden_size: int, dtype: str) -> None:
-    """--rebuild-manifest: one kept sample must have the shape and dtype these flags give, and the same tokens."""
+def check_kept_sample(output_dir: Path, sample: Sample, hidden_size: int, dtype: str, storage=None) -> None:
+    """--rebuild-manifest: one kept sample must have the shape, dtype and files these flags give, and the same
+    tokens."""
     folder = output_dir / sample.rel_path
     stored = torch.load(folder / AUX_FILES[0], map_location="cpu", weights_only=True, mmap=True)
     meta = torch.load(folder / META_FILE, map_location="cpu", weights_only=True)
     expected = (sample.num_tokens, hidden_size)
-    if tuple(stored.shape) != expected or stored.dtype != getattr(torch, dtype) or \
+    storage = storage or format_of_args(argparse.Namespace(dtype=dtype), 0)
+    aux_dtype = storage.fields(hidden_size)[0][2]
+    if tuple(stored.shape) != expected or stored.dtype != aux_dtype or \
+            any(not (folder / name).is_file() for name in storage.files()) or \
             not torch.equal(meta["input_ids"], sample.input_ids):
         raise UsageError(f"--rebuild-manifest: {folder} holds {tuple(stored.shape)} {stored.dtype} for other tokens or "
                          f"settings than these flags give ({expected} {dtype}); the samples there were not made with "
@@ -84,6 +90,7 @@ def check_kept_sample(output_dir: Path, sample: Sample, hidden_size: int, dtype:
 
 
 def build_manifest(args, info, upstream_dir: Path, data_sha, aux_layers, compute_dtype) -> Manifest:
+    storage = format_of_args(args, info.vocab_size)
     manifest = Manifest(args.output_dir, STAGE, {k: v for k, v in sorted(vars(args).items())})
     manifest.add_input("prepared_data", args.prepared_data, upstream_dir / MANIFEST)
     manifest.data["inputs"]["prepared_data"]["sha256"] = data_sha
@@ -100,7 +107,9 @@ def build_manifest(args, info, upstream_dir: Path, data_sha, aux_layers, compute
         "hidden_size": info.hidden_size,
         "dtype": args.dtype,
         "compute_dtype": compute_dtype,
-        "files": {"aux": list(AUX_FILES), "final": FINAL_FILE, "meta": META_FILE},
+        "storage": storage.describe(),
+        "files": {"aux": list(AUX_FILES), "final": FINAL_FILE, "meta": META_FILE} if storage.targets == "final"
+        and not storage.fp8 else {"sample": list(storage.files())},
         "tensor_shape": "[num_tokens, hidden_size]",
         "shard_size": SHARD_SIZE,
         "index": INDEX_FILE,
@@ -133,17 +142,19 @@ def check_existing_output(args, output_dir: Path, manifest: Manifest, log) -> di
 
 
 def check_disk(args, output_dir: Path, todo_tokens: int, todo_samples: int, info, log) -> int:
-    bytes_per_value = torch.empty(0, dtype=getattr(torch, args.dtype)).element_size()
-    needed = estimate_disk_bytes(todo_tokens, todo_samples, info.hidden_size, bytes_per_value)
+    storage = format_of_args(args, info.vocab_size)
+    needed = estimate_disk_bytes(todo_tokens, todo_samples, info.hidden_size, 0, storage)
     free = shutil.disk_usage(output_dir).free
     if args.overwrite:  # what --overwrite is about to delete will be free again
         free += sum(tree_bytes(p) for p in owned_entries(output_dir))
-    log.info("disk: this run writes about %s (%d tokens x 4 tensors x %d x %d bytes, plus metadata); %s free at "
-             "%s", human_bytes(needed), todo_tokens, info.hidden_size, bytes_per_value, human_bytes(free), output_dir)
+    log.info("disk: this run writes about %s (%d tokens x %d bytes: aux %s, targets %s; plus metadata); %s free at "
+             "%s", human_bytes(needed), todo_tokens, storage.bytes_per_token(info.hidden_size), storage.aux_dtype,
+             storage.targets, human_bytes(free), output_dir)
     if needed + DISK_MARGIN > free:
         message = (f"--output-dir {output_dir}: the run needs about {human_bytes(needed)} (+{human_bytes(DISK_MARGIN)} "
                    f"margin) but only {human_bytes(free)} is free. Free space, choose another --output-dir, "
-                   f"use fewer samples or --aux-layers on a smaller --dtype, or pass --allow-low-disk to try anyway")
+                   f"use fewer samples, --aux-dtype float8_e4m3 or --targets topk (smaller formats), or pass "
+                   f"--allow-low-disk to try anyway")
         if not args.allow_low_disk:
             raise UsageError(message)
         log.warning("%s (continuing: --allow-low-disk)", message)
@@ -164,7 +175,7 @@ def finish_output(output_dir: Path, samples, manifest: Manifest, summary: dict, 
                                         "loss_tokens": int(sum(int(s.loss_mask.sum()) for s in kept)),
                                         "skipped_nonfinite": len(skipped)})
     write_index(output_dir, samples, complete)
-    manifest.data["counts"]["files"] = len(complete) * len(SAMPLE_FILES)
+    manifest.data["counts"]["files"] = len(complete) * len(format_of_manifest(manifest.data, STAGE).files())
     manifest.data["last_run"] = summary
     manifest.complete()
     log.info("wrote %s and %s", output_dir / "index.jsonl", output_dir / MANIFEST)
@@ -198,7 +209,8 @@ def extract_hidden_states(args, inputs: ExtractionInputs, rank: distributed.Rank
     manifest.data["counts"] = dict(counts)
 
     if args.rebuild_manifest and complete:
-        check_kept_sample(output_dir, samples[min(complete)], info.hidden_size, args.dtype)
+        check_kept_sample(output_dir, samples[min(complete)], info.hidden_size, args.dtype,
+                          format_of_args(args, info.vocab_size))
     if (existing is not None or args.rebuild_manifest) and not todo_samples:
         if existing is not None and existing.get("status") == "complete":
             log.info("%s already holds all %d samples (%d tokens) extracted with these settings; nothing to do "
@@ -256,7 +268,8 @@ def extract_hidden_states(args, inputs: ExtractionInputs, rank: distributed.Rank
 
     # 5. Writers first (forked without a model), then the verifier, then the batches.
     with Extractor(output_dir, samples, batches, aux_layers, info.hidden_size, getattr(torch, args.dtype),
-                   args.num_workers, skip_nonfinite=args.skip_nonfinite) as extractor:
+                   args.num_workers, skip_nonfinite=args.skip_nonfinite,
+                   storage=format_of_args(args, info.vocab_size)) as extractor:
         device_map = choose_device_map(args.model_path, device, args.device_map)
         log.info("loading the verifier%s ...", " sharded over the visible GPUs" if device_map else f" on {device}")
         started = time.time()

@@ -82,22 +82,23 @@ def flush_to_disk(folder: Path, files: Sequence[Path]) -> None:
             os.fsync(handle.fileno())
 
 
-def stage_sample(output_dir: Path, sample: Sample, tensors: Sequence[torch.Tensor]) -> tuple[Path, list[Path], int]:
-    """Write aux_0..2, final, meta and the record of their sizes and checksums of one sample into its temporary
-    folder: (folder, files, bytes)."""
+def stage_sample(output_dir: Path, sample: Sample, tensors: Sequence[torch.Tensor],
+                 names: Sequence[str] = AUX_FILES + (FINAL_FILE,)) -> tuple[Path, list[Path], int]:
+    """Write the per-token tensors (`names`: aux_0..2 and final, or those of another storage format), meta and
+    the record of their sizes and checksums of one sample into its temporary folder: (folder, files, bytes)."""
     final_dir = output_dir / sample.rel_path
     tmp_dir = final_dir.parent / f"{TMP_PREFIX}{final_dir.name}_{os.getpid()}"
     if tmp_dir.exists():
         shutil.rmtree(tmp_dir)
     tmp_dir.mkdir(parents=True)
     files, written = [], 0
-    for name, tensor in zip(AUX_FILES + (FINAL_FILE,), tensors):
+    for name, tensor in zip(names, tensors, strict=True):
         torch.save(standalone(tensor), tmp_dir / name)
         files.append(tmp_dir / name)
         written += tensor.numel() * tensor.element_size()
     torch.save({"input_ids": sample.input_ids, "loss_mask": sample.loss_mask}, tmp_dir / META_FILE)
     files.append(tmp_dir / META_FILE)
-    record_files(tmp_dir)  # sizes and CRC32s, read back from the page cache: what a later check compares with
+    record_files(tmp_dir, [*names, META_FILE])  # sizes and CRC32s, read back from the page cache: what a later check compares with
     files.append(tmp_dir / RECORD_FILE)
     return tmp_dir, files, written + sample.num_tokens * META_BYTES_PER_TOKEN
 
@@ -107,50 +108,62 @@ def publish_sample(output_dir: Path, sample: Sample, tmp_dir: Path) -> None:
     os.replace(tmp_dir, output_dir / sample.rel_path)
 
 
-def write_samples(output_dir: Path, samples: Sequence[Sample], tensors: Sequence[Sequence[torch.Tensor]]) -> int:
+def write_samples(output_dir: Path, samples: Sequence[Sample], tensors: Sequence[Sequence[torch.Tensor]],
+                  names: Sequence[str] = AUX_FILES + (FINAL_FILE,)) -> int:
     """Write several samples durably and atomically; returns the bytes written."""
-    staged = [stage_sample(output_dir, sample, views) for sample, views in zip(samples, tensors)]
+    staged = [stage_sample(output_dir, sample, views, names) for sample, views in zip(samples, tensors)]
     flush_to_disk(output_dir, [path for _, files, _ in staged for path in files])
     for sample, (tmp_dir, _, _) in zip(samples, staged):
         publish_sample(output_dir, sample, tmp_dir)
     return sum(written for _, _, written in staged)
 
 
-def write_sample(output_dir: Path, sample: Sample, tensors: Sequence[torch.Tensor]) -> int:
+def write_sample(output_dir: Path, sample: Sample, tensors: Sequence[torch.Tensor],
+                 names: Sequence[str] = AUX_FILES + (FINAL_FILE,)) -> int:
     """Write one sample durably into a temp folder, then rename it into place."""
-    return write_samples(output_dir, [sample], [tensors])
+    return write_samples(output_dir, [sample], [tensors], names)
 
 
 class StagingBuffers:
-    """Host buffers [4, capacity, H] that batches are copied into and written from.
+    """Host buffers that batches are copied into and written from: per buffer one tensor [capacity, *row] per
+    field (file) of the storage format, e.g. 4 x [capacity, H] for bf16 aux + final.
 
     They live in an anonymous shared mapping (inherited by the forked writer processes, no /dev/shm needed)
     and, on a GPU run, are page-locked with cudaHostRegister so device-to-host copies run asynchronously.
     """
 
-    def __init__(self, count: int, capacity_tokens: int, hidden_size: int, dtype: torch.dtype):
-        self.shape = (len(AUX_FILES) + 1, max(1, capacity_tokens), hidden_size)
-        self.dtype = dtype
-        nbytes = self.shape[0] * self.shape[1] * self.shape[2] * torch.empty(0, dtype=dtype).element_size()
+    def __init__(self, count: int, capacity_tokens: int, fields: Sequence[tuple[str, tuple[int, ...], torch.dtype]]):
+        self.capacity = max(1, capacity_tokens)
+        self.fields = [(name, tuple(row), dtype) for name, row, dtype in fields]
+        self.names = tuple(name for name, _, _ in self.fields)
+        self.sizes = [self.capacity * int(torch.Size(row).numel()) * torch.empty(0, dtype=dtype).element_size()
+                      for _, row, dtype in self.fields]
+        self.offsets, end = [], 0
+        for size in self.sizes:  # each field starts 64-byte aligned
+            self.offsets.append((end + 63) // 64 * 64)
+            end = self.offsets[-1] + size
+        nbytes = self.offsets[-1] + self.sizes[-1]
         self.maps = [mmap.mmap(-1, nbytes, flags=mmap.MAP_SHARED) for _ in range(count)]
         self.nbytes = nbytes
         self.tensors = [self.view(m) for m in self.maps]
         self.registered: list[int] = []
 
-    def view(self, mapping: mmap.mmap) -> torch.Tensor:
-        return torch.frombuffer(mapping, dtype=torch.uint8).view(self.dtype).view(self.shape)
+    def view(self, mapping: mmap.mmap) -> list[torch.Tensor]:
+        raw = torch.frombuffer(mapping, dtype=torch.uint8)
+        return [raw[start:start + size].view(dtype).view(self.capacity, *row)
+                for start, size, (_, row, dtype) in zip(self.offsets, self.sizes, self.fields)]
 
     def pin(self) -> bool:
         """Page-lock the buffers for asynchronous GPU copies; False (and a warning) when the driver refuses."""
         cudart = torch.cuda.cudart()
         for tensor in self.tensors:
             # Portable: page-locked for every GPU's context, as a sharded verifier copies from several.
-            code = int(cudart.cudaHostRegister(tensor.data_ptr(), self.nbytes, 1))
+            code = int(cudart.cudaHostRegister(tensor[0].data_ptr(), self.nbytes, 1))
             if code != 0:
                 log().warning("could not page-lock the staging buffers (cudaHostRegister error %d): device-to-host "
                               "copies will be synchronous and slower", code)
                 return False
-            self.registered.append(tensor.data_ptr())
+            self.registered.append(tensor[0].data_ptr())
         return True
 
     def close(self) -> None:
@@ -182,9 +195,8 @@ def _writer_process(output_dir: str, samples: Sequence[Sample], staging: Staging
         index = chunk[0][0]
         try:
             staging_rows = buffers[buffer]
-            views = [[staging_rows[k, offset:offset + samples[i].num_tokens] for k in range(staging_rows.shape[0])]
-                     for i, offset in chunk]
-            written = write_samples(folder, [samples[i] for i, _ in chunk], views)
+            views = [[field[offset:offset + samples[i].num_tokens] for field in staging_rows] for i, offset in chunk]
+            written = write_samples(folder, [samples[i] for i, _ in chunk], views, staging.names)
             results.put(("done", buffer, [index for index, _ in chunk], written))
         except BaseException:  # noqa: BLE001 - reported to the parent, which stops the stage
             results.put(("error", buffer, index, traceback.format_exc()))

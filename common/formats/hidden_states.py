@@ -14,6 +14,7 @@ import torch
 from common.cli.errors import StageFailure, UsageError
 from common.formats.files import crc32_file, read_json, write_json_atomic, write_text_atomic
 from common.formats.manifest import load_manifest
+from common.formats.storage import AUX_SCALE_FILE, TOPK_IDS_FILE, TOPK_LOGPROBS_FILE, StorageFormat, format_of_manifest
 
 if TYPE_CHECKING:
     from common.formats.prepared_data import Sample
@@ -74,6 +75,15 @@ def read_record(folder: Path) -> dict[str, dict[str, int]] | None:
     return record if isinstance(record, dict) else None
 
 
+def _expected_files(sizes: dict[str, int], folder: Path) -> Sequence[str]:
+    """The files a sample folder must hold: those its record lists (the record is written last, so it names the
+    files of the sample's storage format), else the bf16 + final files of samples written before records."""
+    record = read_record(folder) if RECORD_FILE in sizes else None
+    if record:
+        return [name for name in record if name.endswith(".pt")] or SAMPLE_FILES
+    return SAMPLE_FILES
+
+
 def sample_problem(folder: Path) -> str | None:
     """Why the sample in `folder` is not whole (a file missing, empty, unreadable, or of another size than
     recorded), or None. Cheap: sizes only, no file is read but the record."""
@@ -87,10 +97,11 @@ def sample_problem(folder: Path) -> str | None:
             return "found damaged by --verify: " + (folder / DAMAGED_MARK).read_text().strip()
         except OSError:
             return "found damaged by --verify"
-    missing = [name for name in SAMPLE_FILES if name not in sizes]
+    names = _expected_files(sizes, folder)
+    missing = [name for name in names if name not in sizes]
     if missing:
         return f"{', '.join(missing)} missing"
-    empty = [name for name in SAMPLE_FILES if sizes[name] == 0]
+    empty = [name for name in names if sizes[name] == 0]
     if empty:  # files are not fsynced one by one: after a power loss a renamed folder can hold empty files
         return f"{', '.join(empty)} empty"
     if RECORD_FILE not in sizes:
@@ -98,7 +109,7 @@ def sample_problem(folder: Path) -> str | None:
     record = read_record(folder)
     if record is None:
         return f"{RECORD_FILE} unreadable"
-    for name in SAMPLE_FILES:
+    for name in names:
         expected = (record.get(name) or {}).get("bytes")
         if expected != sizes[name]:
             return f"{name} is {sizes[name]} bytes, {expected} were written"
@@ -118,7 +129,7 @@ def verify_sample(folder: Path) -> list[str]:
     if record is None:  # written before records existed: the size check above is all there is
         return []
     problems = []
-    for name in SAMPLE_FILES:
+    for name in record:
         try:
             found = crc32_file(folder / name)
         except OSError as err:
@@ -168,10 +179,17 @@ _PER_SAMPLE_OVERHEAD = len(SAMPLE_FILES) * _PER_FILE_OVERHEAD + 4096
 META_BYTES_PER_TOKEN = 8 + 1
 
 
-def estimate_disk_bytes(num_tokens: int, num_samples: int, hidden_size: int, bytes_per_value: int) -> int:
-    """Bytes the output will take: tokens x 4 tensors x hidden x bytes per value, plus metadata and overheads."""
-    per_token = len(AUX_FILES + (FINAL_FILE,)) * hidden_size * bytes_per_value + META_BYTES_PER_TOKEN
-    return num_tokens * per_token + num_samples * _PER_SAMPLE_OVERHEAD
+def estimate_disk_bytes(num_tokens: int, num_samples: int, hidden_size: int, bytes_per_value: int,
+                        fmt: StorageFormat | None = None) -> int:
+    """Bytes the output will take: tokens x the format's bytes per token (bf16 + final: 4 tensors x hidden x
+    bytes per value), plus metadata and overheads."""
+    if fmt is None:
+        per_token = len(AUX_FILES + (FINAL_FILE,)) * hidden_size * bytes_per_value
+        files = len(SAMPLE_FILES)
+    else:
+        per_token, files = fmt.bytes_per_token(hidden_size), len(fmt.files())
+    per_sample = files * _PER_FILE_OVERHEAD + 4096
+    return num_tokens * (per_token + META_BYTES_PER_TOKEN) + num_samples * per_sample
 
 
 def human_bytes(n: float) -> str:
@@ -188,9 +206,11 @@ def open_hidden_states(data_dir: str | os.PathLike, require_complete: bool = Tru
     """(manifest, index entries) of a stage-02 output; refuses an unfinished or foreign folder.
 
     Each entry is {"id", "path", "num_tokens", "loss_tokens"}; `path` is relative to data_dir.
-    manifest["aux_layers"], ["hidden_size"], ["dtype"] and ["verifier"] describe the tensors.
+    manifest["aux_layers"], ["hidden_size"], ["dtype"], ["storage"] and ["verifier"] describe the tensors.
+    A storage format this code does not know is refused (common.formats.storage.format_of_manifest).
     """
     manifest = load_manifest(data_dir, STAGE, "--data-dir", require_complete=require_complete)
+    format_of_manifest(manifest, f"--data-dir {data_dir}")
     index = Path(data_dir) / manifest.get("index", INDEX_FILE)
     if not index.exists():
         raise UsageError(f"--data-dir {data_dir}: no {index.name}; rerun {STAGE}.py")
@@ -206,9 +226,10 @@ def rerun_command(data_dir: str | os.PathLike) -> str:
     except (OSError, ValueError):
         flags = {}
     words = [f"python {STAGE}.py", f"--output-dir {data_dir}"]
-    for name in ("model_path", "prepared_data", "aux_layers", "dtype", "max_seq_len", "backend"):
+    defaults = {"aux_dtype": "bfloat16", "targets": "final", "target_topk": 64}  # the storage format, when not these
+    for name in ("model_path", "prepared_data", "aux_layers", "dtype", "max_seq_len", "backend", *defaults):
         value = flags.get(name)
-        if value not in (None, ""):
+        if value not in (None, "", defaults.get(name)):
             value = ",".join(map(str, value)) if isinstance(value, list) else value
             words.append(f"--{name.replace('_', '-')} {value}")
     return " ".join(words)
@@ -222,8 +243,10 @@ def repair_command(data_dir: str | os.PathLike) -> str:
 
 def load_sample(data_dir: str | os.PathLike, entry: dict, mmap: bool = False) -> dict[str, torch.Tensor]:
     """One sample: aux [S, 3H] (aux_0 | aux_1 | aux_2 along the last dim), final [S, H], input_ids int64 [S],
-    loss_mask uint8 [S]. Tensors keep the stored dtype (manifest["dtype"]). A file that cannot be read stops
-    with a StageFailure naming the sample, the file and the repair command."""
+    loss_mask uint8 [S]. Tensors keep the stored dtype (manifest["storage"]): FP8 aux come with aux_scale
+    float32 [S, 3] (common.formats.storage.dequantize_batch decodes them on the device), and top-k targets
+    are topk_ids [S, K] and topk_logprobs [S, K] instead of final. A file that cannot be read stops with a
+    StageFailure naming the sample, the file and the repair command."""
     folder = Path(data_dir) / entry["path"]
 
     def read(name: str):
@@ -236,4 +259,12 @@ def load_sample(data_dir: str | os.PathLike, entry: dict, mmap: bool = False) ->
 
     aux = torch.cat([read(name) for name in AUX_FILES], dim=-1)
     meta = read(META_FILE)
-    return {"aux": aux, "final": read(FINAL_FILE), "input_ids": meta["input_ids"], "loss_mask": meta["loss_mask"]}
+    sample = {"aux": aux, "input_ids": meta["input_ids"], "loss_mask": meta["loss_mask"]}
+    # The format shows in the files (a run directory holds one format: stage 02 refuses to mix them).
+    if aux.dtype == torch.float8_e4m3fn:
+        sample["aux_scale"] = read(AUX_SCALE_FILE)
+    if (folder / TOPK_IDS_FILE).exists():
+        sample["topk_ids"], sample["topk_logprobs"] = read(TOPK_IDS_FILE), read(TOPK_LOGPROBS_FILE)
+    else:
+        sample["final"] = read(FINAL_FILE)
+    return sample

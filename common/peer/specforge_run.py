@@ -44,6 +44,11 @@ def plan_run(run_dir: Path, checkpoints_dir: Path, overrides: dict, device_type:
         if not (folder / MANIFEST).is_file():
             raise UsageError(f"--run-dir {run_dir}: no {folder.name}/{MANIFEST}; run {stage} on it first")
     data_manifest, entries = open_hidden_states(data_dir)
+    if (data_manifest.get("storage") or {}).get("targets", "final") != "final" or \
+            (data_manifest.get("storage") or {}).get("aux_dtype") == "float8_e4m3":
+        raise UsageError(f"--run-dir {run_dir}: its hidden states are stored as "
+                         f"{data_manifest['storage']['aux_dtype']} aux with {data_manifest['storage']['targets']} "
+                         f"targets; SpecForge's recipe reads bf16 aux and final only (stage 02's default format)")
     entries = [e for e in entries if int(e.get("loss_tokens", 1)) > 0]  # as stage 04 keeps them
     mapping = load_mapping(run_dir / "vocab")
     values = {"epochs": SPECFORGE_DEFAULTS["epochs"], "lr": SPECFORGE_DEFAULTS["lr"],

@@ -98,7 +98,8 @@ class HiddenStateDataset(Dataset):
         from common.formats.hidden_states import load_sample
 
         sample = load_sample(self.data_dir, self.entries[position])
-        return {key: sample[key][: self.max_seq_len] for key in ("input_ids", "loss_mask", "aux", "final")}
+        # aux and final, or FP8 aux with aux_scale, or top-k targets (common.formats.storage)
+        return {key: value[: self.max_seq_len] for key, value in sample.items()}
 
 
 def collate(samples: Sequence[dict[str, torch.Tensor]], pad_to: int = 1) -> dict[str, torch.Tensor]:
@@ -112,17 +113,19 @@ def collate(samples: Sequence[dict[str, torch.Tensor]], pad_to: int = 1) -> dict
         "input_ids": torch.zeros(count, longest, dtype=torch.long),
         "loss_mask": torch.zeros(count, longest, dtype=torch.long),
         "attention_mask": torch.zeros(count, longest, dtype=torch.long),
-        # Kept in the stored dtype (bf16): the cast to float32 happens on the device, halving transfers.
-        "aux": torch.zeros(count, longest, first["aux"].shape[-1], dtype=first["aux"].dtype),
-        "final": torch.zeros(count, longest, first["final"].shape[-1], dtype=first["final"].dtype),
     }
+    # The per-token tensors (aux, final, or aux_scale, topk_ids, topk_logprobs) stay in the stored dtype (bf16,
+    # FP8): they are decoded on the device, which keeps the transfers small.
+    stored = [key for key in first if key not in batch]
+    for key in stored:
+        batch[key] = torch.zeros(count, longest, *first[key].shape[1:], dtype=first[key].dtype)
     for row, sample in enumerate(samples):
         length = int(sample["input_ids"].shape[0])
         batch["input_ids"][row, :length] = sample["input_ids"]
         batch["loss_mask"][row, :length] = sample["loss_mask"].to(torch.long)
         batch["attention_mask"][row, :length] = 1
-        batch["aux"][row, :length] = sample["aux"]
-        batch["final"][row, :length] = sample["final"]
+        for key in stored:
+            batch[key][row, :length] = sample[key]
     return batch
 
 
@@ -139,6 +142,9 @@ def make_loader(dataset: Dataset, batches: Sequence[list[int]], num_workers: int
 
 
 def to_device(batch: dict[str, torch.Tensor], device: torch.device | str) -> dict[str, torch.Tensor]:
-    """Move a batch to the device, hidden states in their stored dtype (the drafter casts them itself)."""
+    """Move a batch to the device, hidden states in their stored dtype (the drafter casts them itself); FP8
+    aux are decoded there, to bfloat16."""
+    from common.formats.storage import dequantize_batch
+
     non_blocking = torch.device(device).type == "cuda"
-    return {key: value.to(device, non_blocking=non_blocking) for key, value in batch.items()}
+    return dequantize_batch({key: value.to(device, non_blocking=non_blocking) for key, value in batch.items()})

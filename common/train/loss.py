@@ -6,6 +6,7 @@ from typing import TYPE_CHECKING
 import torch
 from torch import Tensor
 
+from common.formats.storage import topk_target_distribution
 from common.model.kernels import CompiledOnCuda, upcast
 
 if TYPE_CHECKING:
@@ -184,7 +185,8 @@ def ttt_loss(model: Eagle3Drafter, batch: dict, verifier_lm_head: Tensor, ttt_st
     """Training-time-test loss of one batch.
 
     batch: input_ids Long[B,S], loss_mask [B,S], attention_mask [B,S] (1 valid, 0 right padding),
-    aux [B,S,3H], final [B,S,H]. At step j, position t predicts token t+2+j: its target is the verifier's
+    aux [B,S,3H], and final [B,S,H] or top-k targets topk_ids/topk_logprobs [B,S,K] (stage 02 --targets topk:
+    the target is then the kept draft tokens renormalised, see topk_target_distribution). At step j, position t predicts token t+2+j: its target is the verifier's
     distribution softmax(final[t+1+j] @ lm_head[draft ids].T) over the draft vocabulary; it counts only if
     token t+2+j is a real, loss-masked token and the verifier's full-vocabulary argmax at t+1+j is a draft
     token. Loss = sum_j decay**j * mean soft-CE_j. Metrics (detached, per step): loss_sum, correct, count.
@@ -196,8 +198,12 @@ def ttt_loss(model: Eagle3Drafter, batch: dict, verifier_lm_head: Tensor, ttt_st
     if batch.get("attention_mask") is not None:
         loss_mask = loss_mask & batch["attention_mask"].to(device=device, dtype=torch.bool)
     with torch.autocast(device_type=device.type, enabled=False):
-        targets = target_distribution(batch["final"], verifier_lm_head, model.draft_token_ids(), model.t2d,
-                                      draft_ids_cpu=model.draft_token_ids_cpu())
+        if "topk_ids" in batch:
+            targets = topk_target_distribution(batch["topk_ids"], batch["topk_logprobs"], model.t2d.to(device),
+                                               model.draft_token_ids().numel())
+        else:
+            targets = target_distribution(batch["final"], verifier_lm_head, model.draft_token_ids(), model.t2d,
+                                          draft_ids_cpu=model.draft_token_ids_cpu())
         # row t of step j is valid when token t+2+j is a loss token and the target at t+1+j is in-vocab
         label_ok = loss_mask[:, 1:] & targets["in_draft"][:, :-1]  # index u = t+1+j, u in [0, S-1)
         zero = torch.zeros((), device=device)
@@ -222,6 +228,9 @@ def ttt_loss(model: Eagle3Drafter, batch: dict, verifier_lm_head: Tensor, ttt_st
             loss = loss + 0.0 * prenorm.float().sum()
     metrics = {"loss_sum": torch.stack(loss_sums).float(), "correct": torch.stack(corrects).float(),
                "count": torch.stack(counts).float()}
+    if "missing_mass" in targets:  # top-k targets: the verifier's probability they leave out, over loss tokens
+        metrics["missing_mass_sum"] = (targets["missing_mass"] * loss_mask).sum().float().reshape(1)
+        metrics["missing_mass_count"] = loss_mask.sum().float().reshape(1)
     return loss, metrics
 
 

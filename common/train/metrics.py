@@ -17,7 +17,8 @@ METRICS_FILE = "metrics.jsonl"
 
 def add_sums(total: dict[str, torch.Tensor] | None, metrics: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """`total` plus one batch's per-TTT-step loss_sum/correct/count (float64, still on the device)."""
-    parts = {key: metrics[key].detach().double() for key in ("loss_sum", "correct", "count")}
+    parts = {key: metrics[key].detach().double() for key in ("loss_sum", "correct", "count", "missing_mass_sum",
+                                                             "missing_mass_count") if key in metrics}
     if total is None:
         return parts
     return {key: total[key] + parts[key] for key in parts}
@@ -42,6 +43,9 @@ def summarize(sums: dict[str, torch.Tensor] | None, decay: float) -> dict[str, A
         "count_per_step": [int(x) for x in count.tolist()],
         "sim_accept_len": float(simulated_acceptance_length(acc_per_step)),
         "tokens": int(count[0].item()) if len(count) else 0,
+        # top-k targets: the verifier's probability mass the stored tokens leave out (mean over loss tokens)
+        **({"target_missing_mass": round(float(sums["missing_mass_sum"].sum() / sums["missing_mass_count"].sum()
+                                               .clamp(min=1)), 6)} if "missing_mass_sum" in sums else {}),
     }
 
 
@@ -135,6 +139,7 @@ class MetricsWindow:
             "loss_per_step": summary["loss_per_step"],
             "acc_per_step": summary["acc_per_step"],
             "sim_accept_len": summary["sim_accept_len"],
+            **{key: summary[key] for key in ("target_missing_mass",) if key in summary},
             "grad_norm": float(self.grad_norm) / max(self.steps, 1),
             "lr": self.lr,
             "tokens": tokens,

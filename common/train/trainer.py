@@ -188,7 +188,8 @@ class Trainer:
         entries = self.train_set.entries
         ids = [entries[p]["id"] for batch in positions for p in batch]
         bad = [entries[p]["id"] for batch, micro in zip(positions, group) for row, p in enumerate(batch)
-               if not all(bool(torch.isfinite(micro[key][row]).all()) for key in ("aux", "final"))]
+               if not all(bool(torch.isfinite(micro[key][row].float()).all())
+                          for key in ("aux", "final", "aux_scale", "topk_logprobs") if key in micro)]
         if bad:
             return (f"Samples with NaN/inf in their stored hidden states: {', '.join(map(repr, bad[:20]))}; the "
                     f"verifier produced them (check its weights and dtype), and stage 02 now refuses such samples: "

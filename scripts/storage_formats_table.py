@@ -1,0 +1,107 @@
+#!/usr/bin/env python3
+"""The table of scripts/gpu_storage_formats.sh: per stage-02 storage format, the bytes per token (computed from
+the format, written by stage 02, and on disk from the sample records), stage 02 and stage 04 tokens/s, the chain
+tau of stage 05 --tau-only, the teacher-forced agreement, and the top-k targets' missing mass.
+
+  python3 scripts/storage_formats_table.py RUN_ROOT OUT VARIANT...   (writes OUT/storage_formats.{json,md})
+"""
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from common.formats.storage import format_of_manifest  # noqa: E402
+
+
+def read(path: Path) -> dict:
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError):
+        return {}
+
+
+def lines(path: Path) -> list[dict]:
+    try:
+        return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    except (OSError, ValueError):
+        return []
+
+
+def one_report(folder: Path, prefix: str) -> dict:
+    found = sorted(folder.glob(f"{prefix}*.json"))
+    return read(found[-1]) if found else {}
+
+
+def variant_row(run: Path, name: str) -> dict:
+    row: dict = {"variant": name}
+    manifest = read(run / "hidden_states" / "manifest.json")
+    if manifest:
+        fmt = format_of_manifest(manifest, name)
+        last = manifest.get("last_run") or {}
+        tokens = (manifest.get("counts") or {}).get("tokens") or 0
+        on_disk = sum(sum(f["bytes"] for f in (entry.get("files") or {}).values())
+                      for entry in lines(run / "hidden_states" / "index.jsonl"))
+        row.update({"format": fmt.key(), "bytes_per_token_computed": fmt.bytes_per_token(manifest["hidden_size"]),
+                    "bytes_per_token_written": round(last["bytes_written"] / last["tokens_written"], 1)
+                    if last.get("tokens_written") else None,
+                    "bytes_per_token_on_disk": round(on_disk / tokens, 1) if tokens and on_disk else None,
+                    "stage02_tokens_per_s": last.get("tokens_per_s")})
+    metrics = lines(run / "checkpoints" / "metrics.jsonl")
+    train = [r["tokens_per_s"] for r in metrics if r.get("kind") == "train" and r.get("tokens_per_s")]
+    evals = [r for r in metrics if r.get("kind") == "eval"]
+    if train:  # the first window holds the warm-up (compilation, first loads)
+        steady = train[1:] or train
+        row["stage04_tokens_per_s"] = round(sum(steady) / len(steady), 1)
+    if evals:
+        row["val_sim_accept_len"] = round(evals[-1]["sim_accept_len"], 4)
+        row["target_missing_mass"] = evals[-1].get("target_missing_mass")
+    chain = one_report(run / "bench_chain", "bench_offline")
+    if chain:
+        row["chain_tau"] = round(chain["overall"]["tau"], 4)
+    teacher = one_report(run / "bench_eval", "bench_eval")
+    if teacher:
+        row["eval_acc_per_step"] = teacher["metrics"]["acc_per_step"]
+    return row
+
+
+COLUMNS = [("variant", "variant"), ("format", "format"), ("bytes_per_token_computed", "bytes/token (format)"),
+           ("bytes_per_token_on_disk", "bytes/token (on disk)"), ("stage02_tokens_per_s", "stage 02 tok/s"),
+           ("stage04_tokens_per_s", "stage 04 tok/s"), ("chain_tau", "chain tau 3/1/4"),
+           ("val_sim_accept_len", "val simulated tau"), ("eval_acc_per_step", "teacher-forced top-1 per step"),
+           ("target_missing_mass", "top-k missing mass")]
+
+
+def cell(value) -> str:
+    if value is None:
+        return "-"
+    if isinstance(value, list):
+        return " ".join(f"{v:.3f}" for v in value)
+    return f"{value:.3f}" if isinstance(value, float) and value < 100 else str(value)
+
+
+def main(argv: list[str]) -> int:
+    if len(argv) < 3:
+        print(__doc__, file=sys.stderr)
+        return 2
+    root, out = Path(argv[0]), Path(argv[1])
+    rows = [variant_row(root / name, name) for name in argv[2:]]
+    base = next((r for r in rows if r.get("bytes_per_token_computed") and r["variant"] == argv[2]), None)
+    for row in rows:  # relative to the first variant (bf16 + final, the default)
+        if base and row.get("bytes_per_token_computed"):
+            row["bytes_vs_first"] = round(row["bytes_per_token_computed"] / base["bytes_per_token_computed"], 3)
+        if base and row.get("chain_tau") and base.get("chain_tau"):
+            row["chain_tau_vs_first"] = round(row["chain_tau"] / base["chain_tau"], 4)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "storage_formats.json").write_text(json.dumps(rows, indent=2) + "\n")
+    columns = COLUMNS + [("bytes_vs_first", "bytes vs first"), ("chain_tau_vs_first", "tau vs first")]
+    table = ["| " + " | ".join(title for _, title in columns) + " |", "|" + "---|" * len(columns)]
+    table += ["| " + " | ".join(cell(row.get(key)) for key, _ in columns) + " |" for row in rows]
+    (out / "storage_formats.md").write_text("\n".join(table) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
