@@ -1,4 +1,4 @@
-"""FP8 training GEMMs (common/kernels.py, stage 04's --fp8), run on the CPU, whose torch._scaled_mm computes
+"""FP8 training GEMMs (common/model/kernels.py, stage 04's --fp8), run on the CPU, whose torch._scaled_mm computes
 the same FP8 products as the GPU's tensor cores (slowly).
 
 FP8 is approximate by design: the checks are that each product stays within FP8's rounding of the exact
