@@ -105,8 +105,7 @@ def test_status_of_a_folder_that_holds_no_run_says_so(tmp_path):
 
 
 def test_status_of_stage_04_reads_its_metrics_in_words(tmp_path):
-    sys.path.insert(0, str(REPO))
-    import run_pipeline as runner
+    from common.cli.run_status import training_progress
 
     metrics = tmp_path / "metrics.jsonl"
     long_list = [round(0.1 * j, 6) for j in range(40)]  # a line far longer than a status line
@@ -116,6 +115,6 @@ def test_status_of_stage_04_reads_its_metrics_in_words(tmp_path):
         + json.dumps({"kind": "eval", "step": 10, "epoch": 0, "loss": 2.75, "sim_accept_len": 1.5}) + "\n"
         + json.dumps({"kind": "train", "step": 20, "epoch": 1, "loss": 2.25, "acc_per_step": long_list,
                       "sim_accept_len": 2.0}) + "\n" + '{"kind": "train", "st')  # a line being written
-    line = runner.training_progress(metrics)
+    line = training_progress(metrics)
     assert line == ("train step 20 (epoch 1): loss 2.2500, simulated tau 2.00; "
                     "validation step 10 (epoch 0): loss 2.7500, simulated tau 1.50")

@@ -1,0 +1,80 @@
+"""`run_pipeline.py --status`: each stage's state in a run directory, with live progress read from the artifacts."""
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+from common.cli.errors import USAGE_ERROR
+from common.cli.flags import RUN_LAYOUT
+from common.cli.pipeline import STAGES, output_manifest
+
+
+def print_status(run_dir: Path) -> int:
+    """Each stage's state; exit code 2 when the folder does not exist or holds no run."""
+    if not run_dir.is_dir():
+        sys.stderr.write(f"run_pipeline: no run directory at {run_dir} (nothing has run there yet; "
+                         f"check the path)\n")
+        return USAGE_ERROR
+    if not any(output_manifest(run_dir, stage) for stage in STAGES) and not (run_dir / "logs").is_dir():
+        sys.stderr.write(f"run_pipeline: {run_dir} holds no run (no stage manifest, no logs/ folder); "
+                         f"check the path\n")
+        return USAGE_ERROR
+    print(f"run directory {run_dir}")
+    for stage in STAGES:
+        manifest = output_manifest(run_dir, stage)
+        state = "not started" if manifest is None else manifest.get("status", "?")
+        line = f"  {stage:<26} {state:<12}"
+        if manifest:
+            counts = manifest.get("counts", {})
+            line += " " + ", ".join(f"{k} {v}" for k, v in list(counts.items())[:4])
+            if "wall_time_s" in manifest:
+                line += f"; {manifest['wall_time_s']:.0f} s"
+            if stage == "02_extract_hidden_states":  # its storage format (older runs: aux in --dtype, final)
+                storage = manifest.get("storage") or {}
+                topk = f"top-{storage['target_topk']}" if storage.get("targets") == "topk" else "final"
+                line += f"; aux {storage.get('aux_dtype', manifest.get('dtype'))}, targets {topk}"
+        progress = stage_progress(run_dir, stage)
+        if progress:
+            line += f"; {progress}"
+        print(line)
+    print(f"logs: {run_dir / 'logs'}")
+    return 0
+
+
+def stage_progress(run_dir: Path, stage: str) -> str:
+    """A live progress figure read from the artifacts, for stages that are running."""
+    folder = run_dir / RUN_LAYOUT[stage]
+    if stage == "02_extract_hidden_states":
+        index = folder / "index.jsonl"
+        data = output_manifest(run_dir, "01_prepare_data") or {}
+        total = data.get("counts", {}).get("samples")
+        written = sum(1 for _ in index.open()) if index.exists() else 0
+        return f"{written}/{total} samples indexed" if total else ""
+    if stage == "04_train":
+        return training_progress(folder / "metrics.jsonl")
+    return ""
+
+
+def training_progress(metrics: Path) -> str:
+    """The last training and validation lines of metrics.jsonl, in words (whole numbers, never cut mid-JSON)."""
+    last = {}
+    try:
+        lines = metrics.read_text().splitlines()
+    except OSError:
+        return ""
+    for line in lines:
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError:  # the line being written right now
+            continue
+        last[record.get("kind")] = record
+    parts = []
+    for kind, name in (("train", "train"), ("eval", "validation")):
+        record = last.get(kind)
+        if record:
+            text = f"{name} step {record.get('step')} (epoch {record.get('epoch')}): loss {record.get('loss', 0):.4f}"
+            if isinstance(record.get("sim_accept_len"), (int, float)):
+                text += f", simulated tau {record['sim_accept_len']:.2f}"
+            parts.append(text)
+    return "; ".join(parts)
