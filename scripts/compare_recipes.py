@@ -93,13 +93,16 @@ def bench_output(args, drafter: str, prompt_set: str) -> Path:
 
 
 def bench_result(folder: Path) -> dict | None:
-    found = sorted(folder.glob("bench_offline_*tau*.json")) if folder.is_dir() else []
-    return json.loads(found[-1].read_text()) if found else None
+    from common.bench.report import read_reports
+
+    found = [results for path, results in read_reports(folder, "bench_offline_") if "_tau" in path.stem]
+    return found[-1] if found else None
 
 
 def eval_result(folder: Path) -> dict | None:
-    found = sorted(folder.glob("bench_eval_*.json")) if folder.is_dir() else []
-    return json.loads(found[-1].read_text()) if found else None
+    from common.bench.report import latest_report
+
+    return latest_report(folder, "bench_eval_")
 
 
 def bench(args) -> None:

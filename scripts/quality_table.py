@@ -9,10 +9,13 @@ step (--mode eval), the training wall times, and the ratios of ours to SpecForge
 """
 from __future__ import annotations
 
-import json
 import re
 import sys
 from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from common.bench.report import read_reports  # noqa: E402
 
 
 def fmt(value, digits: int = 2) -> str:
@@ -34,9 +37,10 @@ def offline_row(name: str, report: dict) -> list[str]:
 
 
 def reports(run: Path):
-    for path in sorted(run.glob("bench_*/bench_*.json")):
-        name = path.parent.name.removeprefix("bench_")
-        yield name, path, json.loads(path.read_text())
+    """(drafter name, report path, results) for every report in RUN/bench_NAME/ folders."""
+    for folder in sorted(run.glob("bench_*/")):
+        for path, results in read_reports(folder):
+            yield folder.name.removeprefix("bench_"), path, results
 
 
 def main(argv: list[str]) -> int:

@@ -13,6 +13,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from common.bench.report import latest_report  # noqa: E402
 from common.formats.storage import format_of_manifest  # noqa: E402
 
 
@@ -31,8 +32,7 @@ def lines(path: Path) -> list[dict]:
 
 
 def one_report(folder: Path, prefix: str) -> dict:
-    found = sorted(folder.glob(f"{prefix}*.json"))
-    return read(found[-1]) if found else {}
+    return latest_report(folder, prefix) or {}
 
 
 def variant_row(run: Path, name: str) -> dict:

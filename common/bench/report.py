@@ -280,16 +280,28 @@ def index_row(path: Path, results: dict[str, Any]) -> tuple:
             settings.get("draft_checkpoint") or "-", prompt_text, setting, tau, speedup, dtype)
 
 
+def read_reports(folder: str | Path, prefix: str = "bench_") -> list[tuple[Path, dict[str, Any]]]:
+    """Every report (PREFIX*.json) in a benchmark folder with its results, oldest first; none when it is absent."""
+    found = []
+    for path in Path(folder).glob(f"{prefix}*.json") if Path(folder).is_dir() else []:
+        try:
+            found.append((path, read_json(path)))
+        except (OSError, ValueError):
+            continue  # a report being replaced right now
+    return sorted(found, key=lambda item: (item[1].get("created_at", ""), item[0].stat().st_mtime))
+
+
+def latest_report(folder: str | Path, prefix: str = "bench_") -> dict[str, Any] | None:
+    """The newest report whose name starts with `prefix` (e.g. bench_eval_), or None."""
+    found = read_reports(folder, prefix)
+    return found[-1][1] if found else None
+
+
 def write_index(output_dir: str | Path) -> Path:
     """README.md in the benchmark folder: every report there (bench_*.json), newest first."""
     output_dir = Path(output_dir)
-    rows = []
-    for path in output_dir.glob("bench_*.json"):
-        try:
-            results = read_json(path)
-        except (OSError, ValueError):
-            continue  # a report being replaced right now
-        rows.append((results.get("created_at", ""), path.stat().st_mtime, index_row(path, results)))
+    rows = [(results.get("created_at", ""), path.stat().st_mtime, index_row(path, results))
+            for path, results in read_reports(output_dir)]
     rows.sort(key=lambda row: row[:2], reverse=True)
     text = "\n".join([
         "# Benchmark runs in this folder", "",
