@@ -28,7 +28,7 @@ from common.verifier.loading import inference_attention
 # "continuous" = transformers' continuous batching (`generate_batch`, a paged cache); "generate" = plain
 # batched `generate` with a dynamic cache (the first engine, kept as the reference and the fallback).
 ENGINES = ("static", "continuous", "generate")
-DEFAULT_ENGINE = "auto"  # static on a GPU; generate on a CPU, where a static cache measured 1.7x slower
+DEFAULT_ENGINE = "auto"  # static on a GPU; generate on a CPU, where the static cache is slower (docs/data.md)
 
 
 def resolve_engine(engine: str, devices: Sequence[str]) -> str:
