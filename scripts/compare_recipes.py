@@ -15,7 +15,8 @@ output is already there (so a stopped comparison resumes; --redo to redo them):
   table  tau per set, ours/SpecForge, training wall time and its ratio, against the target (ours >= 1.05x
          SpecForge's tau on every set in <= 0.7x its training time) -> OUTPUT_DIR/compare.{json,md}, printed
 --parts picks some of them (e.g. --parts bench table). Settings of stage 05 (--max-new-tokens, --num-prompts,
---device, --dtype) and of the recipe (--recipe-args "--time-limit 500") pass through.
+--device, --dtype) and of the recipe (--recipe-args "--time-limit 500") pass through; --jobs N runs N benchmarks
+at once (tau only: they share the GPU, so their speeds mean nothing).
 Training times: ours is our stage 04 manifest's wall_time_s (set-up, training, validation, checkpoints);
 SpecForge's is its total_s (set-up, training, export: no validation).
 """
@@ -53,6 +54,8 @@ def parse(argv=None) -> argparse.Namespace:
     p.add_argument("--device", default="auto")
     p.add_argument("--dtype", help="stage 05's (its default bfloat16)")
     p.add_argument("--recipe-args", default="", help="more flags for train_specforge_recipe.py, one string")
+    p.add_argument("--jobs", type=int, default=1, help="benchmarks run at once (each writes its own folder; "
+                   "on one GPU they share it, so use this for tau, never for timings)")
     args = p.parse_args(argv)
     args.output_dir = args.output_dir or args.run_dir / "compare"
     args.heldout = args.heldout or args.run_dir / "data" / "eval_data.jsonl"
@@ -77,6 +80,26 @@ def run(command: list[str]) -> None:
     done = subprocess.run(command, cwd=REPO)
     if done.returncode != 0:
         die(f"{command[1]} failed with exit code {done.returncode}; see its log above", done.returncode)
+
+
+def run_all(commands: list[list[str]], jobs: int) -> None:
+    """Run the commands, `jobs` at a time; exit with the first failure's code once all have ended."""
+    if jobs <= 1:
+        for command in commands:
+            run(command)
+        return
+    from concurrent.futures import ThreadPoolExecutor
+
+    def one(command):
+        print("+ " + shlex.join(command), flush=True)
+        return subprocess.run(command, cwd=REPO).returncode
+
+    with ThreadPoolExecutor(jobs) as pool:
+        codes = list(pool.map(one, commands))
+    failed = [(command, code) for command, code in zip(commands, codes) if code != 0]
+    if failed:
+        die(f"{len(failed)} benchmark(s) failed, the first with exit code {failed[0][1]}: "
+            f"{shlex.join(failed[0][0])}; see the logs above", failed[0][1])
 
 
 def train(args) -> None:
@@ -111,23 +134,27 @@ def bench(args) -> None:
                         ("--dtype", args.dtype)):
         if value is not None:
             extra += [flag, str(value)]
+    commands = []
     for prompt_set, prompts in prompt_sets(args).items():
         for name, drafter in drafters(args).items():
             out = bench_output(args, name, prompt_set)
             if bench_result(out) is not None and not args.redo:
                 print(f"bench: {out} has its result (--redo to measure again)")
                 continue
-            run([sys.executable, "05_benchmark.py", "--mode", "offline", "--tau-only", "--run-dir", str(args.run_dir),
-                 "--model-path", args.model_path, "--draft-model-path", str(drafter), "--prompts", str(prompts),
-                 "--output-dir", str(out), "--device", args.device, *CHAIN, *extra])
+            commands.append([sys.executable, "05_benchmark.py", "--mode", "offline", "--tau-only", "--run-dir",
+                             str(args.run_dir), "--model-path", args.model_path, "--draft-model-path", str(drafter),
+                             "--prompts", str(prompts), "--output-dir", str(out), "--device", args.device, *CHAIN,
+                             *extra])
     for name, drafter in drafters(args).items():
         out = bench_output(args, name, "validation")
         if eval_result(out) is not None and not args.redo:
             print(f"bench: {out} has its result (--redo to measure again)")
             continue
-        run([sys.executable, "05_benchmark.py", "--mode", "eval", "--num-steps", "3", "--run-dir", str(args.run_dir),
-             "--model-path", args.model_path, "--draft-model-path", str(drafter), "--output-dir", str(out),
-             "--device", args.device, *([] if args.dtype is None else ["--dtype", args.dtype])])
+        commands.append([sys.executable, "05_benchmark.py", "--mode", "eval", "--num-steps", "3", "--run-dir",
+                         str(args.run_dir), "--model-path", args.model_path, "--draft-model-path", str(drafter),
+                         "--output-dir", str(out), "--device", args.device,
+                         *([] if args.dtype is None else ["--dtype", args.dtype])])
+    run_all(commands, args.jobs)
 
 
 def ratio(a, b):
