@@ -2,15 +2,20 @@
 # Drafter quality on one GPU, measured as the field measures it and side by side on the same data (issue 17), with
 # the tau cost of FP8 aux layers + top-k targets (issue 21) on the same run:
 #   1. data     stages 01-03 on SAMPLES regenerated ShareGPT prompts (RUN) and on SMALL of them (RUN-small); the
-#               same prepared data extracted again as FP8 aux + top-k targets (RUN-fp8topk). Extractions run alone.
+#               same prepared data extracted again for each storage-format lane (RUN-<lane>). Extractions run alone.
 #   2. compare  the timed part, alone on the GPU: our stage 04 on RUN-small, then SpecForge 0.2.0's recipe
 #               (scripts/compare_recipes.py) on the same samples and epochs. SpecForge trains one sequence a step,
 #               so equal tokens on the full run would not fit one session.
-#   3. lanes    side by side, each lane a training on RUN followed by its benchmarks (acceptance only, no timing):
+#   3. lanes    side by side, each lane a training on RUN followed by its benchmarks (acceptance only, no timing);
+#               LANES picks them (default "default fp8final bf16topk"; at 4,096-token steps a lane's training
+#               takes about 10 minutes beside three others on an H200, host-bound at ~6 steps/s):
 #                 default    STEP_TOKENS-token steps, --ttt-positions shifted (today's recipe)
 #                 fixed      the same with --ttt-positions fixed (the old rule: the A/B of the TTT positions)
 #                 steps      LEVER_STEP_TOKENS-token steps (more optimizer steps: the recipe lever)
-#                 fp8topk    today's recipe on RUN-fp8topk
+#                 epochs     twice EPOCHS
+#                 fp8topk, fp8final, bf16topk
+#                            FORMAT_STEP_TOKENS-token steps on RUN-<lane>: the same prepared data extracted
+#                            with FP8 aux and/or top-k targets (in the data phase, each extraction alone)
 #               and the small run's two drafters benchmarked (compare_recipes.py --parts bench table).
 #               Every lane: stage 05 --tau-only at chain 3/1/4 (what SGLang serves), T=0, on all 80 MT-bench
 #               questions (both turns) and HELDOUT stratified held-out prompts, and the teacher-forced agreement
@@ -25,17 +30,20 @@
 #     DATA_DIR  scripts/prepare_device_data.py DATA --conversations 20000 --prompts-only (sharegpt.json,
 #               mt_bench.jsonl); with REGEN_CACHE=FILE (../shared/cache/smollm2_sharegpt_greedy_10k.tgz) stage 01
 #               reuses the greedy replies of every prompt that SAMPLES=10000 takes from that file
-# Environment: SAMPLES (10000), SMALL (1500), EPOCHS (4), LR (1e-3), STEP_TOKENS (16384), LEVER_STEP_TOKENS (4096),
-# TOPK (64), HELDOUT (60), NEW_TOKENS (128), WORKERS (data workers of each side-by-side training, 3), SPECFORGE
-# (its wheel or a folder holding the package; empty: no comparison), SPECFORGE_ARGS (more flags for its recipe,
-# e.g. "--lr 1e-4 --time-limit 420"), PHASES ("data compare lanes table"; "pack" alone packs what exists), MPS,
+# Environment: SAMPLES (10000), SMALL (800), EPOCHS (4), LR (1e-3), STEP_TOKENS (4096), LEVER_STEP_TOKENS (2048),
+# FORMAT_STEP_TOKENS (16384, as the bf16 and fp8topk drafters of 2026-12-01), LANES, TOPK (64), HELDOUT (60),
+# NEW_TOKENS (128), WORKERS (data workers of each side-by-side training, 3), SPECFORGE (its wheel or a folder holding the package; empty: no comparison), SPECFORGE_ARGS (more flags for its recipe,
+# e.g. "--lr 1e-4 --time-limit 480"), PHASES ("data compare lanes table"; "pack" alone packs what exists), MPS,
 # OUT (pack logs, manifests, metrics and reports into $OUT/quality.tgz). Progress: RUN_DIR/logs/quality.log.
-# Expected on one H200 with REGEN_CACHE: data ~3 min, compare ~5 min, lanes ~10 min.
+# Measured on one H200 with REGEN_CACHE (2026-12-01, SMALL 1500, STEP_TOKENS 16384, four lanes): data 2.2 min,
+# compare 7.8 min (SpecForge stopped by its 400 s limit at 54 % of its steps), lanes 15.3 min (the 4096-token
+# training 10 min of it); results in docs/results/2026-12-01-smollm2-h200.md.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-VERIFIER=$1; DATA=$2; RUN=$3; SMALL_RUN=$RUN-small; FP8_RUN=$RUN-fp8topk
-SAMPLES=${SAMPLES:-10000}; SMALL=${SMALL:-1500}; EPOCHS=${EPOCHS:-4}; LR=${LR:-1e-3}
-STEP_TOKENS=${STEP_TOKENS:-16384}; LEVER_STEP_TOKENS=${LEVER_STEP_TOKENS:-4096}; TOPK=${TOPK:-64}
+VERIFIER=$1; DATA=$2; RUN=$3; SMALL_RUN=$RUN-small
+SAMPLES=${SAMPLES:-10000}; SMALL=${SMALL:-800}; EPOCHS=${EPOCHS:-4}; LR=${LR:-1e-3}
+STEP_TOKENS=${STEP_TOKENS:-4096}; LEVER_STEP_TOKENS=${LEVER_STEP_TOKENS:-2048}; TOPK=${TOPK:-64}
+FORMAT_STEP_TOKENS=${FORMAT_STEP_TOKENS:-16384}; LANES=${LANES:-"default fp8final bf16topk"}
 HELDOUT=${HELDOUT:-60}; NEW_TOKENS=${NEW_TOKENS:-128}; WORKERS=${WORKERS:-3}
 SPECFORGE=${SPECFORGE:-}; SPECFORGE_ARGS=${SPECFORGE_ARGS:-}; PHASES=${PHASES:-"data compare lanes table"}
 export PYTHONUNBUFFERED=1
@@ -47,7 +55,7 @@ has() { [[ " $PHASES " == *" $1 "* ]]; }
 pack() {  # the small files of every run: logs, manifests, metrics, curves, reports (no hidden states, no weights)
   [ -n "${OUT:-}" ] || return 0
   local parent; parent=$(dirname "$RUN")
-  (cd "$parent" && find "$(basename "$RUN")" "$(basename "$SMALL_RUN")" "$(basename "$FP8_RUN")" -maxdepth 4 \
+  (cd "$parent" && find "$(basename "$RUN")" "$(basename "$RUN")"-* -maxdepth 4 \
      -type f \( -path '*/logs/*' -o -path '*/bench_*' -o -path '*/compare/*' -o -name quality.md \
      -o -name manifest.json -o -name metrics.jsonl -o -name '*.png' -o -name 'specforge_results.json' \) \
      -not -path '*/hidden_states/*/*' 2>/dev/null | tar czf "$OUT/quality.tgz" -C "$parent" -T - ) || true
@@ -104,6 +112,24 @@ lane() {  # $1 lane, $2 run dir, $3 tokens a step, then extra stage-04 flags: tr
   [ "$name" = default ] && default_extras "$run/checkpoints_$name/best"
   wait
 }
+format_flags() {  # $1 lane: its stage-02 flags, empty for a lane that trains on RUN's own hidden states
+  case $1 in
+    fp8topk) echo "--aux-dtype float8_e4m3 --targets topk --target-topk $TOPK" ;;
+    fp8final) echo "--aux-dtype float8_e4m3" ;;
+    bf16topk) echo "--targets topk --target-topk $TOPK" ;;
+  esac
+}
+start_lane() {  # $1 lane: its training flags
+  case $1 in
+    default) lane default "$RUN" "$STEP_TOKENS" ;;
+    fixed) lane fixed "$RUN" "$STEP_TOKENS" --ttt-positions fixed ;;
+    steps) lane steps "$RUN" "$LEVER_STEP_TOKENS" ;;
+    epochs) lane epochs "$RUN" "$STEP_TOKENS" --epochs $((2 * EPOCHS)) ;;
+    fp8topk|fp8final|bf16topk)
+      [ -d "$RUN-$1/hidden_states" ] && lane "$1" "$RUN-$1" "$FORMAT_STEP_TOKENS" ;;
+    *) say "FAILED: no lane called $1" ;;
+  esac
+}
 default_extras() {  # $1 drafter: lossless checks in float32 (chain and tree) and chain at T=1
   local pids=()
   bench "$RUN" default_fp32_chain "$1" "${chain[@]}" --temperature 0 --dtype float32 \
@@ -116,12 +142,15 @@ default_extras() {  # $1 drafter: lossless checks in float32 (chain and tree) an
 
 if has data; then
   say "stages 01-03: $SAMPLES samples in $RUN"; prepare "$RUN" "$SAMPLES" > "$RUN/logs/prepare.log" 2>&1
-  mkdir -p "$FP8_RUN/logs"; rm -rf "$FP8_RUN/data" "$FP8_RUN/vocab"
-  cp -r "$RUN/data" "$FP8_RUN/data"; cp -r "$RUN/vocab" "$FP8_RUN/vocab"
-  say "stage 02 in $FP8_RUN: --aux-dtype float8_e4m3 --targets topk --target-topk $TOPK"
-  python3 02_extract_hidden_states.py --run-dir "$FP8_RUN" --model-path "$VERIFIER" --max-seq-len 2048 \
-    --batch-size 64 --num-workers 8 --aux-dtype float8_e4m3 --targets topk --target-topk "$TOPK" \
-    > "$FP8_RUN/logs/extract.log" 2>&1 || say "FAILED: stage 02 $FP8_RUN"
+  for name in $LANES; do
+    flags=$(format_flags "$name"); [ -n "$flags" ] || continue
+    mkdir -p "$RUN-$name/logs"; rm -rf "$RUN-$name/data" "$RUN-$name/vocab"
+    cp -r "$RUN/data" "$RUN-$name/data"; cp -r "$RUN/vocab" "$RUN-$name/vocab"
+    say "stage 02 in $RUN-$name: $flags"
+    # shellcheck disable=SC2086
+    python3 02_extract_hidden_states.py --run-dir "$RUN-$name" --model-path "$VERIFIER" --max-seq-len 2048 \
+      --batch-size 64 --num-workers 8 $flags > "$RUN-$name/logs/extract.log" 2>&1 || say "FAILED: stage 02 $RUN-$name"
+  done
   if [ -n "$SPECFORGE" ]; then
     mkdir -p "$SMALL_RUN/logs"
     say "stages 01-03: $SMALL samples in $SMALL_RUN"; prepare "$SMALL_RUN" "$SMALL" > "$SMALL_RUN/logs/prepare.log" 2>&1
@@ -144,10 +173,7 @@ if has compare && [ -n "$SPECFORGE" ]; then
 fi
 if has lanes; then
   pids=()
-  lane default "$RUN" "$STEP_TOKENS" & pids+=($!)
-  lane fixed "$RUN" "$STEP_TOKENS" --ttt-positions fixed & pids+=($!)
-  lane steps "$RUN" "$LEVER_STEP_TOKENS" & pids+=($!)
-  [ -d "$FP8_RUN/hidden_states" ] && { lane fp8topk "$FP8_RUN" "$STEP_TOKENS" & pids+=($!); }
+  for name in $LANES; do start_lane "$name" & pids+=($!); done
   if [ -d "$SMALL_RUN/specforge/best" ]; then
     (python3 scripts/compare_recipes.py --run-dir "$SMALL_RUN" --model-path "$VERIFIER" --parts bench table \
        --mt-bench "$DATA/mt_bench.jsonl" --max-new-tokens "$NEW_TOKENS" --jobs 6 \

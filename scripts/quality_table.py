@@ -24,14 +24,29 @@ def fmt(value, digits: int = 2) -> str:
     return f"{value:.{digits}f}" if isinstance(value, float) else str(value)
 
 
+def prompts_used(report: dict) -> str:
+    """"all 80" or "60 of 200, sampled", with the number of turns."""
+    chosen = report.get("prompt_selection") or {}
+    turns = report["overall"].get("turns")
+    if chosen.get("requested") is None or chosen.get("chosen") == chosen.get("available"):
+        return f"all {chosen.get('chosen', '?')} ({turns} turns)"
+    return f"{chosen['chosen']} of {chosen['available']}, sampled ({turns} turns)"
+
+
+def speedup(overall: dict) -> str:
+    """Over the same loop without drafting, where the run timed it (not with --tau-only)."""
+    value = overall.get("speedup_vs_plain")
+    return f"{value:.2f}x" if value else "-"
+
+
 def offline_row(name: str, report: dict) -> list[str]:
     settings, overall = report["settings"], report["overall"]
     match = overall.get("greedy_match") or {}
     identical = f"{match['turns_identical']}/{match['turns_checked']}" if match else "-"
     shares = (overall.get("acceptance") or {}).get("share") or []  # P(draft i accepted): tau = 1 + their sum
-    return [name, Path(str(settings.get("prompts"))).stem, settings.get("drafting", "-"),
+    return [name, Path(str(settings.get("prompts"))).stem, prompts_used(report), settings.get("drafting", "-"),
             fmt(settings.get("temperature"), 1), str(settings.get("compute_dtype") or settings.get("dtype")),
-            str(overall.get("turns")), fmt(overall.get("tau")), " ".join(fmt(r) for r in shares), identical,
+            fmt(overall.get("tau")), " ".join(fmt(r) for r in shares), speedup(overall), identical,
             fmt(match.get("mean_share_before_divergence"), 3) if match else "-",
             fmt(overall.get("repetition_4gram_share"))]
 
@@ -56,10 +71,10 @@ def main(argv: list[str]) -> int:
         elif path.stem.startswith("bench_offline"):
             row = offline_row(name, report)
             offline.append(row)
-            if row[3] == "0.0" and row[4] == "bfloat16" and row[2].startswith("chain"):
+            if row[4] == "0.0" and row[5] == "bfloat16" and row[3].startswith("chain"):
                 taus[(name, row[1])] = report["overall"]["tau"]
-    header = ["drafter", "prompts", "drafting", "T", "dtype", "turns", "tau", "accepted share by position",
-              "greedy identical", "share before divergence", "4-gram repetition"]
+    header = ["drafter", "set", "prompts used", "drafting", "T", "dtype", "tau", "accepted share by position",
+              "speedup", "greedy identical", "share before divergence", "4-gram repetition"]
     print("| " + " | ".join(header) + " |\n|" + "---|" * len(header))
     for row in offline:
         print("| " + " | ".join(row) + " |")
