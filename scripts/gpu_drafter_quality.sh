@@ -7,12 +7,13 @@
 #               (scripts/compare_recipes.py) on the same samples and epochs. SpecForge trains one sequence a step,
 #               so equal tokens on the full run would not fit one session.
 #   3. lanes    side by side, each lane a training on RUN followed by its benchmarks (acceptance only, no timing);
-#               LANES picks them (default "default fp8final bf16topk"; at 4,096-token steps a lane's training
+#               LANES picks them (default "default init fp8final bf16topk"; at 4,096-token steps a lane's training
 #               takes about 10 minutes beside three others on an H200, host-bound at ~6 steps/s):
 #                 default    STEP_TOKENS-token steps, --ttt-positions shifted (today's recipe)
 #                 fixed      the same with --ttt-positions fixed (the old rule: the A/B of the TTT positions)
 #                 steps      LEVER_STEP_TOKENS-token steps (more optimizer steps: the recipe lever)
 #                 epochs     twice EPOCHS
+#                 init       --init-from-verifier-layer (the drafter's layer starts as the verifier's last)
 #                 fp8topk, fp8final, bf16topk
 #                            FORMAT_STEP_TOKENS-token steps on RUN-<lane>: the same prepared data extracted
 #                            with FP8 aux and/or top-k targets (in the data phase, each extraction alone)
@@ -43,7 +44,7 @@ cd "$(dirname "$0")/.."
 VERIFIER=$1; DATA=$2; RUN=$3; SMALL_RUN=$RUN-small
 SAMPLES=${SAMPLES:-10000}; SMALL=${SMALL:-800}; EPOCHS=${EPOCHS:-4}; LR=${LR:-1e-3}
 STEP_TOKENS=${STEP_TOKENS:-4096}; LEVER_STEP_TOKENS=${LEVER_STEP_TOKENS:-2048}; TOPK=${TOPK:-64}
-FORMAT_STEP_TOKENS=${FORMAT_STEP_TOKENS:-16384}; LANES=${LANES:-"default fp8final bf16topk"}
+FORMAT_STEP_TOKENS=${FORMAT_STEP_TOKENS:-16384}; LANES=${LANES:-"default init fp8final bf16topk"}
 HELDOUT=${HELDOUT:-60}; NEW_TOKENS=${NEW_TOKENS:-128}; WORKERS=${WORKERS:-3}
 SPECFORGE=${SPECFORGE:-}; SPECFORGE_ARGS=${SPECFORGE_ARGS:-}; PHASES=${PHASES:-"data compare lanes table"}
 export PYTHONUNBUFFERED=1
@@ -125,6 +126,7 @@ start_lane() {  # $1 lane: its training flags
     fixed) lane fixed "$RUN" "$STEP_TOKENS" --ttt-positions fixed ;;
     steps) lane steps "$RUN" "$LEVER_STEP_TOKENS" ;;
     epochs) lane epochs "$RUN" "$STEP_TOKENS" --epochs $((2 * EPOCHS)) ;;
+    init) lane init "$RUN" "$STEP_TOKENS" --init-from-verifier-layer ;;
     fp8topk|fp8final|bf16topk)
       [ -d "$RUN-$1/hidden_states" ] && lane "$1" "$RUN-$1" "$FORMAT_STEP_TOKENS" ;;
     *) say "FAILED: no lane called $1" ;;

@@ -720,3 +720,52 @@ def test_bf16_resume_restores_fp32_master_weights_and_moments(run_a, stories260k
     resumed.fit()
     for (name, a), b in zip(whole.model.state_dict().items(), resumed.model.state_dict().values()):
         assert torch.equal(a, b), name
+
+
+# --- the drafter's layer from the verifier's ------------------------------------------------------------
+
+def test_init_from_verifier_layer_starts_the_layer_as_the_verifiers_last(run_a, stories260k, stage04, tmp_path):
+    """--init-from-verifier-layer: with lr 0 the exported layer is its starting point, the verifier's last
+    decoder layer (q/k/v on the hidden half of the input, zeros on the embedding half; o_proj, MLP and norms as
+    they are); with training it learns; a layer shape the drafter does not have, and --finetune-from, are refused."""
+    from safetensors.torch import load_file
+    from common.verifier.loading import read_layer_tensors, read_verifier_info
+
+    last = read_verifier_info(str(stories260k)).num_layers - 1
+    verifier = read_layer_tensors(str(stories260k), last)
+    frozen = tmp_path / "frozen"
+    assert stage04.main(train_argv(run_a, frozen, stories260k, epochs=1, lr=0.0, init_from_verifier_layer=True)) == 0
+    assert f"starts from the verifier's layer {last}" in log_text(frozen)
+    weights = load_file(str(frozen / "best" / "model.safetensors"))
+    hidden = verifier["o_proj"].shape[0]
+
+    def same(ours, theirs):
+        assert torch.equal(ours, theirs.to(ours.dtype)), (ours.shape, theirs.shape)
+
+    for role in ("q_proj", "k_proj", "v_proj"):
+        ours = weights[f"midlayer.self_attn.{role}.weight"]
+        same(ours[:, hidden:], verifier[role])
+        assert not ours[:, :hidden].any()
+    same(weights["midlayer.self_attn.o_proj.weight"], verifier["o_proj"])
+    for role in ("gate_proj", "up_proj", "down_proj"):
+        same(weights[f"midlayer.mlp.{role}.weight"], verifier[role])
+    same(weights["midlayer.hidden_norm.weight"], verifier["input_layernorm"])
+    same(weights["midlayer.post_attention_layernorm.weight"], verifier["post_attention_layernorm"])
+    assert read_json(frozen / "best" / "trainer_state.json")["run_config"]["init_from_verifier_layer"] is True
+
+    trained = tmp_path / "trained"
+    assert stage04.main(train_argv(run_a, trained, stories260k, epochs=2, eval_interval=1000,
+                                   init_from_verifier_layer=True)) == 0
+    evals = [row for row in map(json.loads, (trained / "metrics.jsonl").read_text().splitlines())
+             if row["kind"] == "eval"]
+    assert len(evals) == 2 and evals[1]["sim_accept_len"] > evals[0]["sim_accept_len"]  # one each epoch: it learns
+    moved = load_file(str(trained / "best" / "model.safetensors"))["midlayer.mlp.down_proj.weight"]
+    assert not torch.equal(moved, verifier["down_proj"].to(moved.dtype))  # it trained from there
+
+    other = tmp_path / "other"
+    _refused(stage04, train_argv(run_a, other, stories260k, init_from_verifier_layer=True,
+                                 drafter_config='{"intermediate_size": 176}'), other,
+             "--init-from-verifier-layer", "gate_proj", "176")
+    _refused(stage04, train_argv(run_a, other, stories260k, init_from_verifier_layer=True,
+                                 finetune_from=frozen / "best"), other,
+             "--init-from-verifier-layer", "--finetune-from")

@@ -202,6 +202,10 @@ _ALL_FLAGS: list[Flag] = [
          "decoding (SGLang, stage 05) runs that draft step, as SpecForge and EAGLE train; fixed = t at every "
          "step, this project's earlier training, kept only to measure the difference (docs/model.md).",
          choices=("shifted", "fixed"), default="shifted"),
+    Flag("--init-from-verifier-layer", "Start the drafter's decoder layer from the verifier's last decoder layer "
+         "(attention, MLP and norms copied; the attention's weights for the token embedding start at zero) "
+         "instead of at random. Needs a Llama-style verifier layer of the drafter's shape (not MLA or MoE).",
+         type=None, action="store_true"),
     Flag("--drafter-config", "Overrides of the drafter shape derived from the verifier: a JSON file or "
          "inline JSON object with DrafterConfig fields, e.g. '{\"intermediate_size\": 16384, "
          "\"num_key_value_heads\": 8}'.", aliases=("--draft-config",), metavar="JSON_OR_FILE"),
@@ -293,7 +297,8 @@ STAGE_FLAGS: dict[str, list[str]] = {
                  "--val-ratio", "--scheduler", "--warmup-ratio", "--grad-accum", "--max-grad-norm",
                  "--eval-interval", "--save-interval", "--keep-last", "--resume", "--num-workers",
                  "--seed", "--device", "--dtype", "--log-interval", "--overwrite", "--allow-low-disk",
-                 "--drafter-config", "--fsdp", "--fp8", "--ttt-positions", "--allow-other-verifier"],
+                 "--drafter-config", "--fsdp", "--fp8", "--ttt-positions", "--init-from-verifier-layer",
+                 "--allow-other-verifier"],
     "05_benchmark": ["--run-dir", "--model-path", "--trust-remote-code", "--draft-model-path",
                      "--data-dir", "--output-dir", "--mode", "--prompts", "--num-prompts", "--max-new-tokens",
                      "--num-steps", "--topk", "--num-draft-tokens", "--temperature", "--top-p", "--url",

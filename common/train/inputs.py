@@ -11,7 +11,8 @@ from common.formats.resume import setting_differences
 from common.formats.manifest import MANIFEST, check_same, check_verifier_matches, load_manifest
 from common.formats.files import read_json, sha256_file
 from common.cli.errors import UsageError
-from common.verifier.loading import VerifierInfo, locate_embedding_tensors, pick_device, read_verifier_info
+from common.verifier.loading import (VerifierInfo, locate_embedding_tensors, locate_layer_tensors, pick_device,
+                                    read_verifier_info)
 from common.formats.layer_ids import check_aux_layers
 
 STAGE = "04_train"
@@ -24,8 +25,8 @@ UNLIMITED_SEQUENCES = 1 << 30
 # The global batch counts, not --grad-accum: micro_batches_per_step = --grad-accum x ranks.
 RESUME_KEYS = ("seed", "epochs", "lr", "scheduler", "warmup_ratio", "micro_batches_per_step", "max_grad_norm",
                "max_seq_len", "ttt_steps", "ttt_decay", "ttt_positions", "noise_std", "val_ratio", "max_tokens",
-               "max_sequences", "finetune_from", "drafter_config", "compute_dtype", "hidden_states_index_sha256",
-               "vocab_mapping_sha256")
+               "max_sequences", "finetune_from", "drafter_config", "init_from_verifier_layer", "compute_dtype",
+               "hidden_states_index_sha256", "vocab_mapping_sha256")
 
 
 @dataclass
@@ -193,6 +194,26 @@ def check_finetune(args, data_manifest: dict, info: VerifierInfo, mapping, overr
         raise UsageError(f"--finetune-from {folder} does not fit this run:\n  " + "\n  ".join(problems))
 
 
+def check_layer_init(args, info: VerifierInfo, mapping, aux_layers: list[int], overrides: dict) -> None:
+    """--init-from-verifier-layer: a new drafter (not --finetune-from) whose layer has the verifier's last layer's
+    shape, checked on the safetensors headers before anything heavy starts."""
+    if not args.init_from_verifier_layer:
+        return
+    if args.finetune_from:
+        raise UsageError("--init-from-verifier-layer starts a new drafter and --finetune-from continues one: "
+                         "give one of them")
+    from common.model.config import DrafterConfig
+    from common.model.layer_init import layer_shape_problems
+
+    layer = info.num_layers - 1
+    found = locate_layer_tensors(args.model_path, layer)
+    config = DrafterConfig.from_verifier(info, len(mapping.d2t), aux_layers, **overrides)
+    problems = layer_shape_problems(config, {role: shape for role, (_, _, shape) in found.items()})
+    if problems:
+        raise UsageError(f"--init-from-verifier-layer: layer {layer} of {args.model_path} does not fit the drafter "
+                         f"({'; '.join(problems)}); drop the flag or the --drafter-config that changes the shape")
+
+
 def resolve_batching(args, entries: list[dict]) -> tuple[int, int]:
     """(max padded tokens, max sequences) per micro-batch, from --max-tokens-per-batch and --batch-size."""
     max_sequences = args.batch_size or UNLIMITED_SEQUENCES
@@ -217,6 +238,7 @@ def check_inputs(args, log) -> Inputs:
     info, aux_layers = check_verifier(args, data_dir, data_manifest)
     overrides = check_drafter_config(args, info, mapping, aux_layers)
     check_finetune(args, data_manifest, info, mapping, overrides)
+    check_layer_init(args, info, mapping, aux_layers, overrides)
     max_tokens, max_sequences = resolve_batching(args, entries)
     device = pick_device(args.device)  # a missing GPU is an input error, found now
     if device.startswith("cuda") and args.dtype == "float16":
@@ -239,6 +261,7 @@ def run_config_of(args, inputs: Inputs, world_size: int = 1) -> dict:
         "max_tokens": inputs.max_tokens, "max_sequences": inputs.max_sequences,
         "finetune_from": str(Path(args.finetune_from).resolve()) if args.finetune_from else None,
         "drafter_config": inputs.drafter_overrides,
+        "init_from_verifier_layer": bool(args.init_from_verifier_layer),
         "compute_dtype": compute_dtype_for(pick_device(args.device), args.dtype),
         "hidden_states_index_sha256": sha256_file(_index_path(inputs.data_dir, inputs.data_manifest)),
         "vocab_mapping_sha256": sha256_file(inputs.vocab_dir / "vocab_mapping.safetensors"),

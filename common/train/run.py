@@ -19,19 +19,24 @@ from common.train.plots import CURVES_FILE, training_title, write_training_curve
 from common.train.step import TrainConfig
 from common.train.stopping import signal_hooks_for_tests
 from common.train.trainer import LoopConfig, Trainer
-from common.verifier.loading import read_embedding_tensors
+from common.model.layer_init import init_layer_from_verifier
+from common.verifier.loading import read_embedding_tensors, read_layer_tensors
 
 OFFLOAD_EMBEDDING_BYTES = 1 << 28  # as scripts/bench_train_step.py's "auto": embeddings of 256 MB and more
 
 
-def build_drafter(args, inputs: Inputs, tensors: dict, device: str, dtype):
-    """A new drafter (embedding and lm_head rows from the verifier, its shape changed by --drafter-config), or
-    the --finetune-from one."""
+def build_drafter(args, inputs: Inputs, tensors: dict, device: str, dtype, log):
+    """A new drafter (embedding and lm_head rows from the verifier, its shape changed by --drafter-config, its
+    layer from the verifier's last with --init-from-verifier-layer), or the --finetune-from one."""
     if args.finetune_from:
         return load_drafter(args.finetune_from, embed=tensors["embed_tokens"], device=device, dtype=dtype)
     with torch.device(device):
         model = Eagle3Drafter(inputs.drafter_config())
     model.init_from_verifier(tensors["embed_tokens"], tensors["lm_head"], inputs.mapping.d2t, inputs.mapping.t2d)
+    if args.init_from_verifier_layer:
+        layer = inputs.verifier.num_layers - 1
+        init_layer_from_verifier(model, read_layer_tensors(args.model_path, layer))
+        log.info("--init-from-verifier-layer: the drafter's layer starts from the verifier's layer %d", layer)
     return cast_parameters(model, dtype)
 
 
@@ -92,7 +97,7 @@ def train_drafter(args, log, inputs: Inputs, run_config: dict, resume_from: Path
     tensors = read_embedding_tensors(args.model_path)
     compute_dtype = run_config["compute_dtype"]
     dtype = getattr(torch, compute_dtype)
-    model = build_drafter(args, inputs, tensors, device, dtype)
+    model = build_drafter(args, inputs, tensors, device, dtype, log)
     report_vocab_of_finetuned(args, model, inputs, log)
     if inputs.drafter_overrides and not args.finetune_from:
         log.info("--drafter-config: the drafter's %s set to %s", ", ".join(inputs.drafter_overrides),

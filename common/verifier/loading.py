@@ -276,6 +276,51 @@ def read_embedding_tensors(model_path: str) -> dict[str, Any]:
     return tensors
 
 
+# Tensors of one Llama-style decoder layer, by role (stage 04's --init-from-verifier-layer).
+LAYER_ROLES = {"q_proj": "self_attn.q_proj.weight", "k_proj": "self_attn.k_proj.weight",
+               "v_proj": "self_attn.v_proj.weight", "o_proj": "self_attn.o_proj.weight",
+               "gate_proj": "mlp.gate_proj.weight", "up_proj": "mlp.up_proj.weight",
+               "down_proj": "mlp.down_proj.weight", "input_layernorm": "input_layernorm.weight",
+               "post_attention_layernorm": "post_attention_layernorm.weight"}
+
+
+def locate_layer_tensors(model_path: str, layer: int) -> dict[str, tuple[str, str, tuple[int, ...]]]:
+    """(name, shard, shape) of each LAYER_ROLES tensor of decoder layer `layer`, from the safetensors headers
+    alone; a UsageError names the roles the layer lacks (an MLA or MoE layer is not a Llama layer)."""
+    from safetensors import safe_open
+
+    folder, gguf_file = resolve_model_path(model_path)
+    if gguf_file is not None:
+        raise UsageError(f"--model-path {model_path}: reading single tensors needs a safetensors folder, "
+                         "not a GGUF file")
+    weight_map = _weight_map(Path(folder))
+    names = list(weight_map)
+    found, missing = {}, []
+    for role, suffix in LAYER_ROLES.items():
+        name = _pick(names, f"layers.{layer}.{suffix}")
+        if name is None:
+            missing.append(suffix)
+            continue
+        with safe_open(str(Path(folder) / weight_map[name]), framework="pt") as handle:
+            found[role] = (name, weight_map[name], tuple(handle.get_slice(name).get_shape()))
+    if missing:
+        raise UsageError(f"{folder}: decoder layer {layer} has no {', '.join(missing)} (not a Llama-style "
+                         "layer, e.g. MLA attention or MoE experts); drop --init-from-verifier-layer")
+    return found
+
+
+def read_layer_tensors(model_path: str, layer: int) -> dict[str, Any]:
+    """The LAYER_ROLES tensors of decoder layer `layer`, read alone from their shards."""
+    from safetensors import safe_open
+
+    folder, _ = resolve_model_path(model_path)
+    tensors = {}
+    for role, (name, shard, _) in locate_layer_tensors(model_path, layer).items():
+        with safe_open(str(Path(folder) / shard), framework="pt") as handle:
+            tensors[role] = handle.get_tensor(name)
+    return tensors
+
+
 # --- the model itself (the only place that loads the full verifier) --------------------------------------
 
 def pick_device(name: str = "auto") -> str:
