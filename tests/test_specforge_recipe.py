@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import shutil
 import sys
 from pathlib import Path
 
@@ -197,6 +198,22 @@ def test_compare_recipes_prints_the_side_by_side_table(run_dir, trained, stories
     assert evals["ours"]["settings"]["samples"] == evals["specforge"]["settings"]["samples"] == len(split_ids(run_dir))
     assert report["validation_sim_accept_len"]["specforge"] == evals["specforge"]["metrics"]["sim_accept_len"]
     assert "| validation split, teacher-forced" in table
+
+    # scripts/quality_table.py tabulates the same reports (as RUN/bench_NAME folders): a row each, with the
+    # prompts used, and the teacher-forced scores.
+    run = tmp_path / "tabulated"
+    for folder in out.iterdir():
+        if folder.is_dir():
+            shutil.copytree(folder, run / f"bench_{folder.name}")
+    done = run_script("scripts/quality_table.py", str(run))
+    assert done.returncode == 0, done.stderr[-3000:]
+    rows = [line for line in done.stdout.splitlines() if line.startswith("| ours_") or line.startswith("| specforge_")]
+    tau_rows = [row for row in rows if "chain (num_steps 3)" in row]
+    assert len(tau_rows) == 4 and all("| 2 of 3, sampled (3 turns) |" in row for row in tau_rows), rows
+    for row in report["sets"]:
+        ours = next(line for line in tau_rows if line.startswith(f"| ours_{row['set']} |"))
+        assert f"| {row['ours']:.2f} |" in ours
+    assert sum("_validation |" in row for row in rows) == 2
 
 
 def test_a_run_directory_without_hidden_states_is_a_usage_error(tmp_path):
