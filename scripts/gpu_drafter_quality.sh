@@ -7,7 +7,7 @@
 #               (scripts/compare_recipes.py) on the same samples and epochs. SpecForge trains one sequence a step,
 #               so equal tokens on the full run would not fit one session.
 #   3. lanes    side by side, each lane a training on RUN followed by its benchmarks (acceptance only, no timing);
-#               LANES picks them (default "default init fp8final bf16topk"; at 4,096-token steps a lane's training
+#               LANES picks them (unset: "default init fp8final bf16topk"; at 4,096-token steps a lane's training
 #               takes about 10 minutes beside three others on an H200, host-bound at ~6 steps/s):
 #                 default    STEP_TOKENS-token steps, --ttt-positions shifted (today's recipe)
 #                 fixed      the same with --ttt-positions fixed (the old rule: the A/B of the TTT positions)
@@ -44,7 +44,7 @@ cd "$(dirname "$0")/.."
 VERIFIER=$1; DATA=$2; RUN=$3; SMALL_RUN=$RUN-small
 SAMPLES=${SAMPLES:-10000}; SMALL=${SMALL:-800}; EPOCHS=${EPOCHS:-4}; LR=${LR:-1e-3}
 STEP_TOKENS=${STEP_TOKENS:-4096}; LEVER_STEP_TOKENS=${LEVER_STEP_TOKENS:-2048}; TOPK=${TOPK:-64}
-FORMAT_STEP_TOKENS=${FORMAT_STEP_TOKENS:-16384}; LANES=${LANES:-"default init fp8final bf16topk"}
+FORMAT_STEP_TOKENS=${FORMAT_STEP_TOKENS:-16384}; LANES=${LANES-"default init fp8final bf16topk"}
 HELDOUT=${HELDOUT:-60}; NEW_TOKENS=${NEW_TOKENS:-128}; WORKERS=${WORKERS:-3}
 SPECFORGE=${SPECFORGE:-}; SPECFORGE_ARGS=${SPECFORGE_ARGS:-}; PHASES=${PHASES:-"data compare lanes table"}
 export PYTHONUNBUFFERED=1
@@ -73,14 +73,22 @@ if [ "${MPS:-0}" = 1 ] && command -v nvidia-cuda-mps-control > /dev/null; then
   fi
 fi
 
-prepare() {  # $1 run dir, $2 samples: stages 01-03, the replies from REGEN_CACHE
+prepare() {  # $1 run dir, $2 samples: stages 01-03, the replies from REGEN_CACHE when its settings fit
   if [ -n "${REGEN_CACHE:-}" ] && [ ! -f "$1/data/regenerated.jsonl" ]; then
     mkdir -p "$1/data" && tar xzf "$REGEN_CACHE" -C "$1/data"
   fi
-  python3 run_pipeline.py --run-dir "$1" --model-path "$VERIFIER" --dataset "$DATA/sharegpt.json" \
-    --regenerate --max-turns 1 --num-samples "$2" --eval-ratio 0.02 --max-seq-len 2048 \
-    --draft-vocab-size 32000 --skip 04 --skip 05 \
-    --stage-args 01 "--batch-size 1024 --max-new-tokens 256" --stage-args 02 "--batch-size 64 --num-workers 8"
+  pipeline() {
+    python3 run_pipeline.py --run-dir "$1" --model-path "$VERIFIER" --dataset "$DATA/sharegpt.json" \
+      --regenerate --max-turns 1 --num-samples "$2" --eval-ratio 0.02 --max-seq-len 2048 \
+      --draft-vocab-size 32000 --skip 04 --skip 05 \
+      --stage-args 01 "--batch-size 1024 --max-new-tokens 256" --stage-args 02 "--batch-size 64 --num-workers 8"
+  }
+  pipeline "$1" "$2" && return 0
+  # Stage 01 refuses a cache made with other settings (another verifier path or tokenizer): regenerate instead.
+  grep -q "holds responses generated with other settings" "$1/logs/01_prepare_data.log" 2>/dev/null || return 1
+  say "REGEN_CACHE does not fit this verifier (see $1/logs/01_prepare_data.log): regenerating the replies"
+  rm -f "$1/data/regenerated.jsonl" "$1/data/regenerated.settings.json"
+  pipeline "$1" "$2"
 }
 train04() {  # $1 run dir, $2 output folder, $3 tokens a step, $4 data workers, then extra flags
   local run=$1 out=$2 tokens=$3 workers=$4; shift 4
