@@ -249,13 +249,29 @@ def _pick(names: list[str], suffix: str) -> str | None:
     return min(candidates, key=len) if candidates else None
 
 
-def locate_embedding_tensors(model_path: str) -> dict[str, tuple[str, str]]:
-    """Tensor names and shard files of embed_tokens and lm_head (lm_head = embed_tokens when tied)."""
+def _safetensors_index(model_path: str) -> tuple[Path, dict[str, str]]:
+    """(folder, tensor name -> shard file) of a safetensors model, for reading single tensors."""
     folder, gguf_file = resolve_model_path(model_path)
     if gguf_file is not None:
         raise UsageError(f"--model-path {model_path}: reading single tensors needs a safetensors folder, "
                          "not a GGUF file")
-    weight_map = _weight_map(Path(folder))
+    return Path(folder), _weight_map(Path(folder))
+
+
+def _read_tensors(folder: Path, located: dict[str, tuple]) -> dict[str, Any]:
+    """Each role's tensor, read alone from its shard (never the whole model); located: role -> (name, shard, ...)."""
+    from safetensors import safe_open
+
+    tensors = {}
+    for role, (name, shard, *_) in located.items():
+        with safe_open(str(folder / shard), framework="pt") as handle:
+            tensors[role] = handle.get_tensor(name)
+    return tensors
+
+
+def locate_embedding_tensors(model_path: str) -> dict[str, tuple[str, str]]:
+    """Tensor names and shard files of embed_tokens and lm_head (lm_head = embed_tokens when tied)."""
+    folder, weight_map = _safetensors_index(model_path)
     names = list(weight_map)
     embed = _pick(names, "embed_tokens.weight")
     head = _pick(names, "lm_head.weight") or embed
@@ -265,15 +281,8 @@ def locate_embedding_tensors(model_path: str) -> dict[str, tuple[str, str]]:
 
 
 def read_embedding_tensors(model_path: str) -> dict[str, Any]:
-    """embed_tokens and lm_head of the verifier, read alone from their shards (never the whole model)."""
-    from safetensors import safe_open
-
-    folder, _ = resolve_model_path(model_path)
-    tensors = {}
-    for role, (name, shard) in locate_embedding_tensors(model_path).items():
-        with safe_open(str(Path(folder) / shard), framework="pt") as handle:
-            tensors[role] = handle.get_tensor(name)
-    return tensors
+    """embed_tokens and lm_head of the verifier."""
+    return _read_tensors(_safetensors_index(model_path)[0], locate_embedding_tensors(model_path))
 
 
 # Tensors of one Llama-style decoder layer, by role (stage 04's --init-from-verifier-layer).
@@ -289,11 +298,7 @@ def locate_layer_tensors(model_path: str, layer: int) -> dict[str, tuple[str, st
     alone; a UsageError names the roles the layer lacks (an MLA or MoE layer is not a Llama layer)."""
     from safetensors import safe_open
 
-    folder, gguf_file = resolve_model_path(model_path)
-    if gguf_file is not None:
-        raise UsageError(f"--model-path {model_path}: reading single tensors needs a safetensors folder, "
-                         "not a GGUF file")
-    weight_map = _weight_map(Path(folder))
+    folder, weight_map = _safetensors_index(model_path)
     names = list(weight_map)
     found, missing = {}, []
     for role, suffix in LAYER_ROLES.items():
@@ -301,7 +306,7 @@ def locate_layer_tensors(model_path: str, layer: int) -> dict[str, tuple[str, st
         if name is None:
             missing.append(suffix)
             continue
-        with safe_open(str(Path(folder) / weight_map[name]), framework="pt") as handle:
+        with safe_open(str(folder / weight_map[name]), framework="pt") as handle:
             found[role] = (name, weight_map[name], tuple(handle.get_slice(name).get_shape()))
     if missing:
         raise UsageError(f"{folder}: decoder layer {layer} has no {', '.join(missing)} (not a Llama-style "
@@ -310,15 +315,8 @@ def locate_layer_tensors(model_path: str, layer: int) -> dict[str, tuple[str, st
 
 
 def read_layer_tensors(model_path: str, layer: int) -> dict[str, Any]:
-    """The LAYER_ROLES tensors of decoder layer `layer`, read alone from their shards."""
-    from safetensors import safe_open
-
-    folder, _ = resolve_model_path(model_path)
-    tensors = {}
-    for role, (name, shard, _) in locate_layer_tensors(model_path, layer).items():
-        with safe_open(str(Path(folder) / shard), framework="pt") as handle:
-            tensors[role] = handle.get_tensor(name)
-    return tensors
+    """The LAYER_ROLES tensors of decoder layer `layer`."""
+    return _read_tensors(_safetensors_index(model_path)[0], locate_layer_tensors(model_path, layer))
 
 
 # --- the model itself (the only place that loads the full verifier) --------------------------------------
