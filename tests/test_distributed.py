@@ -132,7 +132,9 @@ def test_extraction_on_two_ranks_writes_the_files_of_one_process_and_resumes_on_
     assert crashed.returncode != 0, crashed.stdout[-2000:]
     assert read_json(killed / "manifest.json")["status"] == "running"
     done_before = [p for p in killed.glob("shard_00000/*") if not p.name.startswith(".")]
-    assert 3 <= len(done_before) < 24
+    # At least the samples acknowledged before the kill; at times all 24 folders: the writer processes can
+    # finish the batches already handed to them after their rank is killed (seen once in CI, 2026-12-01).
+    assert len(done_before) >= 3
     assert stage02.main([*flags, "--output-dir", str(killed)]) == 0
     assert sample_files(killed) == expected
     assert (killed / "index.jsonl").read_text() == (single / "index.jsonl").read_text()
