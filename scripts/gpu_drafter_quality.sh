@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # Drafter quality on one GPU, measured as the field measures it and side by side on the same data (issue 17), with
 # the tau cost of FP8 aux layers + top-k targets (issue 21) on the same run:
-#   1. data     stages 01-03 on SAMPLES regenerated ShareGPT prompts (RUN) and on SMALL of them (RUN-small); the
-#               same prepared data extracted again for each storage-format lane (RUN-<lane>). Extractions run alone.
+#   1. data     stages 01-03 on SAMPLES regenerated ShareGPT prompts (RUN) and on SMALL of them (RUN-small), and
+#               for each data lane (sampled) in RUN-<lane>; the same prepared data extracted again for
+#               each storage-format lane (RUN-<lane>). Extractions run alone.
 #   2. compare  the timed part, alone on the GPU: our stage 04 on RUN-small, then SpecForge 0.2.0's recipe
 #               (scripts/compare_recipes.py) on the same samples and epochs. SpecForge trains one sequence a step,
 #               so equal tokens on the full run would not fit one session.
@@ -14,6 +15,8 @@
 #                 steps      LEVER_STEP_TOKENS-token steps (more optimizer steps: the recipe lever)
 #                 epochs     twice EPOCHS
 #                 init       --init-from-verifier-layer (the drafter's layer starts as the verifier's last)
+#                 sampled    replies regenerated at T=0.8 (RUN-sampled; REGEN_CACHE does not fit, so stage 01
+#                            regenerates them all), also benchmarked at T=1
 #                 fp8topk, fp8final, bf16topk
 #                            FORMAT_STEP_TOKENS-token steps on RUN-<lane>: the same prepared data extracted
 #                            with FP8 aux and/or top-k targets (in the data phase, each extraction alone)
@@ -73,22 +76,24 @@ if [ "${MPS:-0}" = 1 ] && command -v nvidia-cuda-mps-control > /dev/null; then
   fi
 fi
 
-prepare() {  # $1 run dir, $2 samples: stages 01-03, the replies from REGEN_CACHE when its settings fit
+prepare() {  # $1 run dir, $2 samples[, $3 turns, $4 more stage-01 flags]: stages 01-03, the replies from
+             # REGEN_CACHE when its settings fit
   if [ -n "${REGEN_CACHE:-}" ] && [ ! -f "$1/data/regenerated.jsonl" ]; then
     mkdir -p "$1/data" && tar xzf "$REGEN_CACHE" -C "$1/data"
   fi
   pipeline() {
     python3 run_pipeline.py --run-dir "$1" --model-path "$VERIFIER" --dataset "$DATA/sharegpt.json" \
-      --regenerate --max-turns 1 --num-samples "$2" --eval-ratio 0.02 --max-seq-len 2048 \
-      --draft-vocab-size 32000 --skip 04 --skip 05 \
-      --stage-args 01 "--batch-size 1024 --max-new-tokens 256" --stage-args 02 "--batch-size 64 --num-workers 8"
+      --regenerate --max-turns "${3:-1}" --num-samples "$2" --eval-ratio 0.02 --max-seq-len 2048 \
+      --draft-vocab-size 32000 --skip 04 --skip 05 --stage-args 01 "--batch-size 1024 --max-new-tokens 256 ${4:-}" \
+      --stage-args 02 "--batch-size 64 --num-workers 8"
   }
-  pipeline "$1" "$2" && return 0
-  # Stage 01 refuses a cache made with other settings (another verifier path or tokenizer): regenerate instead.
+  pipeline "$@" && return 0
+  # Stage 01 refuses a cache made with other settings (another verifier path or tokenizer, another temperature):
+  # regenerate instead.
   grep -q "holds responses generated with other settings" "$1/logs/01_prepare_data.log" 2>/dev/null || return 1
-  say "REGEN_CACHE does not fit this verifier (see $1/logs/01_prepare_data.log): regenerating the replies"
+  say "REGEN_CACHE does not fit $1 (see $1/logs/01_prepare_data.log): regenerating the replies"
   rm -f "$1/data/regenerated.jsonl" "$1/data/regenerated.settings.json"
-  pipeline "$1" "$2"
+  pipeline "$@"
 }
 train04() {  # $1 run dir, $2 output folder, $3 tokens a step, $4 data workers, then extra flags
   local run=$1 out=$2 tokens=$3 workers=$4; shift 4
@@ -119,7 +124,14 @@ lane() {  # $1 lane, $2 run dir, $3 tokens a step, then extra stage-04 flags: tr
   train04 "$run" "$run/checkpoints_$name" "$tokens" "$WORKERS" "$@" || return 0
   suite "$run" "$name" "$run/checkpoints_$name/best" &
   [ "$name" = default ] && default_extras "$run/checkpoints_$name/best"
+  [ "$name" = sampled ] && bench "$run" sampled_t1 "$run/checkpoints_$name/best" "${chain[@]}" --temperature 1 \
+    --prompts "$DATA/mt_bench.jsonl"
   wait
+}
+data_flags() {  # $1 lane: its turns and stage-01 flags, for a lane trained on data of its own
+  case $1 in
+    sampled) echo "1 --temperature 0.8" ;;   # replies sampled as sampled serving will meet them
+  esac
 }
 format_flags() {  # $1 lane: its stage-02 flags, empty for a lane that trains on RUN's own hidden states
   case $1 in
@@ -137,6 +149,7 @@ start_lane() {  # $1 lane: its training flags
     init) lane init "$RUN" "$STEP_TOKENS" --init-from-verifier-layer ;;
     fp8topk|fp8final|bf16topk)
       [ -d "$RUN-$1/hidden_states" ] && lane "$1" "$RUN-$1" "$FORMAT_STEP_TOKENS" ;;
+    sampled) [ -d "$RUN-$1/hidden_states" ] && lane "$1" "$RUN-$1" "$STEP_TOKENS" ;;
     *) say "FAILED: no lane called $1" ;;
   esac
 }
@@ -152,6 +165,12 @@ default_extras() {  # $1 drafter: lossless checks in float32 (chain and tree) an
 
 if has data; then
   say "stages 01-03: $SAMPLES samples in $RUN"; prepare "$RUN" "$SAMPLES" > "$RUN/logs/prepare.log" 2>&1
+  for name in $LANES; do
+    read -r turns more <<< "$(data_flags "$name")"; [ -n "$turns" ] || continue
+    mkdir -p "$RUN-$name/logs"; say "stages 01-03 in $RUN-$name: --max-turns $turns $more"
+    # shellcheck disable=SC2086
+    prepare "$RUN-$name" "$SAMPLES" "$turns" "$more" > "$RUN-$name/logs/prepare.log" 2>&1 || say "FAILED: data $name"
+  done
   for name in $LANES; do
     flags=$(format_flags "$name"); [ -n "$flags" ] || continue
     mkdir -p "$RUN-$name/logs"; rm -rf "$RUN-$name/data" "$RUN-$name/vocab"
