@@ -75,11 +75,15 @@ def die(message: str, code: int) -> None:
     sys.exit(code)
 
 
-def run(command: list[str]) -> None:
+def launch(command: list[str]) -> int:
     print("+ " + shlex.join(command), flush=True)
-    done = subprocess.run(command, cwd=REPO)
-    if done.returncode != 0:
-        die(f"{command[1]} failed with exit code {done.returncode}; see its log above", done.returncode)
+    return subprocess.run(command, cwd=REPO).returncode
+
+
+def run(command: list[str]) -> None:
+    code = launch(command)
+    if code != 0:
+        die(f"{command[1]} failed with exit code {code}; see its log above", code)
 
 
 def run_all(commands: list[list[str]], jobs: int) -> None:
@@ -90,12 +94,8 @@ def run_all(commands: list[list[str]], jobs: int) -> None:
         return
     from concurrent.futures import ThreadPoolExecutor
 
-    def one(command):
-        print("+ " + shlex.join(command), flush=True)
-        return subprocess.run(command, cwd=REPO).returncode
-
     with ThreadPoolExecutor(jobs) as pool:
-        codes = list(pool.map(one, commands))
+        codes = list(pool.map(launch, commands))
     failed = [(command, code) for command, code in zip(commands, codes) if code != 0]
     if failed:
         die(f"{len(failed)} benchmark(s) failed, the first with exit code {failed[0][1]}: "

@@ -1,15 +1,15 @@
 #!/usr/bin/env python3
 """One Markdown table of every stage-05 report under RUN_DIR/bench_*/ (scripts/gpu_drafter_quality.sh's runs).
 
-For each drafter and run: prompt set, drafting setting, temperature, dtype, turns, tau, acceptance by position,
-greedy turns identical and mean share before divergence (T=0), repetition; then the teacher-forced agreement per TTT
-step (--mode eval), the training wall times, and the ratios of ours to SpecForge's.
+For each drafter and run: prompt set, prompts used, drafting setting, temperature, dtype, tau, acceptance by
+position, speedup (where timed), greedy turns identical and mean share before divergence (T=0), repetition; then
+the teacher-forced agreement per TTT step (--mode eval). Ours against SpecForge's recipe is compare_recipes.py's
+table, which gpu_drafter_quality.sh appends.
 
   python3 scripts/quality_table.py RUN_DIR
 """
 from __future__ import annotations
 
-import re
 import sys
 from pathlib import Path
 
@@ -63,16 +63,13 @@ def main(argv: list[str]) -> int:
         print(__doc__, file=sys.stderr)
         return 2
     run = Path(argv[0])
-    offline, evals, taus = [], [], {}
+    offline, evals = [], []
     for name, path, report in reports(run):
         if path.stem.startswith("bench_eval"):
             metrics = report["metrics"]
             evals.append([name, " ".join(fmt(a) for a in metrics["acc_per_step"]), fmt(metrics.get("sim_accept_len"))])
         elif path.stem.startswith("bench_offline"):
-            row = offline_row(name, report)
-            offline.append(row)
-            if row[4] == "0.0" and row[5] == "bfloat16" and row[3].startswith("chain"):
-                taus[(name, row[1])] = report["overall"]["tau"]
+            offline.append(offline_row(name, report))
     header = ["drafter", "set", "prompts used", "drafting", "T", "dtype", "tau", "accepted share by position",
               "speedup", "greedy identical", "share before divergence", "4-gram repetition"]
     print("| " + " | ".join(header) + " |\n|" + "---|" * len(header))
@@ -82,19 +79,6 @@ def main(argv: list[str]) -> int:
         print("\n| drafter | teacher-forced top-1 per TTT step (validation split) | simulated acceptance |\n|---|---|---|")
         for row in evals:
             print("| " + " | ".join(row) + " |")
-    walls = {}
-    for path in sorted((run / "logs").glob("wall_*.txt")):
-        found = re.search(r"(\d+) s", path.read_text())
-        if found:
-            walls[path.stem.removeprefix("wall_")] = int(found.group(1))
-    if walls:
-        print("\ntraining wall time: " + ", ".join(f"{k} {v} s" for k, v in walls.items()))
-    if "ours" in walls and "specforge" in walls:
-        print(f"ours / SpecForge wall time: {walls['ours'] / walls['specforge']:.2f}x")
-    for (name, prompts), tau in sorted(taus.items()):
-        other = taus.get(("specforge", prompts))
-        if name == "ours" and other:
-            print(f"chain tau ours / SpecForge on {prompts}: {tau:.2f} / {other:.2f} = {tau / other:.3f}x")
     return 0
 
 
