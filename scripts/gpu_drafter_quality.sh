@@ -15,6 +15,8 @@
 #                 steps      LEVER_STEP_TOKENS-token steps (more optimizer steps: the recipe lever)
 #                 epochs     twice EPOCHS
 #                 init       --init-from-verifier-layer (the drafter's layer starts as the verifier's last)
+#                 lk         --loss lk (-log of the acceptance probability, arXiv 2602.23881), also
+#                            benchmarked at T=1, where the paper reports its gains
 #                 sampled    replies regenerated at T=0.8 (RUN-sampled; REGEN_CACHE does not fit, so stage 01
 #                            regenerates them all), also benchmarked at T=1
 #                 fp8topk, fp8final, bf16topk
@@ -124,8 +126,8 @@ lane() {  # $1 lane, $2 run dir, $3 tokens a step, then extra stage-04 flags: tr
   train04 "$run" "$run/checkpoints_$name" "$tokens" "$WORKERS" "$@" || return 0
   suite "$run" "$name" "$run/checkpoints_$name/best" &
   [ "$name" = default ] && default_extras "$run/checkpoints_$name/best"
-  [ "$name" = sampled ] && bench "$run" sampled_t1 "$run/checkpoints_$name/best" "${chain[@]}" --temperature 1 \
-    --prompts "$DATA/mt_bench.jsonl"
+  case $name in sampled|lk) bench "$run" "${name}_t1" "$run/checkpoints_$name/best" "${chain[@]}" --temperature 1 \
+    --prompts "$DATA/mt_bench.jsonl" ;; esac
   wait
 }
 data_flags() {  # $1 lane: its turns and stage-01 flags, for a lane trained on data of its own
@@ -147,6 +149,7 @@ start_lane() {  # $1 lane: its training flags
     steps) lane steps "$RUN" "$LEVER_STEP_TOKENS" ;;
     epochs) lane epochs "$RUN" "$STEP_TOKENS" --epochs $((2 * EPOCHS)) ;;
     init) lane init "$RUN" "$STEP_TOKENS" --init-from-verifier-layer ;;
+    lk) lane lk "$RUN" "$STEP_TOKENS" --loss lk ;;
     fp8topk|fp8final|bf16topk)
       [ -d "$RUN-$1/hidden_states" ] && lane "$1" "$RUN-$1" "$FORMAT_STEP_TOKENS" ;;
     sampled) [ -d "$RUN-$1/hidden_states" ] && lane "$1" "$RUN-$1" "$STEP_TOKENS" ;;

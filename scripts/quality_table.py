@@ -67,7 +67,8 @@ def main(argv: list[str]) -> int:
     for name, path, report in reports(run):
         if path.stem.startswith("bench_eval"):
             metrics = report["metrics"]
-            evals.append([name, " ".join(fmt(a) for a in metrics["acc_per_step"]), fmt(metrics.get("sim_accept_len"))])
+            evals.append([name, " ".join(fmt(a) for a in metrics["acc_per_step"]), fmt(metrics.get("sim_accept_len")),
+                          fmt(metrics.get("sim_chain_tau"))])
         elif path.stem.startswith("bench_offline"):
             offline.append(offline_row(name, report))
     header = ["drafter", "set", "prompts used", "drafting", "T", "dtype", "tau", "accepted share by position",
@@ -76,7 +77,8 @@ def main(argv: list[str]) -> int:
     for row in offline:
         print("| " + " | ".join(row) + " |")
     if evals:
-        print("\n| drafter | teacher-forced top-1 per TTT step (validation split) | simulated acceptance |\n|---|---|---|")
+        print("\n| drafter | teacher-forced top-1 per TTT step (validation split) | simulated acceptance | "
+              "simulated chain tau (3 drafts, walked) |\n|---|---|---|---|")
         for row in evals:
             print("| " + " | ".join(row) + " |")
     return 0

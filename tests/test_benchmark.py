@@ -191,6 +191,40 @@ def test_every_first_draft_is_the_drafters_teacher_forced_prediction(num_steps, 
     assert checked >= 20
 
 
+def test_chain_decoding_accepts_what_validation_walks(verifier, drafters, greedy_refs):
+    """Validation's simulated chain tau walks the teacher-forced predictions of every TTT step as greedy chain
+    decoding would. On the text chain decoding produced (float32), the walk must accept exactly what
+    decoding accepted at every verify step: drafts 2 and 3 included, which rest on the drafter's own KV
+    entries of the steps before (a stale or misplaced entry would accept less than training predicts)."""
+    from common.bench.speculative import SpeculativeDecoder
+    from common.train.loss import ttt_loss
+    from common.train.metrics import walk_chain
+    from common.verifier.capture import LayerInputCapture, decoder_layers, whole
+
+    model, tokenizer = verifier
+    drafter = drafters["trained"]
+    decoder = SpeculativeDecoder(model, drafter, num_steps=3)
+    compared = multi = 0
+    for start in STARTS:
+        prompt = tokenizer(start).input_ids
+        out, stats = decoder.generate(prompt, 48, [2])
+        sequence = torch.tensor([prompt + out])
+        loss_mask = torch.tensor([[0] * len(prompt) + [1] * len(out)])
+        with torch.no_grad(), LayerInputCapture(decoder_layers(model), drafter.config.aux_layers, select=whole) as capture:
+            final = model.model(sequence).last_hidden_state
+            batch = {"input_ids": sequence, "loss_mask": loss_mask, "attention_mask": torch.ones_like(loss_mask),
+                     "aux": capture.take_concatenated(), "final": final}
+            hits = []
+            ttt_loss(drafter, batch, model.lm_head.weight.detach(), 3, hits=hits)
+        [walked] = walk_chain(hits, loss_mask, 3)
+        # the last verify step may be cut short by the token budget or an EOS inside its block
+        assert walked[:-1] == stats.accept_lengths[:len(walked) - 1], start
+        assert len(walked) == len(stats.accept_lengths), start
+        compared += len(walked) - 1
+        multi += sum(length > 2 for length in walked[:-1])
+    assert compared >= 40 and multi >= 5  # enough verify steps, and some accepted 2 or 3 drafts
+
+
 def test_stage05_scores_its_decoded_text_with_stage04s_validation(verifier, drafters, greedy_refs):
     """Stage 05 reports the drafter's teacher-forced agreement on the text it decoded (stage 02's capture,
     stage 04's validation). Step 0 must count exactly the output tokens that the drafter predicts from the

@@ -92,8 +92,9 @@ def naive_ttt_attention(q, k0, v0, diag, scale):
 
 
 def naive_ttt_loss(model: Eagle3Drafter, batch: dict, lm_head: torch.Tensor, steps: int, decay: float,
-                   positions: str = "shifted"):
-    """The TTT loss written out plainly: full-vocabulary logits, per-row loops for the masks."""
+                   positions: str = "shifted", objective: str = "kl"):
+    """The TTT loss written out plainly: full-vocabulary logits, per-row loops for the masks; objective "lk":
+    -log sum_v min(p_v, q_v) per row instead of the soft-CE."""
     layer, attn = model.midlayer, model.midlayer.self_attn
     ids, aux, final = batch["input_ids"], batch["aux"], batch["final"]
     B, S = ids.shape
@@ -129,7 +130,10 @@ def naive_ttt_loss(model: Eagle3Drafter, batch: dict, lm_head: torch.Tensor, ste
                 if u + 1 >= S or not batch["loss_mask"][b, u + 1] or not batch["attention_mask"][b, u + 1] \
                         or not in_draft[b, u]:
                     continue
-                step_sum = step_sum - (target_p[b, u] * logp[b, t]).sum()
+                if objective == "kl":
+                    step_sum = step_sum - (target_p[b, u] * logp[b, t]).sum()
+                else:
+                    step_sum = step_sum - torch.minimum(target_p[b, u], logp[b, t].exp()).sum().log()
                 step_correct += int(logp[b, t].argmax() == target_arg[b, u])
                 step_count += 1
         loss = loss + decay ** j * step_sum / max(step_count, 1)
@@ -241,6 +245,8 @@ def test_compiled_elementwise_pieces_equal_their_eager_functions():
     gate, up, grad_act = (torch.randn(n, width, generator=gen) for _ in range(3))
     cases = [(L._soft_ce_rows, (lg, p, argmax, row_w, True), 0),
              (L._soft_ce_grad_rows, (lg, p, torch.logsumexp(lg, -1), row_w), 0),
+             (L._log_acceptance_rows, (lg, p, argmax, row_w, True), 0),
+             (L._log_acceptance_grad_of_logits, (lg, p, torch.logsumexp(lg, -1), row_w), None),
              (D._silu_mul, (gate, up), None),
              (D._swiglu_grads_, (gate, up, grad_act), 2)]
     for fn, args, mutated in cases:
@@ -277,19 +283,25 @@ def test_compiled_elementwise_pieces_equal_their_eager_functions():
 
 # --- the TTT loss --------------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("backend,ce_grad,positions", [("math", "store", "shifted"), ("flash_cpu", "store", "shifted"),
-                                                       ("math", "recompute", "shifted"), ("flash_cpu", "store", "fixed")])
-def test_ttt_loss_matches_naive_reference_values_grads_and_metrics(backend, ce_grad, positions, monkeypatch):
-    """positions "fixed" is stage 04's --ttt-positions fixed (the earlier training, kept for an A/B)."""
+@pytest.mark.parametrize("backend,ce_grad,positions,objective", [
+    ("math", "store", "shifted", "kl"), ("flash_cpu", "store", "shifted", "kl"), ("math", "recompute", "shifted", "kl"),
+    ("flash_cpu", "store", "fixed", "kl"), ("math", "store", "shifted", "lk"), ("math", "recompute", "shifted", "lk")])
+def test_ttt_loss_matches_naive_reference_values_grads_and_metrics(backend, ce_grad, positions, objective,
+                                                                   monkeypatch):
+    """positions "fixed" is stage 04's --ttt-positions fixed (the earlier training, kept for an A/B); objective
+    "lk" is --loss lk, whose hand-written gradient must equal autograd's through the plain formula."""
     monkeypatch.setenv("EAGLE3_TTT_ATTENTION", backend)
     model, lm_head = tiny_model()
     model.set_memory_policy("act", ce_grad=ce_grad)
     model.ttt_positions = positions
     batch = random_batch(B=2, S=10, pad=3)
     steps, decay = 4, 0.8
-    loss, metrics = ttt_loss(model, batch, lm_head, steps, decay=decay)
+    loss, metrics = ttt_loss(model, batch, lm_head, steps, decay=decay, objective=objective)
     grads = torch.autograd.grad(loss, [p for p in model.parameters() if p.requires_grad])
-    ref, ref_metrics = naive_ttt_loss(model, batch, lm_head, steps, decay, positions)
+    ref, ref_metrics = naive_ttt_loss(model, batch, lm_head, steps, decay, positions, objective)
+    if objective == "lk":  # a different objective: the reference can tell the two apart
+        kl, _ = naive_ttt_loss(model, batch, lm_head, steps, decay, positions, "kl")
+        assert abs(float(kl) - float(ref)) > 1e-3
     other, _ = naive_ttt_loss(model, batch, lm_head, steps, decay, "fixed" if positions == "shifted" else "shifted")
     assert abs(float(other) - float(ref)) > 1e-6  # the positions matter: the comparison can tell them apart
     ref_grads = torch.autograd.grad(ref, [p for p in model.parameters() if p.requires_grad])

@@ -271,6 +271,8 @@ def test_training_learns_and_writes_sglang_ready_checkpoints(trained, run_a, nes
     for j in range(TTT):
         assert evals[-1]["acc_per_step"][j] > evals[0]["acc_per_step"][j] + 0.1, [e["acc_per_step"] for e in evals]
     assert evals[-1]["sim_accept_len"] > evals[0]["sim_accept_len"] + 0.2
+    # chain decoding with 3 drafts walked over the predictions: it rises too, and stays within 1..4 tokens a step
+    assert evals[-1]["sim_chain_tau"] > evals[0]["sim_chain_tau"] + 0.1 and 1.0 <= evals[0]["sim_chain_tau"] <= 4.0
     assert all(e["count_per_step"][0] > 300 for e in evals)  # measured on real tokens
     # the share of wall time spent waiting for the DataLoader, to tell a data-bound run from a compute-bound one
     assert all(0.0 <= r["data_wait_share"] <= 1.0 for r in train) and "waiting for data" in log_text(trained)
@@ -590,6 +592,8 @@ def test_resume_with_other_settings_is_refused(run_a, stories260k, stage04, tmp_
     assert "lr: was 0.005, now 0.001" in log_text(out)
     assert stage04.main(train_argv(run_a, out, stories260k, resume=True, ttt_positions="fixed", **flags)) == 2
     assert "ttt_positions: was 'shifted', now 'fixed'" in log_text(out)
+    assert stage04.main(train_argv(run_a, out, stories260k, resume=True, loss="lk", **flags)) == 2
+    assert "loss: was 'kl', now 'lk'" in log_text(out)
     # a run saved before --ttt-positions existed trained with fixed positions: it resumes only with those
     state_file = read_json(out / "latest.json")["checkpoint"]
     state = read_json(out / state_file / "trainer_state.json")
@@ -769,3 +773,23 @@ def test_init_from_verifier_layer_starts_the_layer_as_the_verifiers_last(run_a, 
     _refused(stage04, train_argv(run_a, other, stories260k, init_from_verifier_layer=True,
                                  finetune_from=frozen / "best"), other,
              "--init-from-verifier-layer", "--finetune-from")
+
+
+def test_lk_loss_learns_and_validation_keeps_the_soft_ce(run_a, stories260k, stage04, tmp_path):
+    """--loss lk trains on -log(acceptance probability): agreement and both simulated taus rise, the training
+    lines carry the LK loss and validation the soft-CE (comparable with a --loss kl run), and the run's
+    configuration records it."""
+    out = tmp_path / "lk"
+    assert stage04.main(train_argv(run_a, out, stories260k, epochs=3, loss="lk", eval_interval=1000)) == 0
+    train, evals = records(out, "train"), records(out, "eval")
+    assert len(evals) == 3 and evals[-1]["acc_per_step"][0] > evals[0]["acc_per_step"][0]
+    assert evals[-1]["sim_chain_tau"] > evals[0]["sim_chain_tau"]
+    kl = tmp_path / "kl"
+    assert stage04.main(train_argv(run_a, kl, stories260k, epochs=1, eval_interval=1000)) == 0
+    # training lines carry -log(alpha) (measured: 7.3 for the fresh drafter against a soft-CE of 12.9);
+    # validation the soft-CE in both runs: after an epoch, nearer the other run's than its own training loss
+    kl_train, kl_eval = records(kl, "train")[0]["loss"], records(kl, "eval")[0]["loss"]
+    assert abs(train[0]["loss"] - kl_train) > 1.0
+    assert abs(evals[0]["loss"] - kl_eval) < abs(evals[0]["loss"] - train[-1]["loss"])
+    assert read_json(out / "best" / "trainer_state.json")["run_config"]["loss"] == "lk"
+

@@ -91,6 +91,7 @@ def run_eval(args, log, begin, *_ignored) -> dict:
 def eval_summary_line(results: dict) -> str:
     """The one-line SUMMARY of --mode eval: simulated acceptance length and per-step agreement."""
     metrics = results["metrics"]
-    return (f"simulated acceptance length {fmt(metrics['sim_accept_len'])} | top-1 agreement per step "
+    return (f"simulated acceptance length {fmt(metrics['sim_accept_len'])} | simulated chain tau (3 drafts, "
+            f"walked) {fmt(metrics.get('sim_chain_tau'))} | top-1 agreement per step "
             f"[{', '.join(fmt(a, 3) for a in metrics['acc_per_step'])}] | {metrics['tokens']} tokens in "
             f"{results['seconds']:.1f} s")

@@ -202,6 +202,11 @@ _ALL_FLAGS: list[Flag] = [
          "decoding (SGLang, stage 05) runs that draft step, as SpecForge and EAGLE train; fixed = t at every "
          "step, this project's earlier training, kept only to measure the difference (docs/model.md).",
          choices=("shifted", "fixed"), default="shifted"),
+    Flag("--loss", "Training objective per TTT step: kl = soft cross-entropy against the verifier's distribution "
+         "over the draft vocabulary (the forward KL up to a constant, as SpecForge and EAGLE train); lk = -log of "
+         "the probability that speculative sampling accepts the draft, -log sum_v min(p_v, q_v) (the LK loss of "
+         "arXiv 2602.23881), which targets acceptance itself. Validation reports the soft-CE either way.",
+         choices=("kl", "lk"), default="kl"),
     Flag("--init-from-verifier-layer", "Start the drafter's decoder layer from the verifier's last decoder layer "
          "(attention, MLP and norms copied; the attention's weights for the token embedding start at zero) "
          "instead of at random. Needs a Llama-style verifier layer of the drafter's shape (not MLA or MoE).",
@@ -297,7 +302,7 @@ STAGE_FLAGS: dict[str, list[str]] = {
                  "--val-ratio", "--scheduler", "--warmup-ratio", "--grad-accum", "--max-grad-norm",
                  "--eval-interval", "--save-interval", "--keep-last", "--resume", "--num-workers",
                  "--seed", "--device", "--dtype", "--log-interval", "--overwrite", "--allow-low-disk",
-                 "--drafter-config", "--fsdp", "--fp8", "--ttt-positions", "--init-from-verifier-layer",
+                 "--drafter-config", "--fsdp", "--fp8", "--ttt-positions", "--loss", "--init-from-verifier-layer",
                  "--allow-other-verifier"],
     "05_benchmark": ["--run-dir", "--model-path", "--trust-remote-code", "--draft-model-path",
                      "--data-dir", "--output-dir", "--mode", "--prompts", "--num-prompts", "--max-new-tokens",

@@ -20,10 +20,11 @@ class TTTLossModule(nn.Module):
         self.drafter = drafter
 
     def forward(self, batch: dict, verifier_lm_head: torch.Tensor, ttt_steps: int, decay: float,
-                noise_std: float):
+                noise_std: float, objective: str = "kl"):
         from common.train.loss import ttt_loss
 
-        loss, metrics = ttt_loss(self.drafter, batch, verifier_lm_head, ttt_steps, decay=decay, noise_std=noise_std)
+        loss, metrics = ttt_loss(self.drafter, batch, verifier_lm_head, ttt_steps, decay=decay, noise_std=noise_std,
+                                 objective=objective)
         if batch["input_ids"].shape[1] <= 2 and torch.is_grad_enabled():
             # No position of so short a batch has a label, so norm and lm_head took no part; DDP and FSDP
             # expect a gradient (here zero) for every trainable parameter.

@@ -24,7 +24,7 @@ UNLIMITED_SEQUENCES = 1 << 30
 # the batch plan, the schedule and the loss, so changing one would not continue that run.
 # The global batch counts, not --grad-accum: micro_batches_per_step = --grad-accum x ranks.
 RESUME_KEYS = ("seed", "epochs", "lr", "scheduler", "warmup_ratio", "micro_batches_per_step", "max_grad_norm",
-               "max_seq_len", "ttt_steps", "ttt_decay", "ttt_positions", "noise_std", "val_ratio", "max_tokens",
+               "max_seq_len", "ttt_steps", "ttt_decay", "ttt_positions", "loss", "noise_std", "val_ratio", "max_tokens",
                "max_sequences", "finetune_from", "drafter_config", "init_from_verifier_layer", "compute_dtype",
                "hidden_states_index_sha256", "vocab_mapping_sha256")
 
@@ -254,7 +254,7 @@ def run_config_of(args, inputs: Inputs, world_size: int = 1) -> dict:
     from common.train.parameters import compute_dtype_for
 
     flags = ("seed", "epochs", "lr", "scheduler", "warmup_ratio", "grad_accum", "max_grad_norm", "max_seq_len",
-             "ttt_steps", "ttt_decay", "ttt_positions", "noise_std", "val_ratio")
+             "ttt_steps", "ttt_decay", "ttt_positions", "loss", "noise_std", "val_ratio")
     return {
         **{key: getattr(args, key) for key in flags},
         "world_size": world_size, "micro_batches_per_step": args.grad_accum * world_size,
@@ -298,6 +298,8 @@ def check_output(args, run_config: dict, log) -> tuple[Path | None, bool]:
         previous = {**previous, "micro_batches_per_step": previous["grad_accum"]}
     if "ttt_steps" in previous and "ttt_positions" not in previous:  # saved before --ttt-positions: fixed ones
         previous = {**previous, "ttt_positions": "fixed"}
+    if "ttt_steps" in previous and "loss" not in previous:  # saved before --loss: the soft-CE
+        previous = {**previous, "loss": "kl"}
     changed = setting_differences(previous, run_config, [key for key in RESUME_KEYS if key in previous])
     if any(line.startswith("micro_batches_per_step") for line in changed):
         changed.append(f"(micro_batches_per_step = --grad-accum x ranks; the run being resumed had --grad-accum "

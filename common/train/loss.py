@@ -91,8 +91,52 @@ def _soft_ce_grad_rows(lg: Tensor, p: Tensor, lse: Tensor, row_w: Tensor) -> Ten
     return lg
 
 
+def _log_acceptance_rows(lg: Tensor, p: Tensor, tgt_argmax: Tensor, row_w: Tensor, want_grad: bool):
+    """The LK loss -log(alpha) per row, alpha = sum_v min(p_v, q_v) with q = softmax(lg): the probability that
+    speculative sampling accepts a draft from q when the verifier samples from p (arXiv 2602.23881). Returns
+    (loss, lse, hit) and, with want_grad, overwrites lg with the rows' gradient, as _soft_ce_rows does."""
+    acc = upcast(lg[:0]).dtype
+    lg32, p32 = lg.to(acc), p.to(acc)
+    lse = torch.logsumexp(lg32, dim=-1)
+    q = (lg32 - lse[..., None]).exp()
+    alpha = torch.minimum(q, p32).sum(dim=-1).clamp(min=1e-20)
+    hit = lg32.argmax(dim=-1) == tgt_argmax
+    if want_grad:
+        lg.copy_(_log_acceptance_grad(q, p32, alpha, row_w))
+    return -alpha.log(), lse, hit
+
+
+def _log_acceptance_grad(q: Tensor, p: Tensor, alpha: Tensor, row_w: Tensor) -> Tensor:
+    """d(-log alpha)/d logits = -q * (below - sum(below * q)) / alpha, below = [q < p]: raising a logit helps
+    alpha only through the tokens the drafter under-proposes."""
+    below = (q < p).to(q.dtype)
+    under = (below * q).sum(dim=-1, keepdim=True)
+    return -q * (below - under) * (row_w / alpha)[..., None]
+
+
+def _log_acceptance_grad_of_logits(lg: Tensor, p: Tensor, lse: Tensor, row_w: Tensor) -> Tensor:
+    """The LK gradient rows from recomputed logits, as a new tensor (inductor miscompiles writing them back
+    into lg in the same graph as the row sums that read it)."""
+    acc = lse.dtype
+    q = (lg.to(acc) - lse[..., None]).exp()
+    p32 = p.to(acc)
+    alpha = torch.minimum(q, p32).sum(dim=-1).clamp(min=1e-20)
+    return _log_acceptance_grad(q, p32, alpha, row_w).to(lg.dtype)
+
+
+_LK_GRAD_OF_LOGITS = CompiledOnCuda(_log_acceptance_grad_of_logits)
+
+
+def _log_acceptance_grad_rows(lg: Tensor, p: Tensor, lse: Tensor, row_w: Tensor) -> Tensor:
+    """lg (recomputed logits) overwritten by the LK gradient rows, as _soft_ce_grad_rows."""
+    return lg.copy_(_LK_GRAD_OF_LOGITS(lg, p, lse, row_w))
+
+
 _SOFT_CE_ROWS = CompiledOnCuda(_soft_ce_rows)
 _SOFT_CE_GRAD_ROWS = CompiledOnCuda(_soft_ce_grad_rows)
+_LK_ROWS = CompiledOnCuda(_log_acceptance_rows)
+# --loss: the per-row loss (forward) and its gradient rows (backward without stored logits gradients)
+OBJECTIVES = {"kl": (_SOFT_CE_ROWS, _SOFT_CE_GRAD_ROWS), "lk": (_LK_ROWS, _log_acceptance_grad_rows)}
 
 
 def _ce_positions_per_pass(x: Tensor, draft_vocab: int) -> int:
@@ -107,11 +151,11 @@ def _ce_positions_per_pass(x: Tensor, draft_vocab: int) -> int:
 
 class _DraftSoftCE(torch.autograd.Function):
     """sum over rows of w * soft-CE(target probs, softmax(lm_head(x))), plus the (non-differentiable) weighted
-    count of rows whose argmax is the target's. Rows from T = tgt_probs.shape[1] on get no loss and no gradient;
+    count of rows whose argmax is the target's and those rows themselves (bool [B, T], False where w = 0). Rows from T = tgt_probs.shape[1] on get no loss and no gradient;
     store keeps the logits' gradient until backward instead of recomputing it (docs/model.md, soft-CE)."""
 
     @staticmethod
-    def forward(ctx, x, weight, tgt_probs, tgt_argmax, row_w, store, need_grad, gemms):
+    def forward(ctx, x, weight, tgt_probs, tgt_argmax, row_w, store, need_grad, gemms, objective="kl"):
         B, S, H = x.shape
         T = tgt_probs.shape[1]
         acc = upcast(x[:0]).dtype
@@ -121,9 +165,10 @@ class _DraftSoftCE(torch.autograd.Function):
         logits = gemms.linear(x.reshape(B * S, H), weight).view(B, S, -1)
         keep = bool(need_grad and store)
         chunk = _ce_positions_per_pass(x, weight.shape[0])
+        rows_loss, ctx.grad_rows = OBJECTIVES[objective]
         for r0 in range(0, T, chunk):
             r1 = min(T, r0 + chunk)
-            ce[:, r0:r1], q_lse[:, r0:r1], hit[:, r0:r1] = _SOFT_CE_ROWS(
+            ce[:, r0:r1], q_lse[:, r0:r1], hit[:, r0:r1] = rows_loss(
                 logits[:, r0:r1], tgt_probs[:, r0:r1], tgt_argmax[:, r0:r1], row_w[:, r0:r1], keep)
         ctx.stored = keep
         ctx.gemms = gemms
@@ -133,11 +178,12 @@ class _DraftSoftCE(torch.autograd.Function):
         else:
             del logits
             ctx.save_for_backward(x, weight, tgt_probs, row_w, q_lse)
+        hit = hit & (row_w > 0)
         ctx.mark_non_differentiable(hit)
-        return (ce * row_w).sum(), (hit.to(row_w.dtype) * row_w).sum()
+        return (ce * row_w).sum(), (hit.to(row_w.dtype) * row_w).sum(), hit
 
     @staticmethod
-    def backward(ctx, grad_loss, _grad_hit):
+    def backward(ctx, grad_loss, _grad_hit_sum, _grad_hit):
         gemms = ctx.gemms
         if ctx.stored:
             x, weight, grad_logits = ctx.saved_tensors
@@ -149,14 +195,14 @@ class _DraftSoftCE(torch.autograd.Function):
             chunk = _ce_positions_per_pass(x, weight.shape[0])
             for r0 in range(0, T, chunk):
                 r1 = min(T, r0 + chunk)
-                _SOFT_CE_GRAD_ROWS(grad_logits[:, r0:r1], tgt_probs[:, r0:r1], q_lse[:, r0:r1], row_w[:, r0:r1])
+                ctx.grad_rows(grad_logits[:, r0:r1], tgt_probs[:, r0:r1], q_lse[:, r0:r1], row_w[:, r0:r1])
             grad_logits[:, T:] = 0
         B, S, H = x.shape
         grad_loss = grad_loss.to(x.dtype)
         grad_rows = grad_logits.view(B * S, -1)
         grad_x, grad_w = gemms.backward(grad_rows, weight, x.reshape(B * S, H))
         grad_x, grad_w = grad_x.mul_(grad_loss).view(B, S, H), grad_w.mul_(grad_loss)
-        return grad_x, grad_w.to(weight.dtype), None, None, None, None, None, None
+        return grad_x, grad_w.to(weight.dtype), None, None, None, None, None, None, None
 
 
 def _ce_chunk_rows(draft_vocab: int, budget_elems: int = 1 << 25) -> int:
@@ -181,7 +227,8 @@ def store_ce_gradients(cfg: DrafterConfig, policy: str = "auto") -> bool:
 
 
 def ttt_loss(model: Eagle3Drafter, batch: dict, verifier_lm_head: Tensor, ttt_steps: int,
-             decay: float = 0.8, noise_std: float = 0.0) -> tuple[Tensor, dict]:
+             decay: float = 0.8, noise_std: float = 0.0, hits: list | None = None,
+             objective: str = "kl") -> tuple[Tensor, dict]:
     """Training-time-test loss of one batch.
 
     batch: input_ids Long[B,S], loss_mask [B,S], attention_mask [B,S] (1 valid, 0 right padding),
@@ -189,7 +236,10 @@ def ttt_loss(model: Eagle3Drafter, batch: dict, verifier_lm_head: Tensor, ttt_st
     the target is then the kept draft tokens renormalised, see topk_target_distribution). At step j, position t predicts token t+2+j: its target is the verifier's
     distribution softmax(final[t+1+j] @ lm_head[draft ids].T) over the draft vocabulary; it counts only if
     token t+2+j is a real, loss-masked token and the verifier's full-vocabulary argmax at t+1+j is a draft
-    token. Loss = sum_j decay**j * mean soft-CE_j. Metrics (detached, per step): loss_sum, correct, count.
+    token. Loss = sum_j decay**j * mean soft-CE_j (objective "kl": the forward KL up to a constant; "lk": the
+    mean -log acceptance probability instead). Metrics (detached, per step): loss_sum, correct, count.
+    `hits`, when given a list, gets step j's correct rows (bool [B, S-2-j]) appended for each step: validation
+    walks them as chain decoding would (common.train.metrics.walk_chain).
     """
     input_ids = batch["input_ids"]
     B, S = input_ids.shape
@@ -215,15 +265,19 @@ def ttt_loss(model: Eagle3Drafter, batch: dict, verifier_lm_head: Tensor, ttt_st
             rows = S - 2 - j  # positions t = 0 .. S-3-j have a label
             if rows <= 0:
                 loss_sums.append(zero), corrects.append(zero), counts.append(zero)
+                if hits is not None:
+                    hits.append(torch.zeros(B, 0, dtype=torch.bool, device=device))
                 continue
             row_w = label_ok[:, 1 + j:1 + j + rows].to(upcast(targets["probs"][:0]).dtype)
             normed = model.norm(prenorm)  # all S rows: the CE reads the first `rows` (no slice gradient)
-            ce_sum, hit = _DraftSoftCE.apply(
+            ce_sum, hit, hit_rows = _DraftSoftCE.apply(
                 normed, model.lm_head.weight, targets["probs"][:, 1 + j:1 + j + rows],
-                targets["argmax"][:, 1 + j:1 + j + rows], row_w, store, need_grad, model.gemms)
+                targets["argmax"][:, 1 + j:1 + j + rows], row_w, store, need_grad, model.gemms, objective)
             count = row_w.sum()
             loss = loss + (decay ** j) * ce_sum / count.clamp(min=1.0)
             loss_sums.append(ce_sum.detach()), corrects.append(hit.detach()), counts.append(count)
+            if hits is not None:
+                hits.append(hit_rows)
         if loss.grad_fn is None and torch.is_grad_enabled():  # sequences too short for any label
             loss = loss + 0.0 * prenorm.float().sum()
     metrics = {"loss_sum": torch.stack(loss_sums).float(), "correct": torch.stack(corrects).float(),

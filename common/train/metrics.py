@@ -18,7 +18,8 @@ METRICS_FILE = "metrics.jsonl"
 def add_sums(total: dict[str, torch.Tensor] | None, metrics: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """`total` plus one batch's per-TTT-step loss_sum/correct/count (float64, still on the device)."""
     parts = {key: metrics[key].detach().double() for key in ("loss_sum", "correct", "count", "missing_mass_sum",
-                                                             "missing_mass_count") if key in metrics}
+                                                             "missing_mass_count", "chain_verify_steps",
+                                                             "chain_tokens") if key in metrics}
     if total is None:
         return parts
     return {key: total[key] + parts[key] for key in parts}
@@ -46,7 +47,46 @@ def summarize(sums: dict[str, torch.Tensor] | None, decay: float) -> dict[str, A
         # top-k targets: the verifier's probability mass the stored tokens leave out (mean over loss tokens)
         **({"target_missing_mass": round(float(sums["missing_mass_sum"].sum() / sums["missing_mass_count"].sum()
                                                .clamp(min=1)), 6)} if "missing_mass_sum" in sums else {}),
+        # validation only: chain decoding walked over the teacher-forced predictions (walk_chain)
+        **({"sim_chain_tau": round(float(sums["chain_tokens"].sum() / sums["chain_verify_steps"].sum().clamp(min=1)),
+                                   6)} if "chain_tokens" in sums else {}),
     }
+
+
+def walk_chain(hits: list[torch.Tensor], loss_mask: torch.Tensor, draft_tokens: int) -> list[list[int]]:
+    """Tokens of each verify step of greedy chain decoding with `draft_tokens` drafts a step, walked over
+    teacher-forced predictions: what decoding these very sequences would accept, without decoding them.
+    One list per sequence, each entry accepted drafts + 1 (as stage 05's accept lengths).
+
+    hits[j] bool [B, S-2-j]: row t of TTT step j predicted token t+2+j (ttt_loss's `hits`); loss_mask [B, S].
+    A verify step sits at t when token t+1 (the verifier's own) and t+2 (the first draft) are loss tokens; it
+    accepts the leading correct drafts and the next one sits at the verifier's new token. Unlike
+    1 + sum_k prod_j acc_j, this keeps easy and hard stretches together as decoding meets them: it crosses an
+    easy stretch in few verify steps and spends one on every hard token (docs/training.md, validation).
+    """
+    batch, width = loss_mask.shape[0], loss_mask.shape[1] - 2
+    if width <= 0:
+        return [[] for _ in range(batch)]
+    accepted = torch.zeros(batch, width, dtype=torch.long)
+    leading = torch.ones(batch, width, dtype=torch.bool)
+    for step in hits[:draft_tokens]:
+        correct = torch.zeros(batch, width, dtype=torch.bool)
+        correct[:, :step.shape[1]] = step.cpu()
+        leading &= correct
+        accepted += leading
+    mask = loss_mask.bool().cpu()
+    starts = mask[:, 1:-1] & mask[:, 2:]
+    walks = []
+    for row_accepted, row_starts in zip(accepted.tolist(), starts.tolist()):
+        lengths, t = [], 0
+        while t < width:
+            if row_starts[t]:
+                lengths.append(row_accepted[t] + 1)
+                t += row_accepted[t] + 1
+            else:
+                t += 1
+        walks.append(lengths)
+    return walks
 
 
 class MetricsWriter:

@@ -36,8 +36,9 @@ def _series(records: list[dict[str, Any]], value) -> tuple[list[int], list[float
 
 
 def build_training_figure(metrics_path: Path, title: str):
-    """Three panels over optimizer steps: the loss, the simulated acceptance length, and the top-1 agreement at
-    TTT step 0; training lines and validation points. None when metrics.jsonl has no line yet."""
+    """Three panels over optimizer steps: the loss, the simulated acceptance length (with validation's walked
+    chain tau), and the top-1 agreement at TTT step 0; training lines and validation points. None when
+    metrics.jsonl has no line yet."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -58,6 +59,10 @@ def build_training_figure(metrics_path: Path, title: str):
         steps, values = _series(kinds["eval"], value)
         if steps:
             axis.plot(steps, values, "o-", color="#c8553d", label="validation")
+        if value is panels[1][2]:  # validation also walks chain decoding: what SGLang's default setting gets
+            steps, values = _series(kinds["eval"], lambda r: r.get("sim_chain_tau"))
+            if steps:
+                axis.plot(steps, values, "s--", color="#4c9a52", label="validation, chain of 3 drafts walked")
         axis.set_title(name, fontsize=10)
         axis.set_xlabel("optimizer step")
         axis.set_ylabel(ylabel)
@@ -73,7 +78,7 @@ def training_title(args) -> str:
     run = Path(args.run_dir).name if getattr(args, "run_dir", None) else Path(args.output_dir).name
     verifier = Path(str(args.model_path)).name if args.model_path else "?"
     return (f"stage 04 training: run {run}, verifier {verifier}, lr {args.lr:g} ({args.scheduler}), "
-            f"{args.epochs} epochs, TTT {args.ttt_steps} steps (decay {args.ttt_decay:g})")
+            f"{args.epochs} epochs, TTT {args.ttt_steps} steps (decay {args.ttt_decay:g}), loss {args.loss}")
 
 
 def write_training_curves(metrics_path: Path, png_path: Path, title: str, log=None) -> Path | None:

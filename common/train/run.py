@@ -106,6 +106,9 @@ def train_drafter(args, log, inputs: Inputs, run_config: dict, resume_from: Path
     if args.ttt_positions != "shifted":
         log.warning("--ttt-positions %s: TTT step j keeps the RoPE position of step 0, not the one decoding "
                     "uses (for an A/B only; docs/model.md)", args.ttt_positions)
+    if args.loss != "kl":
+        log.info("--loss %s: training minimises -log of the acceptance probability; validation still reports "
+                 "the soft-CE, comparable with --loss kl runs", args.loss)
     if args.fp8:
         model.use_fp8()
         log.info("--fp8: the drafter's GEMMs run on FP8 tensor cores (parameters and optimizer stay %s)",
@@ -133,8 +136,8 @@ def train_drafter(args, log, inputs: Inputs, run_config: dict, resume_from: Path
 
     cfg = TrainConfig(lr=args.lr, scheduler=args.scheduler, warmup_ratio=args.warmup_ratio,
                       max_grad_norm=args.max_grad_norm, grad_accum=args.grad_accum, ttt_steps=args.ttt_steps,
-                      ttt_decay=args.ttt_decay, noise_std=args.noise_std, device=device, dtype=compute_dtype,
-                      fp8=args.fp8)
+                      ttt_decay=args.ttt_decay, noise_std=args.noise_std, loss=args.loss, device=device,
+                      dtype=compute_dtype, fp8=args.fp8)
     loop = LoopConfig(epochs=args.epochs, max_tokens=inputs.max_tokens, max_sequences=inputs.max_sequences,
                       num_workers=args.num_workers, seed=args.seed, eval_interval=args.eval_interval,
                       save_interval=args.save_interval, log_interval=args.log_interval)

@@ -8,7 +8,8 @@ from typing import Any, Callable, Iterable, Sequence
 import torch
 
 from common.train.data import collate, to_device
-from common.train.metrics import add_sums, summarize
+from common.train.metrics import add_sums, summarize, walk_chain
+from common.verifier.sglang_launch import DEFAULT_NUM_STEPS
 from common.train.parameters import model_device, trainable_parameters
 
 
@@ -23,6 +24,7 @@ class TrainConfig:
     ttt_steps: int = 7
     ttt_decay: float = 0.8
     noise_std: float = 0.0
+    loss: str = "kl"  # the training objective (--loss); validation always reports the soft-CE
     device: str = "cpu"
     dtype: str = "float32"  # the drafter's parameters and computation (bfloat16 on GPU)
     fp8: bool = False  # GEMMs on FP8 tensor cores (Eagle3Drafter.use_fp8); batches padded to FP8_ALIGN
@@ -57,14 +59,15 @@ def train_step(model: torch.nn.Module, batch: dict | Sequence[dict], optimizer: 
         micro = to_device(micro, device)
         if parallel is None:
             loss, metrics = ttt_loss(model, micro, verifier_lm_head, cfg.ttt_steps, decay=cfg.ttt_decay,
-                                     noise_std=cfg.noise_std)
+                                     noise_std=cfg.noise_std, objective=cfg.loss)
             (loss / len(micro_batches)).backward()
             total_loss += loss.detach().float() / len(micro_batches)
         else:
             weight = weights[index]
             last = index == len(micro_batches) - 1  # the backward that reduces the gradients over the ranks
             with nullcontext() if last else parallel.no_sync():
-                loss, metrics = parallel.module(micro, verifier_lm_head, cfg.ttt_steps, cfg.ttt_decay, cfg.noise_std)
+                loss, metrics = parallel.module(micro, verifier_lm_head, cfg.ttt_steps, cfg.ttt_decay, cfg.noise_std,
+                                                cfg.loss)
                 # DDP and FSDP average over the ranks: scaled so, the result is the step's mean gradient
                 (loss * (weight * parallel.world_size)).backward()
             if weight == 0:
@@ -102,9 +105,12 @@ def _as_batches(loader_or_samples: Iterable) -> Iterable[dict]:
 @torch.no_grad()
 def evaluate(model: torch.nn.Module, loader_or_samples: Iterable, verifier_lm_head: torch.Tensor,
              ttt_steps: int, device: str | torch.device | None = None, decay: float = 0.8,
-             reduce: Callable[[dict], dict] | None = None, amp_dtype: str | None = None) -> dict[str, Any]:
+             reduce: Callable[[dict], dict] | None = None, amp_dtype: str | None = None,
+             chain_draft_tokens: int = DEFAULT_NUM_STEPS) -> dict[str, Any]:
     """Validation metrics of a drafter: per-TTT-step loss and top-1 agreement with the verifier, the
-    weighted loss, and the simulated acceptance length 1 + sum_k prod_{j<=k} acc_j.
+    weighted loss, the simulated acceptance length 1 + sum_k prod_{j<=k} acc_j, and the simulated chain tau:
+    greedy chain decoding with `chain_draft_tokens` drafts a step (SGLang's default, 3) walked over the
+    teacher-forced predictions (walk_chain).
 
     `loader_or_samples`: a DataLoader (or any iterable) of collated batches, or of single samples as
     load_sample returns them. `reduce` all-reduces the sums in a distributed run (it gets None from a rank
@@ -121,8 +127,16 @@ def evaluate(model: torch.nn.Module, loader_or_samples: Iterable, verifier_lm_he
     try:
         for batch in _as_batches(loader_or_samples):
             batch = to_device(batch, device)
+            hits = []
             with _autocast(device, amp_dtype):
-                _, metrics = ttt_loss(model, batch, verifier_lm_head, ttt_steps, decay=decay, noise_std=0.0)
+                _, metrics = ttt_loss(model, batch, verifier_lm_head, ttt_steps, decay=decay, noise_std=0.0,
+                                      hits=hits)
+            loss_mask = batch["loss_mask"].bool()
+            if batch.get("attention_mask") is not None:
+                loss_mask = loss_mask & batch["attention_mask"].bool()
+            walks = walk_chain(hits, loss_mask, chain_draft_tokens)
+            metrics["chain_verify_steps"] = torch.tensor(float(sum(map(len, walks))), device=device)
+            metrics["chain_tokens"] = torch.tensor(float(sum(map(sum, walks))), device=device)
             sums = add_sums(sums, metrics)
     finally:
         model.train(was_training)

@@ -254,8 +254,9 @@ class Trainer:
         self.metrics.write(result)
         self.last_eval = result
         self.log.info("validation at step %d: loss %.4f, top-1 agreement per TTT step %s, simulated acceptance "
-                      "length %.3f (%d tokens)", self.state.step, result["loss"],
-                      [round(a, 3) for a in result["acc_per_step"]], result["sim_accept_len"], result["tokens"])
+                      "length %.3f, simulated chain tau %.3f (3 drafts, walked) (%d tokens)", self.state.step,
+                      result["loss"], [round(a, 3) for a in result["acc_per_step"]], result["sim_accept_len"],
+                      result.get("sim_chain_tau", float("nan")), result["tokens"])
         return result
 
     # --- sums over the ranks --------------------------------------------------------------------------
@@ -265,7 +266,11 @@ class Trainer:
                 for key in ("loss_sum", "correct", "count")}
 
     def _reduce_sums(self, sums: dict[str, torch.Tensor] | None) -> dict[str, torch.Tensor]:
-        return self.parallel.reduce_sums(sums if sums is not None else self._zero_sums())
+        """Validation sums over the ranks; a rank without batches adds zeros under the same keys."""
+        if sums is None:
+            zero = torch.zeros((), dtype=torch.float64, device=model_device(self.model))
+            sums = {**self._zero_sums(), "chain_verify_steps": zero, "chain_tokens": zero}
+        return self.parallel.reduce_sums(sums)
 
     def _reduce_window(self, sums, loss, tokens):
         """A metrics window's (sums, loss, tokens) summed over the ranks (train_step gives each rank's part)."""
@@ -298,6 +303,7 @@ class Trainer:
         summary = self.summary(checkpoint=name,
                                val_sim_accept_len=evaluated["sim_accept_len"] if evaluated else None,
                                val_acc_per_step=evaluated["acc_per_step"] if evaluated else None,
+                               val_sim_chain_tau=evaluated.get("sim_chain_tau") if evaluated else None,
                                run_config=self.run_config)
         # (under FSDP both gather whole tensors: every rank takes part, rank 0 writes)
         model = self.model if self.parallel is None else self.parallel.export_model()
