@@ -8,12 +8,14 @@
 #               (scripts/compare_recipes.py) on the same samples and epochs. SpecForge trains one sequence a step,
 #               so equal tokens on the full run would not fit one session.
 #   3. lanes    side by side, each lane a training on RUN followed by its benchmarks (acceptance only, no timing);
-#               LANES picks them (unset: "default init fp8final bf16topk"; at 4,096-token steps a lane's training
-#               takes about 10 minutes beside three others on an H200, host-bound at ~6 steps/s):
+#               LANES picks them (unset: "default lr3 lr10 lk fp8final bf16topk"; at 4,096-token steps a lane's
+#               training takes about 10 minutes beside three others on an H200, host-bound at ~6 steps/s):
 #                 default    STEP_TOKENS-token steps, --ttt-positions shifted (today's recipe)
 #                 fixed      the same with --ttt-positions fixed (the old rule: the A/B of the TTT positions)
 #                 steps      LEVER_STEP_TOKENS-token steps (more optimizer steps: the recipe lever)
 #                 epochs     twice EPOCHS
+#                 lrX        X times LR (lr3, lr10: on stories260K, scripts/cpu_recipe_levers.sh, 3x and 10x the
+#                            learning rate raised chain tau 14 % and 23 %)
 #                 init       --init-from-verifier-layer (the drafter's layer starts as the verifier's last)
 #                 lk         --loss lk (-log of the acceptance probability, arXiv 2602.23881), also
 #                            benchmarked at T=1, where the paper reports its gains
@@ -25,8 +27,8 @@
 #               and the small run's two drafters benchmarked (compare_recipes.py --parts bench table).
 #               Every lane: stage 05 --tau-only at chain 3/1/4 (what SGLang serves), T=0, on all 80 MT-bench
 #               questions (both turns) and HELDOUT stratified held-out prompts, and the teacher-forced agreement
-#               (--mode eval). The default lane also: chain and tree in float32 on all of MT-bench (every turn
-#               checked against the verifier's greedy choice: lossless) and chain at T=1.
+#               (--mode eval). The default lane also (unless EXTRAS=0): chain and tree in float32 on all of
+#               MT-bench (every turn checked against the verifier's greedy choice: lossless) and chain at T=1.
 #   4. table    scripts/quality_table.py -> RUN/quality.md
 # Each stage-05 run writes its own output folder (a folder has one writer at a time). With MPS=1 the CUDA MPS daemon
 # is started first (when it starts and works), so the side-by-side processes run their kernels concurrently.
@@ -39,7 +41,7 @@
 # Environment: SAMPLES (10000), SMALL (800), EPOCHS (4), LR (1e-3), STEP_TOKENS (4096), LEVER_STEP_TOKENS (2048),
 # FORMAT_STEP_TOKENS (16384, as the bf16 and fp8topk drafters of 2026-12-01), LANES, TOPK (64), HELDOUT (60),
 # NEW_TOKENS (128), WORKERS (data workers of each side-by-side training, 3), SPECFORGE (its wheel or a folder holding the package; empty: no comparison), SPECFORGE_ARGS (more flags for its recipe,
-# e.g. "--lr 1e-4 --time-limit 480"), PHASES ("data compare lanes table"; "pack" alone packs what exists), MPS,
+# e.g. "--lr 1e-4 --time-limit 480"), PHASES ("data compare lanes table"; "pack" alone packs what exists), MPS, EXTRAS,
 # OUT (pack logs, manifests, metrics and reports into $OUT/quality.tgz). Progress: RUN_DIR/logs/quality.log.
 # Measured on one H200 with REGEN_CACHE (2026-12-01, SMALL 1500, STEP_TOKENS 16384, four lanes): data 2.2 min,
 # compare 7.8 min (SpecForge stopped by its 400 s limit at 54 % of its steps), lanes 15.3 min (the 4096-token
@@ -49,7 +51,7 @@ cd "$(dirname "$0")/.."
 VERIFIER=$1; DATA=$2; RUN=$3; SMALL_RUN=$RUN-small
 SAMPLES=${SAMPLES:-10000}; SMALL=${SMALL:-800}; EPOCHS=${EPOCHS:-4}; LR=${LR:-1e-3}
 STEP_TOKENS=${STEP_TOKENS:-4096}; LEVER_STEP_TOKENS=${LEVER_STEP_TOKENS:-2048}; TOPK=${TOPK:-64}
-FORMAT_STEP_TOKENS=${FORMAT_STEP_TOKENS:-16384}; LANES=${LANES-"default init fp8final bf16topk"}
+FORMAT_STEP_TOKENS=${FORMAT_STEP_TOKENS:-16384}; LANES=${LANES-"default lr3 lr10 lk fp8final bf16topk"}; EXTRAS=${EXTRAS:-1}
 HELDOUT=${HELDOUT:-60}; NEW_TOKENS=${NEW_TOKENS:-128}; WORKERS=${WORKERS:-3}
 SPECFORGE=${SPECFORGE:-}; SPECFORGE_ARGS=${SPECFORGE_ARGS:-}; PHASES=${PHASES:-"data compare lanes table"}
 export PYTHONUNBUFFERED=1
@@ -125,7 +127,7 @@ lane() {  # $1 lane, $2 run dir, $3 tokens a step, then extra stage-04 flags: tr
   local name=$1 run=$2 tokens=$3; shift 3
   train04 "$run" "$run/checkpoints_$name" "$tokens" "$WORKERS" "$@" || return 0
   suite "$run" "$name" "$run/checkpoints_$name/best" &
-  [ "$name" = default ] && default_extras "$run/checkpoints_$name/best"
+  [ "$name" = default ] && [ "$EXTRAS" = 1 ] && default_extras "$run/checkpoints_$name/best"
   case $name in sampled|lk) bench "$run" "${name}_t1" "$run/checkpoints_$name/best" "${chain[@]}" --temperature 1 \
     --prompts "$DATA/mt_bench.jsonl" ;; esac
   wait
@@ -150,6 +152,7 @@ start_lane() {  # $1 lane: its training flags
     epochs) lane epochs "$RUN" "$STEP_TOKENS" --epochs $((2 * EPOCHS)) ;;
     init) lane init "$RUN" "$STEP_TOKENS" --init-from-verifier-layer ;;
     lk) lane lk "$RUN" "$STEP_TOKENS" --loss lk ;;
+    lr[0-9]*) lane "$1" "$RUN" "$STEP_TOKENS" --lr "$(python3 -c "print(${1#lr} * $LR)")" ;;
     fp8topk|fp8final|bf16topk)
       [ -d "$RUN-$1/hidden_states" ] && lane "$1" "$RUN-$1" "$FORMAT_STEP_TOKENS" ;;
     sampled) [ -d "$RUN-$1/hidden_states" ] && lane "$1" "$RUN-$1" "$STEP_TOKENS" ;;

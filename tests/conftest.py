@@ -25,13 +25,9 @@ STORIES260K = SHIPPED_STORIES260K if (SHIPPED_STORIES260K / "config.json").exist
 TWO_TURN_PROMPTS = ASSETS / "prompts_two_turn.jsonl"
 
 # A chat template for stories260K (which has none): special tokens around turns, the assistant header
-# "Answer:" emitted by the generation prompt exactly as in the rendered assistant turn.
-STORIES_TEMPLATE = (
-    "{%- for m in messages -%}"
-    "{%- if m.role == 'assistant' -%}<s>Answer: {{ m.content }}</s>"
-    "{%- else -%}<s>{{ m.role | capitalize }}: {{ m.content }}\n{% endif -%}"
-    "{%- endfor -%}"
-    "{%- if add_generation_prompt -%}<s>Answer:{%- endif -%}")
+# "Answer:" emitted by the generation prompt exactly as in the rendered assistant turn. A file, since
+# scripts/cpu_recipe_levers.sh runs the stages with it too.
+STORIES_TEMPLATE = (ASSETS / "stories260K_chat.jinja").read_text()
 
 
 @pytest.fixture(scope="module")

@@ -1,0 +1,41 @@
+"""scripts/cpu_recipe_levers.sh end to end at a tiny size: the real stages on stories260K and PyPI ShareGPT prompts,
+two lanes whose names are their changes, every benchmark, the table; a rerun skips finished trainings."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+
+from conftest import REPO
+
+
+def _run(run_dir, lanes: str) -> subprocess.CompletedProcess:
+    env = {**os.environ, "PROMPTS": "60", "EPOCHS": "1", "LANES": lanes, "HELDOUT": "2", "NEW_TOKENS": "8",
+           "PYTHON": os.environ.get("PYTHON", str(REPO / ".venv" / "bin" / "python"))}
+    if not os.path.exists(env["PYTHON"]):
+        env["PYTHON"] = "python"
+    return subprocess.run(["bash", str(REPO / "scripts" / "cpu_recipe_levers.sh"), str(run_dir)], cwd=REPO, env=env,
+                          capture_output=True, text=True, timeout=900)
+
+
+def test_lanes_train_what_their_names_say_and_every_benchmark_lands_in_the_table(tmp_path):
+    run = tmp_path / "levers"
+    done = _run(run, "default lr3_steps2 epochs2x")
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    flags = {name: json.loads((run / f"checkpoints_{name}" / "manifest.json").read_text())["flags"]
+             for name in ("default", "lr3_steps2")}
+    assert (flags["default"]["lr"], flags["default"]["max_tokens_per_batch"]) == (1e-3, 4096)
+    assert (flags["lr3_steps2"]["lr"], flags["lr3_steps2"]["max_tokens_per_batch"]) == (3e-3, 2048)
+    assert flags["lr3_steps2"]["epochs"] == flags["default"]["epochs"] == 1
+    assert "FAILED: no lane called epochs2x" in (run / "logs" / "levers.log").read_text()
+    assert not (run / "checkpoints_epochs2x").exists()
+    table = (run / "levers.md").read_text()
+    for name in ("default", "lr3_steps2"):
+        assert f"| {name}_heldout | " in table and f"| {name}_heldout_t1 | " in table and f"| {name}_eval | " in table
+    assert "simulated chain tau (3 drafts, walked)" in table and "2 of " in table
+
+    trained = (run / "checkpoints_default" / "manifest.json").stat().st_mtime_ns
+    again = _run(run, "default")
+    assert again.returncode == 0, again.stdout[-3000:] + again.stderr[-3000:]
+    assert (run / "checkpoints_default" / "manifest.json").stat().st_mtime_ns == trained  # not trained again
+    assert "lane default done" in again.stdout
