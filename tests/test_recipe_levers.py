@@ -5,15 +5,14 @@ from __future__ import annotations
 import json
 import os
 import subprocess
+import sys
 
 from conftest import REPO
 
 
 def _run(run_dir, lanes: str) -> subprocess.CompletedProcess:
     env = {**os.environ, "PROMPTS": "60", "EPOCHS": "1", "LANES": lanes, "HELDOUT": "2", "NEW_TOKENS": "8",
-           "PYTHON": os.environ.get("PYTHON", str(REPO / ".venv" / "bin" / "python"))}
-    if not os.path.exists(env["PYTHON"]):
-        env["PYTHON"] = "python"
+           "PYTHON": sys.executable}
     return subprocess.run(["bash", str(REPO / "scripts" / "cpu_recipe_levers.sh"), str(run_dir)], cwd=REPO, env=env,
                           capture_output=True, text=True, timeout=900)
 
