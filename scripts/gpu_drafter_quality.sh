@@ -21,6 +21,8 @@
 #                            benchmarked at T=1, where the paper reports its gains
 #                 sampled    replies regenerated at T=0.8 (RUN-sampled; REGEN_CACHE does not fit, so stage 01
 #                            regenerates them all), also benchmarked at T=1
+#                 data       DATA_SAMPLES prompts (RUN-data; REGEN_CACHE's replies for the prompts it holds,
+#                            the rest regenerated; on stories260K 3x the prompts raised chain tau 24 %)
 #                 fp8topk, fp8final, bf16topk
 #                            FORMAT_STEP_TOKENS-token steps on RUN-<lane>: the same prepared data extracted
 #                            with FP8 aux and/or top-k targets (in the data phase, each extraction alone)
@@ -38,7 +40,8 @@
 #     DATA_DIR  scripts/prepare_device_data.py DATA --conversations 20000 --prompts-only (sharegpt.json,
 #               mt_bench.jsonl); with REGEN_CACHE=FILE (../shared/cache/smollm2_sharegpt_greedy_10k.tgz) stage 01
 #               reuses the greedy replies of every prompt that SAMPLES=10000 takes from that file
-# Environment: SAMPLES (10000), SMALL (800), EPOCHS (4), LR (1e-3), STEP_TOKENS (4096), LEVER_STEP_TOKENS (2048),
+# Environment: SAMPLES (10000), SMALL (800), DATA_SAMPLES (17000: about every first turn of the device data; the
+# data lane), EPOCHS (4), LR (1e-3), STEP_TOKENS (4096), LEVER_STEP_TOKENS (2048),
 # FORMAT_STEP_TOKENS (16384, as the bf16 and fp8topk drafters of 2026-12-01), LANES, TOPK (64), HELDOUT (60),
 # NEW_TOKENS (128), WORKERS (data workers of each side-by-side training, 3), SPECFORGE (its wheel or a folder holding the package; empty: no comparison), SPECFORGE_ARGS (more flags for its recipe,
 # e.g. "--lr 1e-4 --time-limit 480"), PHASES ("data compare lanes table"; "pack" alone packs what exists), MPS, EXTRAS,
@@ -49,7 +52,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 VERIFIER=$1; DATA=$2; RUN=$3; SMALL_RUN=$RUN-small
-SAMPLES=${SAMPLES:-10000}; SMALL=${SMALL:-800}; EPOCHS=${EPOCHS:-4}; LR=${LR:-1e-3}
+SAMPLES=${SAMPLES:-10000}; SMALL=${SMALL:-800}; EPOCHS=${EPOCHS:-4}; LR=${LR:-1e-3}; DATA_SAMPLES=${DATA_SAMPLES:-17000}
 STEP_TOKENS=${STEP_TOKENS:-4096}; LEVER_STEP_TOKENS=${LEVER_STEP_TOKENS:-2048}; TOPK=${TOPK:-64}
 FORMAT_STEP_TOKENS=${FORMAT_STEP_TOKENS:-16384}; LANES=${LANES-"default lr3 lr10 fp8final bf16topk"}; EXTRAS=${EXTRAS:-1}
 HELDOUT=${HELDOUT:-60}; NEW_TOKENS=${NEW_TOKENS:-128}; WORKERS=${WORKERS:-3}
@@ -132,9 +135,10 @@ lane() {  # $1 lane, $2 run dir, $3 tokens a step, then extra stage-04 flags: tr
     --prompts "$DATA/mt_bench.jsonl" ;; esac
   wait
 }
-data_flags() {  # $1 lane: its turns and stage-01 flags, for a lane trained on data of its own
+data_flags() {  # $1 lane: its turns, samples and stage-01 flags, for a lane trained on data of its own
   case $1 in
-    sampled) echo "1 --temperature 0.8" ;;   # replies sampled as sampled serving will meet them
+    sampled) echo "1 $SAMPLES --temperature 0.8" ;;   # replies sampled as sampled serving will meet them
+    data) echo "1 $DATA_SAMPLES" ;;
   esac
 }
 format_flags() {  # $1 lane: its stage-02 flags, empty for a lane that trains on RUN's own hidden states
@@ -155,7 +159,7 @@ start_lane() {  # $1 lane: its training flags
     lr[0-9]*) lane "$1" "$RUN" "$STEP_TOKENS" --lr "$(python3 -c "print(${1#lr} * $LR)")" ;;
     fp8topk|fp8final|bf16topk)
       [ -d "$RUN-$1/hidden_states" ] && lane "$1" "$RUN-$1" "$FORMAT_STEP_TOKENS" ;;
-    sampled) [ -d "$RUN-$1/hidden_states" ] && lane "$1" "$RUN-$1" "$STEP_TOKENS" ;;
+    sampled|data) [ -d "$RUN-$1/hidden_states" ] && lane "$1" "$RUN-$1" "$STEP_TOKENS" ;;
     *) say "FAILED: no lane called $1" ;;
   esac
 }
@@ -172,10 +176,10 @@ default_extras() {  # $1 drafter: lossless checks in float32 (chain and tree) an
 if has data; then
   say "stages 01-03: $SAMPLES samples in $RUN"; prepare "$RUN" "$SAMPLES" > "$RUN/logs/prepare.log" 2>&1
   for name in $LANES; do
-    read -r turns more <<< "$(data_flags "$name")"; [ -n "$turns" ] || continue
-    mkdir -p "$RUN-$name/logs"; say "stages 01-03 in $RUN-$name: --max-turns $turns $more"
+    read -r turns samples more <<< "$(data_flags "$name")"; [ -n "$turns" ] || continue
+    mkdir -p "$RUN-$name/logs"; say "stages 01-03 in $RUN-$name: $samples samples, --max-turns $turns $more"
     # shellcheck disable=SC2086
-    prepare "$RUN-$name" "$SAMPLES" "$turns" "$more" > "$RUN-$name/logs/prepare.log" 2>&1 || say "FAILED: data $name"
+    prepare "$RUN-$name" "$samples" "$turns" "$more" > "$RUN-$name/logs/prepare.log" 2>&1 || say "FAILED: data $name"
   done
   for name in $LANES; do
     flags=$(format_flags "$name"); [ -n "$flags" ] || continue
