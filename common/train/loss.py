@@ -1,4 +1,5 @@
-"""The training-time-test (TTT) loss: the verifier's target distribution, the soft cross-entropy and its metrics."""
+"""The training-time-test (TTT) loss: the verifier's target distribution, the soft cross-entropy (or the LK loss,
+--loss lk) and its metrics."""
 from __future__ import annotations
 
 from typing import TYPE_CHECKING
@@ -150,9 +151,10 @@ def _ce_positions_per_pass(x: Tensor, draft_vocab: int) -> int:
 
 
 class _DraftSoftCE(torch.autograd.Function):
-    """sum over rows of w * soft-CE(target probs, softmax(lm_head(x))), plus the (non-differentiable) weighted
-    count of rows whose argmax is the target's and those rows themselves (bool [B, T], False where w = 0). Rows from T = tgt_probs.shape[1] on get no loss and no gradient;
-    store keeps the logits' gradient until backward instead of recomputing it (docs/model.md, soft-CE)."""
+    """sum over rows of w * loss(target probs, softmax(lm_head(x))) (`objective`: the soft-CE, or the LK loss),
+    plus the (non-differentiable) weighted count of rows whose argmax is the target's and those rows themselves
+    (bool [B, T], False where w = 0). Rows from T = tgt_probs.shape[1] on get no loss and no gradient; store
+    keeps the logits' gradient until backward instead of recomputing it (docs/model.md, soft-CE)."""
 
     @staticmethod
     def forward(ctx, x, weight, tgt_probs, tgt_argmax, row_w, store, need_grad, gemms, objective="kl"):
