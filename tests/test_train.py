@@ -792,4 +792,6 @@ def test_lk_loss_learns_and_validation_keeps_the_soft_ce(run_a, stories260k, sta
     assert abs(train[0]["loss"] - kl_train) > 1.0
     assert abs(evals[0]["loss"] - kl_eval) < abs(evals[0]["loss"] - train[-1]["loss"])
     assert read_json(out / "best" / "trainer_state.json")["run_config"]["loss"] == "lk"
+    # the last line gives the figure to compare with stage 05: the last validation's walked chain tau
+    assert f"simulated chain tau {evals[-1]['sim_chain_tau']:.3f}, the figure to compare" in log_text(out)
 

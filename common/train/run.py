@@ -170,7 +170,13 @@ def train_drafter(args, log, inputs: Inputs, run_config: dict, resume_from: Path
     manifest.data.update(best=result.get("best"), best_val_sim_accept_len=result.get("best_value"),
                          latest=trainer.checkpoints.pointer_target("latest"), last_eval=result.get("last_eval"))
     manifest.complete()
-    log.info("training done: %d steps; best checkpoint %s (validation simulated acceptance length %s); "
-             "serve it with --speculative-draft-model-path %s", trainer.state.step, result.get("best"),
-             result.get("best_value"), output_dir / "best")
+    last = result.get("last_eval") or {}
+    log.info("training done: %d steps; best checkpoint %s (validation simulated acceptance length %s; the last "
+             "validation's simulated chain tau %s, the figure to compare with stage 05's tau); serve it with "
+             "--speculative-draft-model-path %s", trainer.state.step, result.get("best"),
+             _rounded(result.get("best_value")), _rounded(last.get("sim_chain_tau")), output_dir / "best")
+
+
+def _rounded(value) -> str:
+    return "-" if value is None else f"{value:.3f}"
 
