@@ -96,15 +96,19 @@ def _log_acceptance_rows(lg: Tensor, p: Tensor, tgt_argmax: Tensor, row_w: Tenso
     """The LK loss -log(alpha) per row, alpha = sum_v min(p_v, q_v) with q = softmax(lg): the probability that
     speculative sampling accepts a draft from q when the verifier samples from p (arXiv 2602.23881). Returns
     (loss, lse, hit) and, with want_grad, overwrites lg with the rows' gradient, as _soft_ce_rows does."""
-    acc = upcast(lg[:0]).dtype
-    lg32, p32 = lg.to(acc), p.to(acc)
-    lse = torch.logsumexp(lg32, dim=-1)
-    q = (lg32 - lse[..., None]).exp()
-    alpha = torch.minimum(q, p32).sum(dim=-1).clamp(min=1e-20)
-    hit = lg32.argmax(dim=-1) == tgt_argmax
+    lse = torch.logsumexp(lg.to(upcast(lg[:0]).dtype), dim=-1)
+    q, p32, alpha = _acceptance(lg, p, lse)
+    hit = lg.argmax(dim=-1) == tgt_argmax
     if want_grad:
         lg.copy_(_log_acceptance_grad(q, p32, alpha, row_w))
     return -alpha.log(), lse, hit
+
+
+def _acceptance(lg: Tensor, p: Tensor, lse: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """(q = softmax(lg), p, alpha = sum_v min(p_v, q_v)) in lse's dtype."""
+    q = (lg.to(lse.dtype) - lse[..., None]).exp()
+    p32 = p.to(lse.dtype)
+    return q, p32, torch.minimum(q, p32).sum(dim=-1).clamp(min=1e-20)
 
 
 def _log_acceptance_grad(q: Tensor, p: Tensor, alpha: Tensor, row_w: Tensor) -> Tensor:
@@ -118,11 +122,7 @@ def _log_acceptance_grad(q: Tensor, p: Tensor, alpha: Tensor, row_w: Tensor) -> 
 def _log_acceptance_grad_of_logits(lg: Tensor, p: Tensor, lse: Tensor, row_w: Tensor) -> Tensor:
     """The LK gradient rows from recomputed logits, as a new tensor (inductor miscompiles writing them back
     into lg in the same graph as the row sums that read it)."""
-    acc = lse.dtype
-    q = (lg.to(acc) - lse[..., None]).exp()
-    p32 = p.to(acc)
-    alpha = torch.minimum(q, p32).sum(dim=-1).clamp(min=1e-20)
-    return _log_acceptance_grad(q, p32, alpha, row_w).to(lg.dtype)
+    return _log_acceptance_grad(*_acceptance(lg, p, lse), row_w).to(lg.dtype)
 
 
 _LK_GRAD_OF_LOGITS = CompiledOnCuda(_log_acceptance_grad_of_logits)
@@ -153,7 +153,7 @@ def _ce_positions_per_pass(x: Tensor, draft_vocab: int) -> int:
 class _DraftSoftCE(torch.autograd.Function):
     """sum over rows of w * loss(target probs, softmax(lm_head(x))) (`objective`: the soft-CE, or the LK loss),
     plus the (non-differentiable) weighted count of rows whose argmax is the target's and those rows themselves
-    (bool [B, T], False where w = 0). Rows from T = tgt_probs.shape[1] on get no loss and no gradient; store
+    (bool [B, T], whatever their weight). Rows from T = tgt_probs.shape[1] on get no loss and no gradient; store
     keeps the logits' gradient until backward instead of recomputing it (docs/model.md, soft-CE)."""
 
     @staticmethod
@@ -180,7 +180,6 @@ class _DraftSoftCE(torch.autograd.Function):
         else:
             del logits
             ctx.save_for_backward(x, weight, tgt_probs, row_w, q_lse)
-        hit = hit & (row_w > 0)
         ctx.mark_non_differentiable(hit)
         return (ce * row_w).sum(), (hit.to(row_w.dtype) * row_w).sum(), hit
 
@@ -228,6 +227,15 @@ def store_ce_gradients(cfg: DrafterConfig, policy: str = "auto") -> bool:
     return cfg.draft_vocab_size <= 0.6 * kept_per_row
 
 
+def real_loss_mask(batch: dict) -> Tensor:
+    """bool [B, S]: loss tokens that are not right padding."""
+    device = batch["input_ids"].device
+    loss_mask = batch["loss_mask"].to(device=device, dtype=torch.bool)
+    if batch.get("attention_mask") is not None:
+        loss_mask = loss_mask & batch["attention_mask"].to(device=device, dtype=torch.bool)
+    return loss_mask
+
+
 def ttt_loss(model: Eagle3Drafter, batch: dict, verifier_lm_head: Tensor, ttt_steps: int,
              decay: float = 0.8, noise_std: float = 0.0, hits: list | None = None,
              objective: str = "kl") -> tuple[Tensor, dict]:
@@ -246,9 +254,7 @@ def ttt_loss(model: Eagle3Drafter, batch: dict, verifier_lm_head: Tensor, ttt_st
     input_ids = batch["input_ids"]
     B, S = input_ids.shape
     device = input_ids.device
-    loss_mask = batch["loss_mask"].to(device=device, dtype=torch.bool)
-    if batch.get("attention_mask") is not None:
-        loss_mask = loss_mask & batch["attention_mask"].to(device=device, dtype=torch.bool)
+    loss_mask = real_loss_mask(batch)
     with torch.autocast(device_type=device.type, enabled=False):
         if "topk_ids" in batch:
             targets = topk_target_distribution(batch["topk_ids"], batch["topk_logprobs"], model.t2d.to(device),
@@ -278,8 +284,8 @@ def ttt_loss(model: Eagle3Drafter, batch: dict, verifier_lm_head: Tensor, ttt_st
             count = row_w.sum()
             loss = loss + (decay ** j) * ce_sum / count.clamp(min=1.0)
             loss_sums.append(ce_sum.detach()), corrects.append(hit.detach()), counts.append(count)
-            if hits is not None:
-                hits.append(hit_rows)
+            if hits is not None:  # (validation only: off the training step's path)
+                hits.append(hit_rows & (row_w > 0))
         if loss.grad_fn is None and torch.is_grad_enabled():  # sequences too short for any label
             loss = loss + 0.0 * prenorm.float().sum()
     metrics = {"loss_sum": torch.stack(loss_sums).float(), "correct": torch.stack(corrects).float(),

@@ -46,21 +46,24 @@ def build_training_figure(metrics_path: Path, title: str):
     kinds = read_metrics(metrics_path)
     if not kinds["train"] and not kinds["eval"]:
         return None
+    # (title, y label, value, key of a second validation series or None)
     panels = [
-        ("loss (decay-weighted over TTT steps)", "loss", lambda r: r.get("loss")),
-        ("simulated acceptance length (tau)", "tokens per verify step", lambda r: r.get("sim_accept_len")),
-        ("top-1 agreement at TTT step 0", "share of positions", lambda r: (r.get("acc_per_step") or [None])[0]),
+        ("loss (decay-weighted over TTT steps)", "loss", lambda r: r.get("loss"), None),
+        ("simulated acceptance length (tau)", "tokens per verify step", lambda r: r.get("sim_accept_len"),
+         "sim_chain_tau"),  # validation also walks chain decoding: what SGLang's default setting gets
+        ("top-1 agreement at TTT step 0", "share of positions", lambda r: (r.get("acc_per_step") or [None])[0],
+         None),
     ]
     fig, axes = plt.subplots(1, len(panels), figsize=(15, 4.2), squeeze=False)
-    for axis, (name, ylabel, value) in zip(axes[0], panels):
+    for axis, (name, ylabel, value, second) in zip(axes[0], panels):
         steps, values = _series(kinds["train"], value)
         if steps:
             axis.plot(steps, values, color="#3b6ea8", label="training (mean since the last line)")
         steps, values = _series(kinds["eval"], value)
         if steps:
             axis.plot(steps, values, "o-", color="#c8553d", label="validation")
-        if value is panels[1][2]:  # validation also walks chain decoding: what SGLang's default setting gets
-            steps, values = _series(kinds["eval"], lambda r: r.get("sim_chain_tau"))
+        if second is not None:
+            steps, values = _series(kinds["eval"], lambda r: r.get(second))
             if steps:
                 axis.plot(steps, values, "s--", color="#4c9a52", label="validation, chain of 3 drafts walked")
         axis.set_title(name, fontsize=10)

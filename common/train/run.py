@@ -19,6 +19,7 @@ from common.train.plots import CURVES_FILE, training_title, write_training_curve
 from common.train.step import TrainConfig
 from common.train.stopping import signal_hooks_for_tests
 from common.train.trainer import LoopConfig, Trainer
+from common.bench.report import fmt
 from common.model.layer_init import init_layer_from_verifier
 from common.verifier.loading import read_embedding_tensors, read_layer_tensors
 
@@ -174,9 +175,5 @@ def train_drafter(args, log, inputs: Inputs, run_config: dict, resume_from: Path
     log.info("training done: %d steps; best checkpoint %s (validation simulated acceptance length %s; the last "
              "validation's simulated chain tau %s, the figure to compare with stage 05's tau); serve it with "
              "--speculative-draft-model-path %s", trainer.state.step, result.get("best"),
-             _rounded(result.get("best_value")), _rounded(last.get("sim_chain_tau")), output_dir / "best")
-
-
-def _rounded(value) -> str:
-    return "-" if value is None else f"{value:.3f}"
+             fmt(result.get("best_value")), fmt(last.get("sim_chain_tau")), output_dir / "best")
 

@@ -118,7 +118,7 @@ def evaluate(model: torch.nn.Module, loader_or_samples: Iterable, verifier_lm_he
     weights (no backward here, so the drafter's fused functions are fine with it); stage 04 validates in
     the parameters' own dtype instead. Used by stage 04's validation and stage 05's --mode eval.
     """
-    from common.train.loss import ttt_loss
+    from common.train.loss import real_loss_mask, ttt_loss
 
     device = torch.device(device) if device is not None else model_device(model)
     was_training = model.training
@@ -131,10 +131,7 @@ def evaluate(model: torch.nn.Module, loader_or_samples: Iterable, verifier_lm_he
             with _autocast(device, amp_dtype):
                 _, metrics = ttt_loss(model, batch, verifier_lm_head, ttt_steps, decay=decay, noise_std=0.0,
                                       hits=hits)
-            loss_mask = batch["loss_mask"].bool()
-            if batch.get("attention_mask") is not None:
-                loss_mask = loss_mask & batch["attention_mask"].bool()
-            walks = walk_chain(hits, loss_mask, chain_draft_tokens)
+            walks = walk_chain(hits, real_loss_mask(batch), chain_draft_tokens)
             metrics["chain_verify_steps"] = torch.tensor(float(sum(map(len, walks))), device=device)
             metrics["chain_tokens"] = torch.tensor(float(sum(map(sum, walks))), device=device)
             sums = add_sums(sums, metrics)
