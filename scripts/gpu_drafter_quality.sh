@@ -8,8 +8,8 @@
 #               (scripts/compare_recipes.py) on the same samples and epochs. SpecForge trains one sequence a step,
 #               so equal tokens on the full run would not fit one session.
 #   3. lanes    side by side, each lane a training on RUN followed by its benchmarks (acceptance only, no timing);
-#               LANES picks them (unset: "default lr3 lr10 fp8final bf16topk"; at 4,096-token steps a lane's
-#               training takes about 10 minutes beside three others on an H200, host-bound at ~6 steps/s):
+#               LANES picks them (unset: "default lr3 lr10 bf16final fp8final bf16topk"; at 4,096-token steps a
+#               lane's training takes about 10 minutes beside three others on an H200, host-bound at ~6 steps/s):
 #                 default    STEP_TOKENS-token steps, --ttt-positions shifted (today's recipe)
 #                 fixed      the same with --ttt-positions fixed (the old rule: the A/B of the TTT positions)
 #                 steps      LEVER_STEP_TOKENS-token steps (more optimizer steps: the recipe lever)
@@ -23,14 +23,16 @@
 #                            regenerates them all), also benchmarked at T=1
 #                 data       DATA_SAMPLES prompts (RUN-data; REGEN_CACHE's replies for the prompts it holds,
 #                            the rest regenerated; on stories260K 3x the prompts raised chain tau 24 %)
+#                 bf16final  FORMAT_STEP_TOKENS-token steps on RUN: the storage-format lanes' baseline
 #                 fp8topk, fp8final, bf16topk
 #                            FORMAT_STEP_TOKENS-token steps on RUN-<lane>: the same prepared data extracted
 #                            with FP8 aux and/or top-k targets (in the data phase, each extraction alone)
 #               and the small run's two drafters benchmarked (compare_recipes.py --parts bench table).
 #               Every lane: stage 05 --tau-only at chain 3/1/4 (what SGLang serves), T=0, on all 80 MT-bench
 #               questions (both turns) and HELDOUT stratified held-out prompts, and the teacher-forced agreement
-#               (--mode eval). The default lane also (unless EXTRAS=0): chain and tree in float32 on all of
-#               MT-bench (every turn checked against the verifier's greedy choice: lossless) and chain at T=1.
+#               (--mode eval); every lane but the storage-format ones also chain at T=1 on MT-bench. The
+#               default lane also (unless EXTRAS=0): chain and tree in float32 on all of MT-bench (every turn
+#               checked against the verifier's greedy choice: lossless).
 #   4. table    scripts/quality_table.py -> RUN/quality.md
 # Each stage-05 run writes its own output folder (a folder has one writer at a time). With MPS=1 the CUDA MPS daemon
 # is started first (when it starts and works), so the side-by-side processes run their kernels concurrently.
@@ -54,7 +56,7 @@ cd "$(dirname "$0")/.."
 VERIFIER=$1; DATA=$2; RUN=$3; SMALL_RUN=$RUN-small
 SAMPLES=${SAMPLES:-10000}; SMALL=${SMALL:-800}; EPOCHS=${EPOCHS:-4}; LR=${LR:-1e-3}; DATA_SAMPLES=${DATA_SAMPLES:-17000}
 STEP_TOKENS=${STEP_TOKENS:-4096}; LEVER_STEP_TOKENS=${LEVER_STEP_TOKENS:-2048}; TOPK=${TOPK:-64}
-FORMAT_STEP_TOKENS=${FORMAT_STEP_TOKENS:-16384}; LANES=${LANES-"default lr3 lr10 fp8final bf16topk"}; EXTRAS=${EXTRAS:-1}
+FORMAT_STEP_TOKENS=${FORMAT_STEP_TOKENS:-16384}; LANES=${LANES-"default lr3 lr10 bf16final fp8final bf16topk"}; EXTRAS=${EXTRAS:-1}
 HELDOUT=${HELDOUT:-60}; NEW_TOKENS=${NEW_TOKENS:-128}; WORKERS=${WORKERS:-3}
 SPECFORGE=${SPECFORGE:-}; SPECFORGE_ARGS=${SPECFORGE_ARGS:-}; PHASES=${PHASES:-"data compare lanes table"}
 export PYTHONUNBUFFERED=1
@@ -131,8 +133,8 @@ lane() {  # $1 lane, $2 run dir, $3 tokens a step, then extra stage-04 flags: tr
   train04 "$run" "$run/checkpoints_$name" "$tokens" "$WORKERS" "$@" || return 0
   suite "$run" "$name" "$run/checkpoints_$name/best" &
   [ "$name" = default ] && [ "$EXTRAS" = 1 ] && default_extras "$run/checkpoints_$name/best"
-  case $name in sampled|lk) bench "$run" "${name}_t1" "$run/checkpoints_$name/best" "${chain[@]}" --temperature 1 \
-    --prompts "$DATA/mt_bench.jsonl" ;; esac
+  case $name in *final|*topk) ;; *) bench "$run" "${name}_t1" "$run/checkpoints_$name/best" "${chain[@]}" \
+    --temperature 1 --prompts "$DATA/mt_bench.jsonl" ;; esac
   wait
 }
 data_flags() {  # $1 lane: its turns, samples and stage-01 flags, for a lane trained on data of its own
@@ -157,19 +159,19 @@ start_lane() {  # $1 lane: its training flags
     init) lane init "$RUN" "$STEP_TOKENS" --init-from-verifier-layer ;;
     lk) lane lk "$RUN" "$STEP_TOKENS" --loss lk ;;
     lr[0-9]*) lane "$1" "$RUN" "$STEP_TOKENS" --lr "$(python3 -c "print(${1#lr} * $LR)")" ;;
+    bf16final) lane bf16final "$RUN" "$FORMAT_STEP_TOKENS" ;;
     fp8topk|fp8final|bf16topk)
       [ -d "$RUN-$1/hidden_states" ] && lane "$1" "$RUN-$1" "$FORMAT_STEP_TOKENS" ;;
     sampled|data) [ -d "$RUN-$1/hidden_states" ] && lane "$1" "$RUN-$1" "$STEP_TOKENS" ;;
     *) say "FAILED: no lane called $1" ;;
   esac
 }
-default_extras() {  # $1 drafter: lossless checks in float32 (chain and tree) and chain at T=1
+default_extras() {  # $1 drafter: lossless checks in float32, chain and tree
   local pids=()
   bench "$RUN" default_fp32_chain "$1" "${chain[@]}" --temperature 0 --dtype float32 \
     --prompts "$DATA/mt_bench.jsonl" & pids+=($!)
   bench "$RUN" default_fp32_tree "$1" --tau-only --num-steps 3 --topk 8 --temperature 0 --dtype float32 \
     --prompts "$DATA/mt_bench.jsonl" & pids+=($!)
-  bench "$RUN" default_t1 "$1" "${chain[@]}" --temperature 1 --prompts "$DATA/mt_bench.jsonl" & pids+=($!)
   for pid in "${pids[@]}"; do wait "$pid" || true; done
 }
 
