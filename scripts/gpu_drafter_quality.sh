@@ -8,21 +8,24 @@
 #               (scripts/compare_recipes.py) on the same samples and epochs. SpecForge trains one sequence a step,
 #               so equal tokens on the full run would not fit one session.
 #   3. lanes    side by side, each lane a training on RUN followed by its benchmarks (acceptance only, no timing);
-#               LANES picks them (unset: "default lr3 lr10 bf16final fp8final bf16topk"; at 4,096-token steps a
-#               lane's training takes about 10 minutes beside three others on an H200, host-bound at ~6 steps/s):
+#               LANES picks them (unset: "default lr3 data"; at 4,096-token steps a lane's training takes about
+#               10 minutes beside two to three others on an H200, host-bound at ~6 steps/s, and 3 steps/s each
+#               beside five others):
 #                 default    STEP_TOKENS-token steps, --ttt-positions shifted (today's recipe)
 #                 fixed      the same with --ttt-positions fixed (the old rule: the A/B of the TTT positions)
 #                 steps      LEVER_STEP_TOKENS-token steps (more optimizer steps: the recipe lever)
 #                 epochs     twice EPOCHS
-#                 lrX        X times LR (lr3, lr10: on stories260K, scripts/cpu_recipe_levers.sh, 3x and 10x the
-#                            learning rate raised chain tau 14 % and 23 %)
+#                 lrX        X times LR (on SmolLM2 lr10 lowered chain tau 21 %, while on stories260K, a 9x
+#                            narrower drafter, it raised it 23 %: results/2026-12-01-smollm2-h200-lr-formats.md)
 #                 init       --init-from-verifier-layer (the drafter's layer starts as the verifier's last)
 #                 lk         --loss lk (-log of the acceptance probability, arXiv 2602.23881), also
 #                            benchmarked at T=1, where the paper reports its gains
 #                 sampled    replies regenerated at T=0.8 (RUN-sampled; REGEN_CACHE does not fit, so stage 01
 #                            regenerates them all), also benchmarked at T=1
-#                 data       DATA_SAMPLES prompts (RUN-data; REGEN_CACHE's replies for the prompts it holds,
-#                            the rest regenerated; on stories260K 3x the prompts raised chain tau 24 %)
+#                 data       DATA_SAMPLES prompts for DATA_EPOCHS epochs (RUN-data; REGEN_CACHE's replies for
+#                            the prompts it holds, the rest regenerated; on stories260K 3x the prompts raised
+#                            chain tau 24 %): at the defaults about as many optimizer steps as the default lane,
+#                            over 1.7x the distinct replies
 #                 bf16final  FORMAT_STEP_TOKENS-token steps on RUN: the storage-format lanes' baseline
 #                 fp8topk, fp8final, bf16topk
 #                            FORMAT_STEP_TOKENS-token steps on RUN-<lane>: the same prepared data extracted
@@ -43,20 +46,22 @@
 #               mt_bench.jsonl); with REGEN_CACHE=FILE (../shared/cache/smollm2_sharegpt_greedy_10k.tgz) stage 01
 #               reuses the greedy replies of every prompt that SAMPLES=10000 takes from that file
 # Environment: SAMPLES (10000), SMALL (800), DATA_SAMPLES (17000: about every first turn of the device data; the
-# data lane), EPOCHS (4), LR (1e-3), STEP_TOKENS (4096), LEVER_STEP_TOKENS (2048),
+# data lane), DATA_EPOCHS (2), EPOCHS (4), LR (1e-3), STEP_TOKENS (4096), LEVER_STEP_TOKENS (2048),
 # FORMAT_STEP_TOKENS (16384, as the bf16 and fp8topk drafters of 2026-12-01), LANES, TOPK (64), HELDOUT (60),
 # NEW_TOKENS (128), WORKERS (data workers of each side-by-side training, 3), SPECFORGE (its wheel or a folder holding the package; empty: no comparison), SPECFORGE_ARGS (more flags for its recipe,
 # e.g. "--lr 1e-4 --time-limit 480"), PHASES ("data compare lanes table"; "pack" alone packs what exists), MPS, EXTRAS,
 # OUT (pack logs, manifests, metrics and reports into $OUT/quality.tgz). Progress: RUN_DIR/logs/quality.log.
 # Measured on one H200 with REGEN_CACHE (2026-12-01, SMALL 1500, STEP_TOKENS 16384, four lanes): data 2.2 min,
 # compare 7.8 min (SpecForge stopped by its 400 s limit at 54 % of its steps), lanes 15.3 min (the 4096-token
-# training 10 min of it); results in docs/results/2026-12-01-smollm2-h200.md.
+# training 10 min of it); results in docs/results/2026-12-01-smollm2-h200.md. Second run (EXTRAS=0, no SpecForge,
+# six lanes, one stopped early): data 2.3 min (three extractions), lanes 19.3 min (the 4096-token trainings 10.7
+# min); results in docs/results/2026-12-01-smollm2-h200-lr-formats.md.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 VERIFIER=$1; DATA=$2; RUN=$3; SMALL_RUN=$RUN-small
-SAMPLES=${SAMPLES:-10000}; SMALL=${SMALL:-800}; EPOCHS=${EPOCHS:-4}; LR=${LR:-1e-3}; DATA_SAMPLES=${DATA_SAMPLES:-17000}
+SAMPLES=${SAMPLES:-10000}; SMALL=${SMALL:-800}; EPOCHS=${EPOCHS:-4}; LR=${LR:-1e-3}; DATA_SAMPLES=${DATA_SAMPLES:-17000}; DATA_EPOCHS=${DATA_EPOCHS:-2}
 STEP_TOKENS=${STEP_TOKENS:-4096}; LEVER_STEP_TOKENS=${LEVER_STEP_TOKENS:-2048}; TOPK=${TOPK:-64}
-FORMAT_STEP_TOKENS=${FORMAT_STEP_TOKENS:-16384}; LANES=${LANES-"default lr3 lr10 bf16final fp8final bf16topk"}; EXTRAS=${EXTRAS:-1}
+FORMAT_STEP_TOKENS=${FORMAT_STEP_TOKENS:-16384}; LANES=${LANES-"default lr3 data"}; EXTRAS=${EXTRAS:-1}
 HELDOUT=${HELDOUT:-60}; NEW_TOKENS=${NEW_TOKENS:-128}; WORKERS=${WORKERS:-3}
 SPECFORGE=${SPECFORGE:-}; SPECFORGE_ARGS=${SPECFORGE_ARGS:-}; PHASES=${PHASES:-"data compare lanes table"}
 export PYTHONUNBUFFERED=1
@@ -162,7 +167,8 @@ start_lane() {  # $1 lane: its training flags
     bf16final) lane bf16final "$RUN" "$FORMAT_STEP_TOKENS" ;;
     fp8topk|fp8final|bf16topk)
       [ -d "$RUN-$1/hidden_states" ] && lane "$1" "$RUN-$1" "$FORMAT_STEP_TOKENS" ;;
-    sampled|data) [ -d "$RUN-$1/hidden_states" ] && lane "$1" "$RUN-$1" "$STEP_TOKENS" ;;
+    sampled) [ -d "$RUN-$1/hidden_states" ] && lane "$1" "$RUN-$1" "$STEP_TOKENS" ;;
+    data) [ -d "$RUN-$1/hidden_states" ] && lane "$1" "$RUN-$1" "$STEP_TOKENS" --epochs "$DATA_EPOCHS" ;;
     *) say "FAILED: no lane called $1" ;;
   esac
 }
