@@ -1,11 +1,13 @@
 #!/usr/bin/env python
 """Benchmark stage 02's extraction pipeline against the verifier's bare forward pass.
 
-On the same synthetic batches, in one process, it measures:
+On the same synthetic batches, in one process, it measures (in the storage format stage 02's --aux-dtype,
+--targets and --target-topk ask for; bf16 aux + final by default):
   forward_only  the base model's forward (no LM head, nothing captured or copied), twice (before and after);
   extraction    common.extract.extractor.Extractor.run, the exact code the stage runs: hooks, gather, side-stream
                 copies into page-locked staging buffers, writer processes saving .pt files;
-  naive         (optional) output_hidden_states=True, synchronous .cpu() copies, torch.save in the loop;
+  naive         (optional) output_hidden_states=True, synchronous .cpu() copies, torch.save in the loop (bf16
+                aux + final whatever the format);
   disk          the raw sequential write rate of the output disk (one big file + fsync), before and after
                 the extraction, writing as many bytes as the extraction does.
 and reports extraction / forward-only throughput and the write rates. Target: extraction >= 90% of
@@ -38,10 +40,12 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import torch  # noqa: E402
 
+from common.cli.flags import FLAGS, add_flags  # noqa: E402
 from common.extract.extractor import Extractor, forward_only, synchronize_all  # noqa: E402
 from common.extract.plan import batch_inputs, plan_batches  # noqa: E402
 from common.formats.hidden_states import SAMPLE_FILES  # noqa: E402
 from common.formats.prepared_data import Sample  # noqa: E402
+from common.formats.storage import format_of_args  # noqa: E402
 from common.verifier.capture import find_text_model  # noqa: E402
 
 LLAMA_8B = dict(hidden_size=4096, num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8,
@@ -70,6 +74,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--keep-files", action="store_true")
     parser.add_argument("--trust-remote-code", action="store_true")
     parser.add_argument("--seed", type=int, default=0)
+    add_flags(parser, [FLAGS[name] for name in ("--aux-dtype", "--targets", "--target-topk")])
     return parser.parse_args(argv)
 
 
@@ -195,20 +200,22 @@ def main(argv=None) -> int:
     batches = plan_batches(samples, args.batch_size, args.batch_size * args.seq_len)
     warmup, measured = batches[:args.warmup_batches], batches[args.warmup_batches:]
     tokens = sum(samples[i].num_tokens for b in measured for i in b)
-    bytes_per_token = 4 * hidden * store_dtype.itemsize
+    storage = format_of_args(args, vocab)
+    bytes_per_token = storage.bytes_per_token(hidden)
     result = {"bench": "extraction", "model": model_name, "device": device,
               "device_name": platform.processor(),
               "cpu_count": os.cpu_count(), "torch": torch.__version__, "dtype": args.dtype,
               "compute_dtype": compute_dtype, "batch_size": args.batch_size, "seq_len": args.seq_len,
               "num_batches": len(measured), "tokens": tokens, "aux_layers": layers, "hidden_size": hidden,
-              "num_workers": args.num_workers, "output_dir": str(scratch)}
+              "num_workers": args.num_workers, "storage": storage.key(), "output_dir": str(scratch)}
     emit({"phase": "setup", **result})
     disk_mb = args.disk_test_mb if args.disk_test_mb is not None else max(1, tokens * bytes_per_token >> 20)
     try:
         disk_before = disk_write_rate(scratch, disk_mb)
         emit({"phase": "disk_before", **disk_before})
         # Writers are forked before the model exists, as in the stage.
-        with Extractor(out_dir, samples, batches, layers, hidden, store_dtype, args.num_workers) as extractor:
+        with Extractor(out_dir, samples, batches, layers, hidden, store_dtype, args.num_workers,
+                       storage=storage) as extractor:
             if device.startswith("cuda"):  # only now: the writers were forked before CUDA started here
                 result["device_name"] = torch.cuda.get_device_name()
             started = time.perf_counter()

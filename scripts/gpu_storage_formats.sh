@@ -1,8 +1,10 @@
 #!/usr/bin/env bash
 # What stage 02's storage formats cost, on one GPU: the same prepared data and vocabulary map extracted four ways
 # (--aux-dtype bfloat16|float8_e4m3 x --targets final|topk), a drafter trained on each with the same flags, and
-# each drafter's chain tau (stage 05 --tau-only, 3/1/4, T=0, MT-bench). Tabulated by scripts/storage_formats_table.py:
-# bytes per token (written and on disk), stage 02 and stage 04 tokens/s, chain tau and the teacher-forced agreement.
+# each drafter's chain tau (stage 05 --tau-only, 3/1/4, T=0, MT-bench), and scripts/bench_extraction.py in each
+# format (its extraction against the verifier's forward pass alone, on the same synthetic batches). Tabulated by
+# scripts/storage_formats_table.py: bytes per token (written and on disk), stage 02 tokens/s and its ratio to the
+# forward pass alone, stage 04 tokens/s, chain tau and the teacher-forced agreement.
 # Extractions and trainings run alone on the GPU, one after another (their rates are compared); the benchmarks
 # (acceptance only, no timing) run side by side at the end.
 #
@@ -14,14 +16,14 @@
 #     RUN_ROOT  RUN_ROOT/base (stages 01, 03) and RUN_ROOT/<variant> (stages 02, 04, 05)
 #     OUT       storage_formats.json, storage_formats.md and the logs
 # Environment: SAMPLES (4000), EPOCHS (2), TOPK (64), STEP_TOKENS (16384), NEW_TOKENS (128), PHASES ("data extract
-# train bench table"; a phase can be rerun alone: finished stages are skipped). Expected on one H200 with the
+# rate train bench table"; a phase can be rerun alone: finished stages are skipped). Expected on one H200 with the
 # defaults and REGEN_CACHE: about 8 minutes (stage 01 from the cache ~1 min, each extraction ~10 s, each training
 # ~1 min, the four benchmarks side by side ~2 min); without REGEN_CACHE stage 01 regenerates (~3 more minutes).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 VERIFIER=$1; DATA=$2; ROOT=$3; OUT=$4
 SAMPLES=${SAMPLES:-4000}; EPOCHS=${EPOCHS:-2}; TOPK=${TOPK:-64}; STEP_TOKENS=${STEP_TOKENS:-16384}
-NEW_TOKENS=${NEW_TOKENS:-128}; PHASES=${PHASES:-"data extract train bench table"}
+NEW_TOKENS=${NEW_TOKENS:-128}; PHASES=${PHASES:-"data extract rate train bench table"}
 VARIANTS=(bf16_final fp8_final bf16_topk fp8_topk)
 export PYTHONUNBUFFERED=1
 mkdir -p "$ROOT/base/logs" "$OUT"
@@ -62,6 +64,14 @@ if has extract; then
     python3 02_extract_hidden_states.py --run-dir "$ROOT/$v" --model-path "$VERIFIER" --max-seq-len 2048 \
       --batch-size 64 --num-workers 8 $(flags_of "$v") > "$ROOT/$v/logs/extract.log" 2>&1 \
       || say "FAILED: stage 02 $v"
+  done
+fi
+if has rate; then  # each format's extraction against the forward pass alone, alone on the GPU
+  for v in "${VARIANTS[@]}"; do
+    say "bench_extraction $v"; mkdir -p "$ROOT/$v/logs"
+    # shellcheck disable=SC2046
+    OUT=$ROOT/$v python3 scripts/bench_extraction.py --model-path "$VERIFIER" --output-dir "$ROOT/$v/bench_scratch" \
+      $(flags_of "$v") > "$ROOT/$v/logs/bench_extraction.log" 2>&1 || say "FAILED: bench_extraction $v"
   done
 fi
 if has train; then

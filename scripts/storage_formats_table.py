@@ -1,7 +1,8 @@
 #!/usr/bin/env python3
 """The table of scripts/gpu_storage_formats.sh: per stage-02 storage format, the bytes per token (computed from
-the format, written by stage 02, and on disk from the sample records), stage 02 and stage 04 tokens/s, the chain
-tau of stage 05 --tau-only, the teacher-forced agreement, and the top-k targets' missing mass.
+the format, written by stage 02, and on disk from the sample records), stage 02 and stage 04 tokens/s, stage 02's
+extraction against the forward pass alone (scripts/bench_extraction.py's RUN/bench_extraction.json, where it ran),
+the chain tau of stage 05 --tau-only, the teacher-forced agreement, and the top-k targets' missing mass.
 
   python3 scripts/storage_formats_table.py RUN_ROOT OUT VARIANT...   (writes OUT/storage_formats.{json,md})
 """
@@ -49,6 +50,9 @@ def variant_row(run: Path, name: str) -> dict:
                     if last.get("tokens_written") else None,
                     "bytes_per_token_on_disk": round(on_disk / tokens, 1) if tokens and on_disk else None,
                     "stage02_tokens_per_s": last.get("tokens_per_s")})
+    bench = read(run / "bench_extraction.json")
+    if bench:
+        row["extraction_vs_forward"] = bench.get("extraction_vs_forward")
     metrics = lines(run / "checkpoints" / "metrics.jsonl")
     train = [r["tokens_per_s"] for r in metrics if r.get("kind") == "train" and r.get("tokens_per_s")]
     evals = [r for r in metrics if r.get("kind") == "eval"]
@@ -69,7 +73,7 @@ def variant_row(run: Path, name: str) -> dict:
 
 COLUMNS = [("variant", "variant"), ("format", "format"), ("bytes_per_token_computed", "bytes/token (format)"),
            ("bytes_per_token_on_disk", "bytes/token (on disk)"), ("stage02_tokens_per_s", "stage 02 tok/s"),
-           ("stage04_tokens_per_s", "stage 04 tok/s"), ("chain_tau", "chain tau 3/1/4"),
+           ("extraction_vs_forward", "stage 02 / forward alone"), ("stage04_tokens_per_s", "stage 04 tok/s"), ("chain_tau", "chain tau 3/1/4"),
            ("val_sim_accept_len", "val simulated tau"), ("eval_acc_per_step", "teacher-forced top-1 per step"),
            ("target_missing_mass", "top-k missing mass")]
 

@@ -25,6 +25,7 @@ from common.extract.plan import plan_batches
 from common.formats.hidden_states import (AUX_FILES, FINAL_FILE, LAYER_CONVENTION, META_FILE, RECORD_FILE,
     SAMPLE_FILES, TMP_PREFIX, load_sample, open_hidden_states, sample_dir_name)
 from common.formats.prepared_data import read_prepared_data
+from common.formats.storage import StorageFormat
 from common.verifier.capture import find_text_model
 from common.verifier.loading import load_verifier_model, read_verifier_info
 
@@ -443,3 +444,22 @@ def test_bench_smoke_on_cpu(stories260k, tmp_path):
     assert 0 < result["extraction_vs_forward"]
     assert result["disk"]["sequential_write_bytes_per_s"] > 0
     assert not (tmp_path / "scratch").exists() or not list((tmp_path / "scratch").rglob("*.pt"))
+
+
+def test_bench_measures_the_storage_format_it_is_given(stories260k, tmp_path):
+    """FP8 aux + top-k targets through the benchmark: the files and bytes of that format, not bf16's."""
+    out = tmp_path / "bench_out"
+    out.mkdir()
+    proc = run_script("scripts/bench_extraction.py", "--device", "cpu", "--model-path", str(stories260k),
+                      "--batch-size", "4", "--seq-len", "64", "--num-batches", "2", "--warmup-batches", "1",
+                      "--num-workers", "2", "--disk-test-mb", "8", "--naive-batches", "0",
+                      "--aux-dtype", "float8_e4m3", "--targets", "topk", "--target-topk", "8",
+                      "--output-dir", str(tmp_path / "scratch"), timeout=120, env={"OUT": str(out), **ONE_THREAD})
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    result = json.loads((out / "bench_extraction.json").read_text())
+    storage = StorageFormat("float8_e4m3", "topk", 8, vocab_size=512)
+    assert result["storage"] == storage.key() == "aux float8_e4m3, targets top-8"
+    assert result["bytes_per_token"] == storage.bytes_per_token(result["hidden_size"])
+    assert result["bytes_per_token"] < StorageFormat().bytes_per_token(result["hidden_size"])  # bf16 + final's
+    assert result["extraction"]["files_written"] == 2 * 4 * len(storage.files())
+    assert result["extraction_vs_forward"] > 0

@@ -413,7 +413,13 @@ def build_parser(stage: str, description: str, extra: Sequence[Flag] = ()) -> St
         formatter_class=_HelpFormatter,
         epilog="Exit codes: 0 success, 2 bad flag or input (nothing heavy was started), 1 failure during work.",
     )
-    for flag in [FLAGS[name] for name in STAGE_FLAGS[stage]] + list(extra):
+    add_flags(parser, [FLAGS[name] for name in STAGE_FLAGS[stage]] + list(extra))
+    return parser
+
+
+def add_flags(parser: argparse.ArgumentParser, flags: Sequence[Flag]) -> None:
+    """Add flags to a parser as the stages take them (a benchmark script reuses a stage's flags this way)."""
+    for flag in flags:
         kwargs: dict[str, Any] = {"dest": flag.dest, "help": flag.help, "default": flag.default}
         if flag.action:
             kwargs["action"] = flag.action
@@ -424,7 +430,6 @@ def build_parser(stage: str, description: str, extra: Sequence[Flag] = ()) -> St
         if flag.choices:
             kwargs["choices"] = flag.choices
         parser.add_argument(flag.name, *flag.aliases, **kwargs)
-    return parser
 
 
 def resolve_run_paths(stage: str, args: argparse.Namespace) -> argparse.Namespace:
