@@ -46,7 +46,8 @@
 #               mt_bench.jsonl); with REGEN_CACHE=FILE (../shared/cache/smollm2_sharegpt_greedy_10k.tgz) stage 01
 #               reuses the greedy replies of every prompt that SAMPLES=10000 takes from that file
 # Environment: SAMPLES (10000), SMALL (800), DATA_SAMPLES (17000: about every first turn of the device data; the
-# data lane), DATA_EPOCHS (2), EPOCHS (4), LR (1e-3), STEP_TOKENS (4096), LEVER_STEP_TOKENS (2048),
+# data lane), DATA_EPOCHS (2), SMALL_STEP_TOKENS (2048, the longest sample's: our steps in the comparison; at 800
+# prompts that is about 550 steps, each a fraction of the time of SpecForge's 3,000 one-sequence steps), EPOCHS (4), LR (1e-3), STEP_TOKENS (4096), LEVER_STEP_TOKENS (2048),
 # FORMAT_STEP_TOKENS (16384, as the bf16 and fp8topk drafters of 2026-12-01), LANES, TOPK (64), HELDOUT (60),
 # NEW_TOKENS (128), WORKERS (data workers of each side-by-side training, 3), SPECFORGE (its wheel or a folder holding the package; empty: no comparison), SPECFORGE_ARGS (more flags for its recipe,
 # e.g. "--lr 1e-4 --time-limit 480"), PHASES ("data compare lanes table"; "pack" alone packs what exists), MPS, EXTRAS,
@@ -59,7 +60,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 VERIFIER=$1; DATA=$2; RUN=$3; SMALL_RUN=$RUN-small
-SAMPLES=${SAMPLES:-10000}; SMALL=${SMALL:-800}; EPOCHS=${EPOCHS:-4}; LR=${LR:-1e-3}; DATA_SAMPLES=${DATA_SAMPLES:-17000}; DATA_EPOCHS=${DATA_EPOCHS:-2}
+SAMPLES=${SAMPLES:-10000}; SMALL=${SMALL:-800}; EPOCHS=${EPOCHS:-4}; LR=${LR:-1e-3}; DATA_SAMPLES=${DATA_SAMPLES:-17000}; DATA_EPOCHS=${DATA_EPOCHS:-2}; SMALL_STEP_TOKENS=${SMALL_STEP_TOKENS:-2048}
 STEP_TOKENS=${STEP_TOKENS:-4096}; LEVER_STEP_TOKENS=${LEVER_STEP_TOKENS:-2048}; TOPK=${TOPK:-64}
 FORMAT_STEP_TOKENS=${FORMAT_STEP_TOKENS:-16384}; LANES=${LANES-"default lr3 data"}; EXTRAS=${EXTRAS:-1}
 HELDOUT=${HELDOUT:-60}; NEW_TOKENS=${NEW_TOKENS:-128}; WORKERS=${WORKERS:-3}
@@ -212,7 +213,7 @@ if [ -n "$SPECFORGE" ]; then
   export PYTHONPATH=$SPECFORGE${PYTHONPATH:+:$PYTHONPATH}
 fi
 if has compare && [ -n "$SPECFORGE" ]; then
-  train04 "$SMALL_RUN" "$SMALL_RUN/checkpoints" "$STEP_TOKENS" 8 || true
+  train04 "$SMALL_RUN" "$SMALL_RUN/checkpoints" "$SMALL_STEP_TOKENS" 8 || true
   say "SpecForge's recipe on $SMALL_RUN"
   python3 scripts/compare_recipes.py --run-dir "$SMALL_RUN" --model-path "$VERIFIER" --parts train \
     --recipe-args "$SPECFORGE_ARGS" > "$SMALL_RUN/logs/specforge.log" 2>&1 || say "FAILED: SpecForge's recipe"
