@@ -4,7 +4,8 @@
 --mode offline  speculative decoding here with the HF verifier and the drafter, against decoding without it
                 (--tau-only: acceptance only, without the timing baselines and speedups).
 --mode server   prompts sent to a running server (SGLang or OpenAI-compatible) at --url, --baseline-url.
---mode eval     teacher-forced scores on stage 02's hidden states of the validation split (no generation).
+--mode eval     teacher-forced scores on stage 02's hidden states of the validation split (no generation; the
+                walked chain tau stops at each reply's --max-new-tokens, as decoding does).
 
 --num-prompts N takes a sample spread evenly over the prompt file's categories (shuffled with --seed), not
 its first N lines. Prompts that overlap the drafter's training data are refused unless --allow-overlap. Output (--output-dir,

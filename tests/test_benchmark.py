@@ -204,7 +204,7 @@ def test_chain_decoding_accepts_what_validation_walks(verifier, drafters, greedy
     model, tokenizer = verifier
     drafter = drafters["trained"]
     decoder = SpeculativeDecoder(model, drafter, num_steps=3)
-    compared = multi = 0
+    compared = multi = budgets = 0
     for start in STARTS:
         prompt = tokenizer(start).input_ids
         out, stats = decoder.generate(prompt, 48, [2])
@@ -222,7 +222,14 @@ def test_chain_decoding_accepts_what_validation_walks(verifier, drafters, greedy
         assert len(walked) == len(stats.accept_lengths), start
         compared += len(walked) - 1
         multi += sum(length > 2 for length in walked[:-1])
+        # With a smaller budget, decoding makes the first of those verify steps, and the walk stops with it.
+        for budget in (9, 20):
+            _, short = decoder.generate(prompt, budget, [2])
+            [capped] = walk_chain(hits, loss_mask, 3, max_new_tokens=budget)
+            assert len(capped) == len(short.accept_lengths) and capped[:-1] == short.accept_lengths[:-1], start
+            budgets += 1
     assert compared >= 40 and multi >= 5  # enough verify steps, and some accepted 2 or 3 drafts
+    assert budgets == 2 * len(STARTS)
 
 
 def test_stage05_scores_its_decoded_text_with_stage04s_validation(verifier, drafters, greedy_refs):
@@ -829,3 +836,10 @@ def test_eval_mode_scores_the_validation_split(stage05, pipeline_run):
     val_ids = json.loads((run / "checkpoints" / "val_split.json").read_text())["val_ids"]
     assert results["settings"]["samples"] == len(val_ids)
     assert_valid_png(path.with_suffix(".png"))
+    # The walk stops where decoding with --max-new-tokens would: with 2, at each reply's first verify step.
+    assert stage05.main(pipeline_run["model"] + ["--mode", "eval", "--num-steps", "3", "--device", "cpu",
+                                                 "--max-new-tokens", "2", "--output-dir", str(run / "bench2")]) == 0
+    [short] = [json.loads(p.read_text()) for p in (run / "bench2").glob("bench_eval_ttt3_*.json")]
+    assert short["settings"]["max_new_tokens"] == 2
+    assert len(val_ids) <= short["metrics"]["chain_verify_steps"] < metrics["chain_verify_steps"]
+    assert short["metrics"]["acc_per_step"] == metrics["acc_per_step"]  # the teacher-forced scores do not change

@@ -80,7 +80,9 @@ def run_eval(args, log, begin, *_ignored) -> dict:
             for entry in entries:
                 yield load_sample(str(data_dir), entry)
                 progress.update(1)
-        metrics = evaluate(drafter, samples(), lm_head, args.num_steps, device=device)
+        # The walk stops where decoding with the same budget would, so its tau compares with --mode offline's.
+        metrics = evaluate(drafter, samples(), lm_head, args.num_steps, device=device,
+                           chain_max_new_tokens=args.max_new_tokens)
     seconds = time.time() - started
     return {"mode": "eval", "stage": STAGE, "created_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
             "settings": recorded_settings(args, {"model_path": model_path, "ttt_steps": args.num_steps, "samples": len(entries),
@@ -91,7 +93,8 @@ def run_eval(args, log, begin, *_ignored) -> dict:
 def eval_summary_line(results: dict) -> str:
     """The one-line SUMMARY of --mode eval: simulated acceptance length and per-step agreement."""
     metrics = results["metrics"]
+    walked = results["settings"].get("max_new_tokens")
     return (f"simulated acceptance length {fmt(metrics['sim_accept_len'])} | simulated chain tau (3 drafts, "
-            f"walked) {fmt(metrics.get('sim_chain_tau'))} | top-1 agreement per step "
+            f"walked over each reply's first {walked} tokens) {fmt(metrics.get('sim_chain_tau'))} | top-1 agreement per step "
             f"[{', '.join(fmt(a, 3) for a in metrics['acc_per_step'])}] | {metrics['tokens']} tokens in "
             f"{results['seconds']:.1f} s")

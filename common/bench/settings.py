@@ -11,7 +11,8 @@ _SETTINGS = {  # the flags each mode's report records (and its Markdown settings
                 "allow_overlap", "tau_only"),
     "server": ("url", "baseline_url", "server_api", "model_path", "prompts", "num_prompts", "max_new_tokens",
                "temperature", "top_p", "concurrency", "chat_template", "allow_overlap", "draft_model_path"),
-    "eval": ("model_path", "draft_model_path", "data_dir", "num_steps", "num_prompts", "device", "dtype", "seed"),
+    "eval": ("model_path", "draft_model_path", "data_dir", "num_steps", "num_prompts", "max_new_tokens", "device",
+             "dtype", "seed"),
 }
 
 

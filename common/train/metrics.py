@@ -49,11 +49,13 @@ def summarize(sums: dict[str, torch.Tensor] | None, decay: float) -> dict[str, A
                                                .clamp(min=1)), 6)} if "missing_mass_sum" in sums else {}),
         # validation only: chain decoding walked over the teacher-forced predictions (walk_chain)
         **({"sim_chain_tau": round(float(sums["chain_tokens"].sum() / sums["chain_verify_steps"].sum().clamp(min=1)),
-                                   6)} if "chain_tokens" in sums else {}),
+                                   6), "chain_verify_steps": int(sums["chain_verify_steps"].sum())}
+           if "chain_tokens" in sums else {}),
     }
 
 
-def walk_chain(hits: list[torch.Tensor], loss_mask: torch.Tensor, draft_tokens: int) -> list[list[int]]:
+def walk_chain(hits: list[torch.Tensor], loss_mask: torch.Tensor, draft_tokens: int,
+               max_new_tokens: int | None = None) -> list[list[int]]:
     """Tokens of each verify step of greedy chain decoding with `draft_tokens` drafts a step, walked over
     teacher-forced predictions: what decoding these very sequences would accept, without decoding them.
     One list per sequence, each entry accepted drafts + 1 (as stage 05's accept lengths).
@@ -63,6 +65,9 @@ def walk_chain(hits: list[torch.Tensor], loss_mask: torch.Tensor, draft_tokens: 
     accepts the leading correct drafts and the next one sits at the verifier's new token. Unlike
     1 + sum_k prod_j acc_j, this keeps easy and hard stretches together as decoding meets them: it crosses an
     easy stretch in few verify steps and spends one on every hard token (docs/training.md, validation).
+    max_new_tokens: walk only the verify steps that decoding with that budget per reply (a run of loss
+    tokens) makes: the step at t comes while fewer than the budget are out, i.e. token t+1 is among the
+    reply's first max_new_tokens - 1.
     """
     batch, width = loss_mask.shape[0], loss_mask.shape[1] - 2
     if width <= 0:
@@ -76,6 +81,8 @@ def walk_chain(hits: list[torch.Tensor], loss_mask: torch.Tensor, draft_tokens: 
         accepted += leading
     mask = loss_mask.bool().cpu()
     starts = mask[:, 1:-1] & mask[:, 2:]
+    if max_new_tokens is not None:
+        starts &= reply_offsets(mask)[:, 1:-1] < max_new_tokens - 1
     walks = []
     for row_accepted, row_starts in zip(accepted.tolist(), starts.tolist()):
         lengths, t = [], 0
@@ -87,6 +94,14 @@ def walk_chain(hits: list[torch.Tensor], loss_mask: torch.Tensor, draft_tokens: 
                 t += 1
         walks.append(lengths)
     return walks
+
+
+def reply_offsets(mask: torch.Tensor) -> torch.Tensor:
+    """[B, S] long: each loss token's index within its run of loss tokens (its reply); 0 elsewhere."""
+    counts = mask.long().cumsum(dim=1)
+    # the count at the last non-loss position before each token, carried forward
+    before_run = torch.where(mask, torch.zeros_like(counts), counts).cummax(dim=1).values
+    return torch.where(mask, counts - before_run - 1, torch.zeros_like(counts))
 
 
 class MetricsWriter:

@@ -106,11 +106,11 @@ def _as_batches(loader_or_samples: Iterable) -> Iterable[dict]:
 def evaluate(model: torch.nn.Module, loader_or_samples: Iterable, verifier_lm_head: torch.Tensor,
              ttt_steps: int, device: str | torch.device | None = None, decay: float = 0.8,
              reduce: Callable[[dict], dict] | None = None, amp_dtype: str | None = None,
-             chain_draft_tokens: int = DEFAULT_NUM_STEPS) -> dict[str, Any]:
+             chain_draft_tokens: int = DEFAULT_NUM_STEPS, chain_max_new_tokens: int | None = None) -> dict[str, Any]:
     """Validation metrics of a drafter: per-TTT-step loss and top-1 agreement with the verifier, the
     weighted loss, the simulated acceptance length 1 + sum_k prod_{j<=k} acc_j, and the simulated chain tau:
     greedy chain decoding with `chain_draft_tokens` drafts a step (SGLang's default, 3) walked over the
-    teacher-forced predictions (walk_chain).
+    teacher-forced predictions (walk_chain), over each reply's first `chain_max_new_tokens` tokens when given.
 
     `loader_or_samples`: a DataLoader (or any iterable) of collated batches, or of single samples as
     load_sample returns them. `reduce` all-reduces the sums in a distributed run (it gets None from a rank
@@ -131,7 +131,7 @@ def evaluate(model: torch.nn.Module, loader_or_samples: Iterable, verifier_lm_he
             with _autocast(device, amp_dtype):
                 _, metrics = ttt_loss(model, batch, verifier_lm_head, ttt_steps, decay=decay, noise_std=0.0,
                                       hits=hits)
-            walks = walk_chain(hits, real_loss_mask(batch), chain_draft_tokens)
+            walks = walk_chain(hits, real_loss_mask(batch), chain_draft_tokens, chain_max_new_tokens)
             metrics["chain_verify_steps"] = torch.tensor(float(sum(map(len, walks))), device=device)
             metrics["chain_tokens"] = torch.tensor(float(sum(map(sum, walks))), device=device)
             sums = add_sums(sums, metrics)
