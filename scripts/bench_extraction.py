@@ -16,6 +16,7 @@ its files are on the disk (the writers fdatasync every file, and a final os.sync
 is the sustained one a long run sees, not the page cache's.
 
     python scripts/bench_extraction.py --random-llama8b                      # H200: 8B-shaped random Llama
+    python scripts/bench_extraction.py --random-shape smollm2 --aux-dtype float8_e4m3 --targets topk
     python scripts/bench_extraction.py --model-path /models/SmolLM2-135M-Instruct
     python scripts/bench_extraction.py --device cpu --model-path ../shared/models/stories260K \\
         --batch-size 4 --seq-len 64                                          # CPU smoke run
@@ -48,17 +49,26 @@ from common.formats.prepared_data import Sample  # noqa: E402
 from common.formats.storage import format_of_args  # noqa: E402
 from common.verifier.capture import find_text_model  # noqa: E402
 
-LLAMA_8B = dict(hidden_size=4096, num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8,
-                intermediate_size=14336, vocab_size=128256, max_position_embeddings=8192, rope_theta=500000.0,
-                rms_norm_eps=1e-5, tie_word_embeddings=False)
+# Random-weight verifiers of known shapes: extraction's speed does not depend on the weights' values.
+RANDOM_SHAPES = {
+    "llama8b": dict(hidden_size=4096, num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8,
+                    intermediate_size=14336, vocab_size=128256, max_position_embeddings=8192, rope_theta=500000.0,
+                    rms_norm_eps=1e-5, tie_word_embeddings=False),
+    "smollm2": dict(hidden_size=576, num_hidden_layers=30, num_attention_heads=9, num_key_value_heads=3,
+                    intermediate_size=1536, vocab_size=49152, max_position_embeddings=8192, rope_theta=100000.0,
+                    rms_norm_eps=1e-5, tie_word_embeddings=True),
+}
 
 
 def parse_args(argv=None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     source = parser.add_mutually_exclusive_group(required=True)
     source.add_argument("--model-path", help="Hugging Face model folder of the verifier")
-    source.add_argument("--random-llama8b", action="store_true",
-                        help="randomly initialised Llama-3.1-8B-shaped model built in bf16 on the GPU")
+    source.add_argument("--random-shape", choices=sorted(RANDOM_SHAPES),
+                        help="a randomly initialised Llama-architecture model of that shape (Llama-3.1-8B, "
+                             "SmolLM2-135M), built in --dtype on the device: no checkpoint needed")
+    source.add_argument("--random-llama8b", dest="random_shape", action="store_const", const="llama8b",
+                        help="the same as --random-shape llama8b")
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float16", "float32"))
     parser.add_argument("--batch-size", type=int, default=64)
@@ -87,8 +97,9 @@ def synchronize(device: str) -> None:
         synchronize_all()
 
 
-def build_random_llama8b(device: str, dtype: torch.dtype):
-    """Llama-3.1-8B shapes, weights allocated on the GPU and filled there (no CPU init, no checkpoint)."""
+def build_random_llama(shape: str, device: str, dtype: torch.dtype):
+    """A Llama model of RANDOM_SHAPES[shape], weights allocated on the device and filled there (no CPU init,
+    no checkpoint)."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
     try:
@@ -96,7 +107,7 @@ def build_random_llama8b(device: str, dtype: torch.dtype):
     except ImportError:  # transformers 4.x
         from transformers.modeling_utils import no_init_weights
 
-    config = LlamaConfig(**LLAMA_8B)
+    config = LlamaConfig(**RANDOM_SHAPES[shape])
     with torch.device(device), no_init_weights():
         model = LlamaForCausalLM._from_config(config, dtype=dtype, attn_implementation="sdpa")
     generator = torch.Generator(device=device).manual_seed(0)
@@ -181,11 +192,12 @@ def main(argv=None) -> int:
     scratch.mkdir(parents=True, exist_ok=True)
     out_dir = scratch / "extraction"
 
-    if args.random_llama8b:
-        num_layers, hidden, vocab = LLAMA_8B["num_hidden_layers"], LLAMA_8B["hidden_size"], LLAMA_8B["vocab_size"]
+    if args.random_shape:
+        shape = RANDOM_SHAPES[args.random_shape]
+        num_layers, hidden, vocab = shape["num_hidden_layers"], shape["hidden_size"], shape["vocab_size"]
         build_dtype = store_dtype if device != "cpu" else torch.float32
-        make_model = lambda: build_random_llama8b(device, build_dtype)[0]  # noqa: E731
-        model_name = "random-llama-3.1-8b-shape"
+        make_model = lambda: build_random_llama(args.random_shape, device, build_dtype)[0]  # noqa: E731
+        model_name = f"random-{args.random_shape}-shape"
     else:
         info, make_model = load_model(args, device, compute_dtype)
         num_layers, hidden, vocab = info.num_layers, info.hidden_size, info.vocab_size

@@ -16,7 +16,9 @@
 #     RUN_ROOT  RUN_ROOT/base (stages 01, 03) and RUN_ROOT/<variant> (stages 02, 04, 05)
 #     OUT       storage_formats.json, storage_formats.md and the logs
 # Environment: SAMPLES (4000), EPOCHS (2), TOPK (64), STEP_TOKENS (16384), NEW_TOKENS (128), PHASES ("data extract
-# rate train bench table"; a phase can be rerun alone: finished stages are skipped). Expected on one H200 with the
+# rate train bench table"; a phase can be rerun alone: finished stages are skipped), RATE_MODEL (the rate phase's
+# verifier flags for bench_extraction.py; default --model-path VERIFIER; "--random-shape smollm2" needs no checkpoint:
+# PHASES="rate table" RATE_MODEL="--random-shape smollm2" scripts/gpu_storage_formats.sh - - ROOT OUT). Expected on one H200 with the
 # defaults and REGEN_CACHE: about 8 minutes (stage 01 from the cache ~1 min, each extraction ~10 s, each training
 # ~1 min, the four benchmarks side by side ~2 min); without REGEN_CACHE stage 01 regenerates (~3 more minutes).
 set -euo pipefail
@@ -24,6 +26,7 @@ cd "$(dirname "$0")/.."
 VERIFIER=$1; DATA=$2; ROOT=$3; OUT=$4
 SAMPLES=${SAMPLES:-4000}; EPOCHS=${EPOCHS:-2}; TOPK=${TOPK:-64}; STEP_TOKENS=${STEP_TOKENS:-16384}
 NEW_TOKENS=${NEW_TOKENS:-128}; PHASES=${PHASES:-"data extract rate train bench table"}
+RATE_MODEL=${RATE_MODEL:-"--model-path $VERIFIER"}
 VARIANTS=(bf16_final fp8_final bf16_topk fp8_topk)
 export PYTHONUNBUFFERED=1
 mkdir -p "$ROOT/base/logs" "$OUT"
@@ -69,8 +72,8 @@ fi
 if has rate; then  # each format's extraction against the forward pass alone, alone on the GPU
   for v in "${VARIANTS[@]}"; do
     say "bench_extraction $v"; mkdir -p "$ROOT/$v/logs"
-    # shellcheck disable=SC2046
-    OUT=$ROOT/$v python3 scripts/bench_extraction.py --model-path "$VERIFIER" --output-dir "$ROOT/$v/bench_scratch" \
+    # shellcheck disable=SC2046,SC2086
+    OUT=$ROOT/$v python3 scripts/bench_extraction.py $RATE_MODEL --output-dir "$ROOT/$v/bench_scratch" \
       $(flags_of "$v") > "$ROOT/$v/logs/bench_extraction.log" 2>&1 || say "FAILED: bench_extraction $v"
   done
 fi

@@ -51,8 +51,10 @@ def variant_row(run: Path, name: str) -> dict:
                     "bytes_per_token_on_disk": round(on_disk / tokens, 1) if tokens and on_disk else None,
                     "stage02_tokens_per_s": last.get("tokens_per_s")})
     bench = read(run / "bench_extraction.json")
-    if bench:
+    if bench:  # a rate-only run has no stage-02 manifest: the format and its bytes come from the benchmark
         row["extraction_vs_forward"] = bench.get("extraction_vs_forward")
+        row.setdefault("format", bench.get("storage"))
+        row.setdefault("bytes_per_token_computed", bench.get("bytes_per_token"))
     metrics = lines(run / "checkpoints" / "metrics.jsonl")
     train = [r["tokens_per_s"] for r in metrics if r.get("kind") == "train" and r.get("tokens_per_s")]
     evals = [r for r in metrics if r.get("kind") == "eval"]

@@ -463,3 +463,20 @@ def test_bench_measures_the_storage_format_it_is_given(stories260k, tmp_path):
     assert result["bytes_per_token"] < StorageFormat().bytes_per_token(result["hidden_size"])  # bf16 + final's
     assert result["extraction"]["files_written"] == 2 * 4 * len(storage.files())
     assert result["extraction_vs_forward"] > 0
+
+
+def test_bench_builds_a_random_verifier_of_a_known_shape(tmp_path):
+    """--random-shape smollm2: SmolLM2-135M's shape with random weights (speed does not depend on them), so a
+    machine without the checkpoint can measure it."""
+    out = tmp_path / "bench_out"
+    out.mkdir()
+    proc = run_script("scripts/bench_extraction.py", "--device", "cpu", "--random-shape", "smollm2",
+                      "--batch-size", "2", "--seq-len", "32", "--num-batches", "1", "--warmup-batches", "0",
+                      "--num-workers", "1", "--disk-test-mb", "4", "--naive-batches", "0",
+                      "--output-dir", str(tmp_path / "scratch"), timeout=180, env={"OUT": str(out), **ONE_THREAD})
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    result = json.loads((out / "bench_extraction.json").read_text())
+    assert result["model"] == "random-smollm2-shape"
+    assert result["hidden_size"] == 576 and result["aux_layers"] == [2, 15, 27]  # 30 layers: [2, L // 2, L - 3]
+    assert result["bytes_per_token"] == StorageFormat().bytes_per_token(576)
+    assert result["extraction"]["files_written"] == 2 * len(SAMPLE_FILES)
