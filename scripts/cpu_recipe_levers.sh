@@ -17,6 +17,8 @@
 #               lk       --loss lk (-log of the acceptance probability, arXiv 2602.23881)
 #               init     --init-from-verifier-layer (the drafter's layer starts as the verifier's last)
 #               mlp      twice the MLP width (--drafter-config intermediate_size)
+#               tttN     --ttt-steps N instead of 7 (chain 3-1-4 uses the first 3 draft steps; fewer unrolled
+#                        steps cost proportionally less compute a step)
 #               specforge  SpecForge 0.2.0's own recipe (scripts/train_specforge_recipe.py: its drafter, loss,
 #                        optimizer, one sequence a step, its default lr 1e-4) on the same samples, split and
 #                        epochs as `default` (which must run first), float32 on CPU
@@ -65,6 +67,7 @@ lane_flags() {  # $1 lane: its stage-04 flags, one change per "_"-separated part
       lr[0-9]*) [[ $number =~ ^[0-9]+(\.[0-9]+)?$ ]] && flags+=" --lr $(times "$number" "$LR")" ;;
       steps[0-9]*) [[ $number =~ ^[0-9]+$ ]] && flags+=" --max-tokens-per-batch $((STEP_TOKENS / number))" ;;
       epochs[0-9]*) [[ $number =~ ^[0-9]+$ ]] && flags+=" --epochs $((EPOCHS * number))" ;;
+      ttt[0-9]*) [[ $number =~ ^[0-9]+$ ]] && flags+=" --ttt-steps $number" ;;
       *) false ;;
     esac || return 1
   done

@@ -192,10 +192,14 @@ _ALL_FLAGS: list[Flag] = [
     # --- training --------------------------------------------------------------------------------
     Flag("--epochs", "Passes over the training data.", aliases=("--num-epochs", "--num-train-epochs"),
          type=_positive_int, default=4),
-    Flag("--lr", "Peak learning rate. The default is the top of the EAGLE-3 recipe's 5e-5 to 1e-4, for drafters as wide "
-         "as Llama-8B's and Kimi-K2.5's (4096, 7168); the best rate falls with the width, so narrower drafters take more "
-         "(SmolLM2's, 576: 1e-3, while 1e-2 lost 21 %% of chain tau there). docs/training.md.", aliases=("--learning-rate",), type=float, default=1e-4),
-    Flag("--ttt-steps", "Training-time-test unroll depth.", aliases=("--ttt-length", "--ttt", "--ttt-len"),
+    Flag("--lr", "Peak learning rate. The default is the top of the EAGLE-3 recipe's 5e-5 to 1e-4, for drafters "
+         "as wide as Llama-8B's and Kimi-K2.5's (4096, 7168); the best rate falls with the width, so narrower "
+         "drafters take more (SmolLM2's, 576: 1e-3, while 1e-2 lost 21 %% of chain tau there). docs/training.md.",
+         aliases=("--learning-rate",), type=float, default=1e-4),
+    Flag("--ttt-steps", "Training-time-test unroll depth: train at least the draft steps the server takes "
+         "(SGLang's --speculative-num-steps: 3 in the chain 3-1-4 scripts/sglang_launch_command.py prints); each "
+         "step costs about as much as the first. "
+         "docs/training.md.", aliases=("--ttt-length", "--ttt", "--ttt-len"),
          type=_positive_int, default=7),
     Flag("--ttt-decay", "Weight of TTT step j is decay**j.", type=float, default=0.8),
     Flag("--noise-std", "Gaussian noise added to aux hidden states during training.", type=float,
