@@ -8,18 +8,22 @@
 #               (scripts/compare_recipes.py) on the same samples and epochs. SpecForge trains one sequence a step,
 #               so equal tokens on the full run would not fit one session.
 #   3. lanes    side by side, each lane a training on RUN followed by its benchmarks (acceptance only, no timing);
-#               LANES picks them (unset: "default lr3 data"; at 4,096-token steps a lane's training takes about
-#               10 minutes beside two to three others on an H200, host-bound at ~6 steps/s, and 3 steps/s each
-#               beside five others):
+#               LANES picks them (unset: "default ttt3 ttt3_epochs2"). At 4,096-token steps and TTT 7 a lane
+#               trains about 10 minutes beside one to three others on an H200; six side by side share the GPU
+#               at about 75K tokens/s in all (3 steps/s each), so plan three or four lanes a session.
+#               Recipe lanes train on RUN; a name joins changes with "_" (ttt3_epochs2: both):
 #                 default    STEP_TOKENS-token steps, --ttt-positions shifted (today's recipe)
 #                 fixed      the same with --ttt-positions fixed (the old rule: the A/B of the TTT positions)
 #                 steps      LEVER_STEP_TOKENS-token steps (more optimizer steps: the recipe lever)
-#                 epochs     twice EPOCHS
+#                 epochs     twice EPOCHS (epochsX: X times)
 #                 lrX        X times LR (on SmolLM2 lr10 lowered chain tau 21 %, while on stories260K, a 9x
 #                            narrower drafter, it raised it 23 %: results/2026-12-01-smollm2-h200-lr-formats.md)
 #                 init       --init-from-verifier-layer (the drafter's layer starts as the verifier's last)
+#                 tttN       --ttt-steps N instead of 7 (chain 3-1-4 uses 3 draft steps; a step costs about N/7;
+#                            on stories260K ttt3 raised chain tau 5 % in 0.33x the time, ttt3_epochs2 19 % in 0.65x)
 #                 lk         --loss lk (-log of the acceptance probability, arXiv 2602.23881), also
 #                            benchmarked at T=1, where the paper reports its gains
+#               Data and storage-format lanes, each its own name:
 #                 sampled    replies regenerated at T=0.8 (RUN-sampled; REGEN_CACHE does not fit, so stage 01
 #                            regenerates them all), also benchmarked at T=1
 #                 data       DATA_SAMPLES prompts for DATA_EPOCHS epochs (RUN-data; REGEN_CACHE's replies for
@@ -45,13 +49,25 @@
 #     DATA_DIR  scripts/prepare_device_data.py DATA --conversations 20000 --prompts-only (sharegpt.json,
 #               mt_bench.jsonl); with REGEN_CACHE=FILE (../shared/cache/smollm2_sharegpt_greedy_10k.tgz) stage 01
 #               reuses the greedy replies of every prompt that SAMPLES=10000 takes from that file
-# Environment: SAMPLES (10000), SMALL (800), DATA_SAMPLES (17000: about every first turn of the device data; the
-# data lane), DATA_EPOCHS (2), SMALL_STEP_TOKENS (2048, the longest sample's: our steps in the comparison; at 800
-# prompts that is about 550 steps, each a fraction of the time of SpecForge's 3,000 one-sequence steps), EPOCHS (4), LR (1e-3), STEP_TOKENS (4096), LEVER_STEP_TOKENS (2048),
-# FORMAT_STEP_TOKENS (16384, as the bf16 and fp8topk drafters of 2026-12-01), LANES, TOPK (64), HELDOUT (60),
-# NEW_TOKENS (128), WORKERS (data workers of each side-by-side training, 3), SPECFORGE (its wheel or a folder holding the package; empty: no comparison), SPECFORGE_ARGS (more flags for its recipe,
-# e.g. "--lr 1e-4 --time-limit 480"), PHASES ("data compare lanes table"; "pack" alone packs what exists), MPS, EXTRAS,
-# OUT (pack logs, manifests, metrics and reports into $OUT/quality.tgz). Progress: RUN_DIR/logs/quality.log.
+# Environment (defaults in brackets):
+#   SAMPLES [10000]          prompts of RUN
+#   SMALL [800]              prompts of RUN-small, the SpecForge comparison
+#   SMALL_STEP_TOKENS [2048] our tokens a step in the comparison (the longest sample's): about 550 steps at 800
+#                            prompts, each a fraction of the time of SpecForge's 3,000 one-sequence steps
+#   DATA_SAMPLES [17000]     prompts of the data lane (about every first turn of the device data)
+#   DATA_EPOCHS [2]          epochs of the data lane
+#   EPOCHS [4], LR [1e-3], STEP_TOKENS [4096]   the recipe of every lane
+#   TRAIN_FLAGS []           more stage-04 flags for every training, the lanes' common recipe (e.g. "--ttt-steps 3":
+#                            each lane is then one change from it)
+#   LEVER_STEP_TOKENS [2048] the steps lane's tokens a step
+#   FORMAT_STEP_TOKENS [16384]  the storage-format lanes' (as the bf16 and fp8topk drafters of 2026-12-01)
+#   LANES, TOPK [64], HELDOUT [60] (held-out prompts decoded), NEW_TOKENS [128]
+#   WORKERS [3]              data workers of each side-by-side training
+#   SPECFORGE []             its wheel or a folder holding the package; empty: no comparison
+#   SPECFORGE_ARGS []        more flags for its recipe, e.g. "--lr 1e-4 --time-limit 480"
+#   PHASES ["data compare lanes table"]; "pack" alone packs what exists
+#   MPS, EXTRAS [1], OUT     OUT: pack logs, manifests, metrics and reports into $OUT/quality.tgz
+# Progress: RUN_DIR/logs/quality.log.
 # Measured on one H200 with REGEN_CACHE (2026-12-01, SMALL 1500, STEP_TOKENS 16384, four lanes): data 2.2 min,
 # compare 7.8 min (SpecForge stopped by its 400 s limit at 54 % of its steps), lanes 15.3 min (the 4096-token
 # training 10 min of it); results in docs/results/2026-12-01-smollm2-h200.md. Second run (EXTRAS=0, no SpecForge,
@@ -61,8 +77,9 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 VERIFIER=$1; DATA=$2; RUN=$3; SMALL_RUN=$RUN-small
 SAMPLES=${SAMPLES:-10000}; SMALL=${SMALL:-800}; EPOCHS=${EPOCHS:-4}; LR=${LR:-1e-3}; DATA_SAMPLES=${DATA_SAMPLES:-17000}; DATA_EPOCHS=${DATA_EPOCHS:-2}; SMALL_STEP_TOKENS=${SMALL_STEP_TOKENS:-2048}
+TRAIN_FLAGS=${TRAIN_FLAGS:-}
 STEP_TOKENS=${STEP_TOKENS:-4096}; LEVER_STEP_TOKENS=${LEVER_STEP_TOKENS:-2048}; TOPK=${TOPK:-64}
-FORMAT_STEP_TOKENS=${FORMAT_STEP_TOKENS:-16384}; LANES=${LANES-"default lr3 data"}; EXTRAS=${EXTRAS:-1}
+FORMAT_STEP_TOKENS=${FORMAT_STEP_TOKENS:-16384}; LANES=${LANES-"default ttt3 ttt3_epochs2"}; EXTRAS=${EXTRAS:-1}
 HELDOUT=${HELDOUT:-60}; NEW_TOKENS=${NEW_TOKENS:-128}; WORKERS=${WORKERS:-3}
 SPECFORGE=${SPECFORGE:-}; SPECFORGE_ARGS=${SPECFORGE_ARGS:-}; PHASES=${PHASES:-"data compare lanes table"}
 export PYTHONUNBUFFERED=1
@@ -112,10 +129,12 @@ prepare() {  # $1 run dir, $2 samples[, $3 turns, $4 more stage-01 flags]: stage
 }
 train04() {  # $1 run dir, $2 output folder, $3 tokens a step, $4 data workers, then extra flags
   local run=$1 out=$2 tokens=$3 workers=$4; shift 4
-  say "train $out ($tokens tokens a step $*)"
+  say "train $out ($tokens tokens a step $TRAIN_FLAGS $*)"
+  # shellcheck disable=SC2086
   python3 04_train.py --run-dir "$run" --model-path "$VERIFIER" --output-dir "$out" --epochs "$EPOCHS" \
     --max-seq-len 2048 --max-tokens-per-batch "$tokens" --num-workers "$workers" --lr "$LR" --eval-interval 500 \
-    --save-interval 100000 "$@" > "$run/logs/train_$(basename "$out").log" 2>&1 || { say "FAILED: train $out"; return 1; }
+    --save-interval 100000 $TRAIN_FLAGS "$@" > "$run/logs/train_$(basename "$out").log" 2>&1 \
+    || { say "FAILED: train $out"; return 1; }
   say "trained $out: $(python3 -c "import json; print(json.load(open('$out/manifest.json'))['wall_time_s'])") s"
 }
 bench() {  # $1 run dir, $2 report folder name, $3 drafter folder, then stage 05 flags
@@ -156,21 +175,36 @@ format_flags() {  # $1 lane: its stage-02 flags, empty for a lane that trains on
     bf16topk) echo "--targets topk --target-topk $TOPK" ;;
   esac
 }
-start_lane() {  # $1 lane: its training flags
+recipe_flags() {  # $1 recipe lane: its stage-04 flags, one change per "_"-separated part (ttt3_epochs2)
+  local part flags=""
+  for part in ${1//_/ }; do
+    case $part in
+      default|steps) ;;  # steps: LEVER_STEP_TOKENS-token steps (start_lane)
+      fixed) flags+=" --ttt-positions fixed" ;;
+      epochs) flags+=" --epochs $((2 * EPOCHS))" ;;
+      epochs[0-9]*) flags+=" --epochs $((${part#epochs} * EPOCHS))" ;;
+      init) flags+=" --init-from-verifier-layer" ;;
+      lk) flags+=" --loss lk" ;;
+      lr[0-9]*) flags+=" --lr $(python3 -c "print(${part#lr} * $LR)")" ;;
+      ttt[0-9]*) flags+=" --ttt-steps ${part#ttt}" ;;
+      *) return 1 ;;
+    esac
+  done
+  echo "$flags"
+}
+start_lane() {  # $1 lane: train it on its data, then benchmark it
+  local flags tokens=$STEP_TOKENS
   case $1 in
-    default) lane default "$RUN" "$STEP_TOKENS" ;;
-    fixed) lane fixed "$RUN" "$STEP_TOKENS" --ttt-positions fixed ;;
-    steps) lane steps "$RUN" "$LEVER_STEP_TOKENS" ;;
-    epochs) lane epochs "$RUN" "$STEP_TOKENS" --epochs $((2 * EPOCHS)) ;;
-    init) lane init "$RUN" "$STEP_TOKENS" --init-from-verifier-layer ;;
-    lk) lane lk "$RUN" "$STEP_TOKENS" --loss lk ;;
-    lr[0-9]*) lane "$1" "$RUN" "$STEP_TOKENS" --lr "$(python3 -c "print(${1#lr} * $LR)")" ;;
     bf16final) lane bf16final "$RUN" "$FORMAT_STEP_TOKENS" ;;
     fp8topk|fp8final|bf16topk)
       [ -d "$RUN-$1/hidden_states" ] && lane "$1" "$RUN-$1" "$FORMAT_STEP_TOKENS" ;;
     sampled) [ -d "$RUN-$1/hidden_states" ] && lane "$1" "$RUN-$1" "$STEP_TOKENS" ;;
     data) [ -d "$RUN-$1/hidden_states" ] && lane "$1" "$RUN-$1" "$STEP_TOKENS" --epochs "$DATA_EPOCHS" ;;
-    *) say "FAILED: no lane called $1" ;;
+    *)
+      flags=$(recipe_flags "$1") || { say "FAILED: no lane called $1"; return 0; }
+      [[ "_$1_" == *_steps_* ]] && tokens=$LEVER_STEP_TOKENS
+      # shellcheck disable=SC2086
+      lane "$1" "$RUN" "$tokens" $flags ;;
   esac
 }
 default_extras() {  # $1 drafter: lossless checks in float32, chain and tree

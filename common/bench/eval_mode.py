@@ -95,6 +95,6 @@ def eval_summary_line(results: dict) -> str:
     metrics = results["metrics"]
     walked = results["settings"].get("max_new_tokens")
     return (f"simulated acceptance length {fmt(metrics['sim_accept_len'])} | simulated chain tau (3 drafts, "
-            f"walked over each reply's first {walked} tokens) {fmt(metrics.get('sim_chain_tau'))} | top-1 agreement per step "
-            f"[{', '.join(fmt(a, 3) for a in metrics['acc_per_step'])}] | {metrics['tokens']} tokens in "
+            f"walked over each reply's first {walked} tokens) {fmt(metrics.get('sim_chain_tau'))} | top-1 agreement "
+            f"per step [{', '.join(fmt(a, 3) for a in metrics['acc_per_step'])}] | {metrics['tokens']} tokens in "
             f"{results['seconds']:.1f} s")
