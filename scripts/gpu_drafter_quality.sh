@@ -23,7 +23,7 @@
 #                            on stories260K ttt3 raised chain tau 5 % in 0.33x the time, ttt3_epochs2 19 % in 0.65x)
 #                 lk         --loss lk (-log of the acceptance probability, arXiv 2602.23881), also
 #                            benchmarked at T=1, where the paper reports its gains
-#               Data and storage-format lanes, each its own name:
+#               Data and storage-format lanes (their name first; recipe changes may follow: data_ttt3):
 #                 sampled    replies regenerated at T=0.8 (RUN-sampled; REGEN_CACHE does not fit, so stage 01
 #                            regenerates them all), also benchmarked at T=1
 #                 data       DATA_SAMPLES prompts for DATA_EPOCHS epochs (RUN-data; REGEN_CACHE's replies for
@@ -158,7 +158,7 @@ lane() {  # $1 lane, $2 run dir, $3 tokens a step, then extra stage-04 flags: tr
   train04 "$run" "$run/checkpoints_$name" "$tokens" "$WORKERS" "$@" || return 0
   suite "$run" "$name" "$run/checkpoints_$name/best" &
   [ "$name" = default ] && [ "$EXTRAS" = 1 ] && default_extras "$run/checkpoints_$name/best"
-  case $name in *final|*topk) ;; *) bench "$run" "${name}_t1" "$run/checkpoints_$name/best" "${chain[@]}" \
+  case ${name%%_*} in *final|*topk) ;; *) bench "$run" "${name}_t1" "$run/checkpoints_$name/best" "${chain[@]}" \
     --temperature 1 --prompts "$DATA/mt_bench.jsonl" ;; esac
   wait
 }
@@ -192,20 +192,28 @@ recipe_flags() {  # $1 recipe lane: its stage-04 flags, one change per "_"-separ
   done
   echo "$flags"
 }
-start_lane() {  # $1 lane: train it on its data, then benchmark it
-  local flags tokens=$STEP_TOKENS
-  case $1 in
-    bf16final) lane bf16final "$RUN" "$FORMAT_STEP_TOKENS" ;;
-    fp8topk|fp8final|bf16topk)
-      [ -d "$RUN-$1/hidden_states" ] && lane "$1" "$RUN-$1" "$FORMAT_STEP_TOKENS" ;;
-    sampled) [ -d "$RUN-$1/hidden_states" ] && lane "$1" "$RUN-$1" "$STEP_TOKENS" ;;
-    data) [ -d "$RUN-$1/hidden_states" ] && lane "$1" "$RUN-$1" "$STEP_TOKENS" --epochs "$DATA_EPOCHS" ;;
-    *)
-      flags=$(recipe_flags "$1") || { say "FAILED: no lane called $1"; return 0; }
-      [[ "_$1_" == *_steps_* ]] && tokens=$LEVER_STEP_TOKENS
-      # shellcheck disable=SC2086
-      lane "$1" "$RUN" "$tokens" $flags ;;
+start_lane() {  # $1 lane: train it on its data (the name's first part, for a data or storage-format lane), then
+                # benchmark it
+  local base=${1%%_*} recipe=$1 run=$RUN tokens=$STEP_TOKENS flags more=""
+  case $base in
+    bf16final|fp8topk|fp8final|bf16topk|sampled|data)
+      recipe=${1#"$base"}; recipe=${recipe#_}; recipe=${recipe:-default} ;;
   esac
+  case $base in
+    bf16final) tokens=$FORMAT_STEP_TOKENS ;;
+    fp8topk|fp8final|bf16topk) run=$RUN-$base; tokens=$FORMAT_STEP_TOKENS ;;
+    sampled) run=$RUN-sampled ;;
+    data) run=$RUN-data; more="--epochs $DATA_EPOCHS" ;;
+  esac
+  flags=$(recipe_flags "$recipe") || { say "FAILED: no lane called $1"; return 0; }
+  [ -d "$run/hidden_states" ] || { say "FAILED: lane $1 has no hidden states in $run"; return 0; }
+  [[ "_${recipe}_" == *_steps_* ]] && tokens=$LEVER_STEP_TOKENS
+  # shellcheck disable=SC2086
+  lane "$1" "$run" "$tokens" $more $flags
+}
+bases() {  # the first part of every lane's name, once each: the data and storage formats the lanes need
+  local name
+  for name in $LANES; do echo "${name%%_*}"; done | sort -u
 }
 default_extras() {  # $1 drafter: lossless checks in float32, chain and tree
   local pids=()
@@ -218,13 +226,13 @@ default_extras() {  # $1 drafter: lossless checks in float32, chain and tree
 
 if has data; then
   say "stages 01-03: $SAMPLES samples in $RUN"; prepare "$RUN" "$SAMPLES" > "$RUN/logs/prepare.log" 2>&1
-  for name in $LANES; do
+  for name in $(bases); do
     read -r turns samples more <<< "$(data_flags "$name")"; [ -n "$turns" ] || continue
     mkdir -p "$RUN-$name/logs"; say "stages 01-03 in $RUN-$name: $samples samples, --max-turns $turns $more"
     # shellcheck disable=SC2086
     prepare "$RUN-$name" "$samples" "$turns" "$more" > "$RUN-$name/logs/prepare.log" 2>&1 || say "FAILED: data $name"
   done
-  for name in $LANES; do
+  for name in $(bases); do
     flags=$(format_flags "$name"); [ -n "$flags" ] || continue
     mkdir -p "$RUN-$name/logs"; rm -rf "$RUN-$name/data" "$RUN-$name/vocab"
     cp -r "$RUN/data" "$RUN-$name/data"; cp -r "$RUN/vocab" "$RUN-$name/vocab"
