@@ -15,13 +15,12 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from common.bench.report import read_reports  # noqa: E402
+from common.bench.report import fmt as report_fmt, read_reports  # noqa: E402
 
 
 def fmt(value, digits: int = 2) -> str:
-    if value is None:
-        return "-"
-    return f"{value:.{digits}f}" if isinstance(value, float) else str(value)
+    """Two decimals unless told otherwise: a table of figures read side by side."""
+    return report_fmt(value, digits)
 
 
 def prompts_used(report: dict) -> str:
