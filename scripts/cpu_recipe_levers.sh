@@ -22,7 +22,7 @@
 #               specforge  SpecForge 0.2.0's own recipe (scripts/train_specforge_recipe.py: its drafter, loss,
 #                        optimizer, one sequence a step, its default lr 1e-4) on the same samples, split and
 #                        epochs as `default` (which must run first), float32 on CPU
-#             e.g. lr10_steps4: ten times the learning rate and four times the steps.
+#             e.g. lr10_steps4: ten times the learning rate and four times the steps (scripts/recipe_lanes.sh).
 #   3. table  scripts/quality_table.py -> RUN/levers.md
 #
 #   scripts/cpu_recipe_levers.sh [RUN_DIR]      (default runs/levers; rerunning skips finished parts)
@@ -53,26 +53,7 @@ if [ ! -f "$RUN/hidden_states/manifest.json" ]; then
   stories 02_extract_hidden_states.py --device cpu --num-workers 0 >> "$RUN/logs/prepare.log" 2>&1
 fi
 
-times() { "$PY" -c "print($1 * $2)"; }
-lane_flags() {  # $1 lane: its stage-04 flags, one change per "_"-separated part of its name
-  local part number flags=""
-  for part in ${1//_/ }; do
-    number=${part##*[a-z]}
-    case $part in
-      default|specforge) ;;
-      lk) flags+=" --loss lk" ;;
-      init) flags+=" --init-from-verifier-layer" ;;
-      mlp) flags+=" --drafter-config {\"intermediate_size\":$((2 * $(
-        "$PY" -c "import json; print(json.load(open('$MODEL/config.json'))['intermediate_size'])")))}" ;;
-      lr[0-9]*) [[ $number =~ ^[0-9]+(\.[0-9]+)?$ ]] && flags+=" --lr $(times "$number" "$LR")" ;;
-      steps[0-9]*) [[ $number =~ ^[0-9]+$ ]] && flags+=" --max-tokens-per-batch $((STEP_TOKENS / number))" ;;
-      epochs[0-9]*) [[ $number =~ ^[0-9]+$ ]] && flags+=" --epochs $((EPOCHS * number))" ;;
-      ttt[0-9]*) [[ $number =~ ^[0-9]+$ ]] && flags+=" --ttt-steps $number" ;;
-      *) false ;;
-    esac || return 1
-  done
-  echo "$flags"
-}
+source scripts/recipe_lanes.sh  # recipe_flags: a lane's stage-04 flags from its name
 train() {  # $1 lane, $2 its output folder, then its stage-04 flags
   local name=$1 out=$2; shift 2
   if [ "$name" = specforge ]; then
@@ -85,7 +66,7 @@ train() {  # $1 lane, $2 its output folder, then its stage-04 flags
 }
 lane() {  # $1 lane: train it, then its three benchmarks
   local name=$1 out=$RUN/checkpoints_$1 flags
-  flags=$(lane_flags "$name") || { say "FAILED: no lane called $name"; return 0; }
+  flags=$(recipe_flags "$name") || { say "FAILED: no lane called $name"; return 0; }
   if [ ! -f "$out/manifest.json" ]; then
     # shellcheck disable=SC2086
     train "$name" "$out" $flags > "$RUN/logs/train_$name.log" 2>&1 || { say "FAILED: train $name"; return 0; }

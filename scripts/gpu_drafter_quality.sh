@@ -175,23 +175,8 @@ format_flags() {  # $1 lane: its stage-02 flags, empty for a lane that trains on
     bf16topk) echo "--targets topk --target-topk $TOPK" ;;
   esac
 }
-recipe_flags() {  # $1 recipe lane: its stage-04 flags, one change per "_"-separated part (ttt3_epochs2)
-  local part flags=""
-  for part in ${1//_/ }; do
-    case $part in
-      default|steps) ;;  # steps: LEVER_STEP_TOKENS-token steps (start_lane)
-      fixed) flags+=" --ttt-positions fixed" ;;
-      epochs) flags+=" --epochs $((2 * EPOCHS))" ;;
-      epochs[0-9]*) flags+=" --epochs $((${part#epochs} * EPOCHS))" ;;
-      init) flags+=" --init-from-verifier-layer" ;;
-      lk) flags+=" --loss lk" ;;
-      lr[0-9]*) flags+=" --lr $(python3 -c "print(${part#lr} * $LR)")" ;;
-      ttt[0-9]*) flags+=" --ttt-steps ${part#ttt}" ;;
-      *) return 1 ;;
-    esac
-  done
-  echo "$flags"
-}
+PY=python3; MODEL=$VERIFIER  # for recipe_lanes.sh
+source scripts/recipe_lanes.sh  # recipe_flags: a recipe lane's stage-04 flags from its name (steps: start_lane)
 start_lane() {  # $1 lane: train it on its data (the name's first part, for a data or storage-format lane), then
                 # benchmark it
   local base=${1%%_*} recipe=$1 run=$RUN tokens=$STEP_TOKENS flags more=""
