@@ -10,15 +10,16 @@
 #             each; `specforge` after `default`), then stage 05: teacher-forced agreement and the walked chain
 #             tau on the validation split (--mode eval), and chain 3-1-4 decoding (--tau-only, float32) of the
 #             held-out prompts at T=0 and at T=1. A lane's name is its changes joined by "_":
-#               default  EPOCHS epochs, lr LR, STEP_TOKENS-token steps, --loss kl, TTT 7 (the SmolLM2 recipe)
+#               default  EPOCHS epochs, lr LR, STEP_TOKENS-token steps, --loss kl, stage 04's --ttt-steps (3 since
+#                        2026-12-02; the lanes of results/2026-12-01-stories260k-cpu-levers.md ran with TTT 7)
 #               lrX      X times LR (lr3, lr10, ...)
 #               stepsX   STEP_TOKENS / X tokens a step (X times the optimizer steps)
 #               epochsX  X times EPOCHS
 #               lk       --loss lk (-log of the acceptance probability, arXiv 2602.23881)
 #               init     --init-from-verifier-layer (the drafter's layer starts as the verifier's last)
 #               mlp      twice the MLP width (--drafter-config intermediate_size)
-#               tttN     --ttt-steps N instead of 7 (chain 3-1-4 uses the first 3 draft steps; fewer unrolled
-#                        steps cost proportionally less compute a step)
+#               tttN     --ttt-steps N (ttt7: the EAGLE-3 recipe's depth; chain 3-1-4 uses the first 3 draft
+#                        steps, and each unrolled step costs about as much compute as the first)
 #               specforge  SpecForge 0.2.0's own recipe (scripts/train_specforge_recipe.py: its drafter, loss,
 #                        optimizer, one sequence a step, its default lr 1e-4) on the same samples, split and
 #                        epochs as `default` (which must run first), float32 on CPU
@@ -61,7 +62,7 @@ train() {  # $1 lane, $2 its output folder, then its stage-04 flags
       --checkpoints-dir "$RUN/checkpoints_default" --lr 1e-4 --device cpu --dtype float32 --num-workers 0
   else
     stories 04_train.py --output-dir "$out" --epochs "$EPOCHS" --lr "$LR" --max-tokens-per-batch "$STEP_TOKENS" \
-      --ttt-steps 7 --val-ratio 0.05 --eval-interval 100000 --save-interval 100000 --num-workers 0 --device cpu "$@"
+      --val-ratio 0.05 --eval-interval 100000 --save-interval 100000 --num-workers 0 --device cpu "$@"
   fi
 }
 lane() {  # $1 lane: train it, then its three benchmarks

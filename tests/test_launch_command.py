@@ -121,7 +121,7 @@ def test_script_on_a_real_llama_drafter(stories260k, tmp_path):
     from common.formats.checkpoint import save_drafter
 
     model, _, _, _ = stories260k_drafter(stories260k)
-    save_drafter(model, tmp_path / "best")
+    save_drafter(model, tmp_path / "best", extra={"training": {"ttt_steps": 3}})  # as stage 04 records it
     proc = run_script("scripts/sglang_launch_command.py", str(tmp_path / "best"), "--model-path", str(stories260k),
                       "--tp-size", "1", "--json", timeout=120)
     assert proc.returncode == 0, proc.stdout + proc.stderr
@@ -135,6 +135,11 @@ def test_script_on_a_real_llama_drafter(stories260k, tmp_path):
     proc = run_script("scripts/sglang_launch_command.py", str(tmp_path / "best"), "--model-path", str(stories260k),
                       timeout=120)
     assert proc.returncode == 0 and "--speculative-algorithm EAGLE3" in proc.stdout
+    assert "never trained" not in proc.stdout  # 3 steps served, 3 trained
+    # serving deeper drafts than the training unrolled is allowed, with a note that says what to change
+    deeper = build_launch_command(tmp_path / "best", str(stories260k), tp_size=1, num_steps=5, num_draft_tokens=6)
+    assert deeper.problems == []
+    assert any("trained to draft 3 steps" in note and "--ttt-steps 5" in note for note in deeper.notes), deeper.notes
     proc = run_script("scripts/sglang_launch_command.py", str(tmp_path / "nowhere"), "--model-path",
                       str(stories260k), timeout=120)
     assert proc.returncode == 2 and "no config.json" in proc.stderr

@@ -50,6 +50,7 @@ class CheckpointManager:
         shutil.rmtree(staging, ignore_errors=True)
         training = {k: summary.get(k) for k in ("checkpoint", "step", "epoch", "val_sim_accept_len")}
         training["ttt_positions"] = getattr(model, "ttt_positions", None)  # RoPE positions of the TTT steps
+        training["ttt_steps"] = (summary.get("run_config") or {}).get("ttt_steps")  # the draft steps it learned
         save_drafter(model, staging, extra={"training": training})
         torch.save(training_state, staging / TRAINING_STATE)
         write_json_atomic(staging / TRAINER_STATE_JSON, summary)

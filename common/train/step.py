@@ -21,7 +21,7 @@ class TrainConfig:
     warmup_ratio: float = 0.02
     max_grad_norm: float = 0.5
     grad_accum: int = 1
-    ttt_steps: int = 7
+    ttt_steps: int = 3
     ttt_decay: float = 0.8
     noise_std: float = 0.0
     loss: str = "kl"  # the training objective (--loss); validation always reports the soft-CE

@@ -151,6 +151,12 @@ def build_launch_command(drafter_dir: str | Path, model_path: str, tp_size: int 
     else:
         notes.append(f"{ids_text}: SGLang captures the inputs of layers {captured} of this {info.architecture}, the "
                      f"layers the drafter was trained on")
+    trained_steps = ((config.get(METADATA_KEY) or {}).get("training") or {}).get("ttt_steps")
+    if trained_steps and num_steps > trained_steps:
+        notes.append(f"--num-steps {num_steps}: the drafter was trained to draft {trained_steps} steps "
+                     f"(--ttt-steps {trained_steps}); drafts past step {trained_steps} were never trained and are "
+                     f"accepted less often. Serve with --num-steps {trained_steps}, or retrain with --ttt-steps "
+                     f"{num_steps}")
     if config.get("vocab_size") not in (None, info.vocab_size):
         problems.append(f"the drafter's vocab_size {config.get('vocab_size')} is not the verifier's {info.vocab_size}")
     target_hidden = config.get("target_hidden_size") or config.get("hidden_size")
