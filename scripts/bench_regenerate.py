@@ -5,8 +5,12 @@ One run, the same prompts (the first user turns of a ShareGPT JSON / JSONL file)
 
 1. the verifier at --model-path (e.g. SmolLM2-135M-Instruct, a dense HF folder) in --dtype:
    - "generate" (the first engine, today's default before this change) on every prompt;
-   - "static" (the new default) twice on every prompt: cold (transformers compiles the decoding step)
-     and warm (the rate a long stage 01 run sees); its replies are compared with "generate"'s;
+   - "static" (the new default) twice on every prompt with one responder, as stage 01 keeps one: cold
+     (transformers compiles the decoding step) and warm (the rate a long stage 01 run sees, its pooled
+     caches reused); its replies are compared with "generate"'s. Batches are packed by the token budget
+     (--batch-size rows at the shortest width, fewer when wider), each with a cache of its own width; the
+     warm call's batches (rows, padded width, cache width, seconds, seconds per decoding step) are written
+     out, to show where the time goes;
    - "continuous" (transformers' continuous batching) on the first --continuous-prompts prompts;
    - the forward pass alone (tokens/s of one full batch), the ceiling the decoding rate is held against;
    - in float32, "generate" and "static" on the first --fp32-check-prompts prompts: token-for-token equality;
@@ -15,8 +19,9 @@ One run, the same prompts (the first user turns of a ShareGPT JSON / JSONL file)
 
 Writes OUT/bench_regenerate.json and OUT/bench_regenerate.md after every measurement (a run stopped early
 keeps what it measured) and prints the ratios. On one H200 with the defaults: about 4 minutes for part 1
-(measured: generate 44 s, static 90 s cold and 15 s warm, continuous about 20 s, the float32 check) and
-2 to 3 for part 2 (compiling the 8B-shaped model is most of it); --llama-prompts 0 leaves part 2 out:
+(measured before the token budget and the cache pool: generate 44 s, static 90 s cold and 15 s warm,
+continuous about 20 s, the float32 check) and 2 to 3 for part 2 (compiling the 8B-shaped model is most of
+it); --llama-prompts 0 leaves part 2 out, and --static-only runs the static engine's two calls alone:
 
   python scripts/bench_regenerate.py --model-path /path/smollm2-dense --data sharegpt.jsonl --out results/
 """
@@ -50,7 +55,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--data", required=True, help="ShareGPT JSON / JSONL chat file (first user turns are used)")
     parser.add_argument("--out", required=True, type=Path, help="folder for bench_regenerate.json / .md")
     parser.add_argument("--num-prompts", type=int, default=2000)
-    parser.add_argument("--batch-size", type=int, default=1024)
+    parser.add_argument("--batch-size", type=int, default=1024,
+                        help="rows of a batch (static: of the shortest prompts; wider batches take fewer)")
     parser.add_argument("--max-new-tokens", type=int, default=256)
     parser.add_argument("--max-prompt-tokens", type=int, default=1024)
     parser.add_argument("--continuous-prompts", type=int, default=128,
@@ -60,6 +66,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--llama-prompts", type=int, default=256, help="0: skip the 8B-shaped verifier")
     parser.add_argument("--llama-batch-size", type=int, default=256)
     parser.add_argument("--llama-shape", choices=("8b", "tiny"), default="8b")
+    parser.add_argument("--static-only", action="store_true",
+                        help="only the static engine, cold and warm, on the verifier at --model-path: no other "
+                             "engine, forward rate, float32 check or 8B-shaped verifier")
     parser.add_argument("--device", default="auto")
     parser.add_argument("--dtype", default="bfloat16")
     return parser.parse_args(argv)
@@ -81,23 +90,39 @@ def synchronize(device: str) -> None:
         torch.cuda.synchronize()
 
 
-def timed_run(model, tokenizer, stop_ids, conversations, args, engine: str, batch_size: int, device: str) -> dict:
-    """One responder call over every conversation; its rates and replies."""
+def make_responder(model, tokenizer, stop_ids, args, engine: str, batch_size: int, device: str):
     from common.data.responders import HFResponder
 
-    responder = HFResponder(lambda _device: model, tokenizer, stop_ids, args.max_new_tokens, 0.0, batch_size,
-                            args.max_prompt_tokens, devices=[device], engine=engine)
+    return HFResponder(lambda _device: model, tokenizer, stop_ids, args.max_new_tokens, 0.0, batch_size,
+                       args.max_prompt_tokens, devices=[device], engine=engine)
+
+
+def timed_run(model, tokenizer, stop_ids, conversations, args, engine: str, batch_size: int, device: str,
+              responder=None) -> dict:
+    """One responder call over every conversation (on `responder`, else a new one); its rates, replies and
+    batches."""
+    responder = responder or make_responder(model, tokenizer, stop_ids, args, engine, batch_size, device)
+    generated, hit, logged = responder.generated_tokens, responder.hit_max_new_tokens, len(responder.batch_log)
     synchronize(device)
     started = time.perf_counter()
     replies = responder(conversations)
     synchronize(device)
     elapsed = time.perf_counter() - started
     answered = sum(r is not None for r in replies)
+    generated = responder.generated_tokens - generated
     return {"engine": engine, "prompts": len(conversations), "answered": answered, "batch_size": batch_size,
             "elapsed_s": round(elapsed, 2), "conversations_per_s": round(answered / elapsed, 1),
-            "generated_tokens": responder.generated_tokens,
-            "generated_tokens_per_s": round(responder.generated_tokens / elapsed, 1),
-            "hit_max_new_tokens": responder.hit_max_new_tokens, "replies": replies}
+            "generated_tokens": generated, "generated_tokens_per_s": round(generated / elapsed, 1),
+            "hit_max_new_tokens": responder.hit_max_new_tokens - hit,
+            "batches": batch_rows(responder.batch_log[logged:], args.max_new_tokens), "replies": replies}
+
+
+def batch_rows(batch_log: list[dict], max_new_tokens: int) -> list[dict]:
+    """HFResponder.batch_log's entries with seconds per decoding step: seconds / max_new_tokens, prefill
+    included (a batch whose rows all stop early runs fewer steps)."""
+    return [{"rows": b["rows"], "width": b["width"], "cache_width": b["cache_width"],
+             "seconds": round(b["seconds"], 3), "s_per_step": round(b["seconds"] / max_new_tokens, 5)}
+            for b in batch_log]
 
 
 def forward_rate(model, device: str, batch: int, length: int) -> float:
@@ -123,24 +148,31 @@ def same_replies(a: list, b: list) -> dict:
     return {"compared": len(pairs), "equal": sum(x == y for x, y in pairs)}
 
 
-def without_replies(run: dict) -> dict:
-    return {k: v for k, v in run.items() if k != "replies"}
+def for_report(key: str, run: dict) -> dict:
+    """A run without its replies; the batches are kept for the static engine's warm call only."""
+    return {k: v for k, v in run.items() if k != "replies" and (k != "batches" or key == "static")}
 
 
 def bench_verifier(model, tokenizer, stop_ids, conversations, args, device, batch_size, continuous: int,
                    result: dict, save) -> dict:
-    """The engines on one loaded model, the forward rate and the ratios, into `result` (saved after each)."""
-    def run(key: str, engine: str, prompts: list) -> dict:
-        done = timed_run(model, tokenizer, stop_ids, prompts, args, engine, batch_size, device)
-        result[key] = without_replies(done)
+    """The engines on one loaded model, the forward rate and the ratios, into `result` (saved after each).
+    The static engine's two calls go to one responder, as in stage 01: the warm call reuses its caches."""
+    def run(key: str, engine: str, prompts: list, responder=None) -> dict:
+        done = timed_run(model, tokenizer, stop_ids, prompts, args, engine, batch_size, device, responder)
+        result[key] = for_report(key, done)
         print(json.dumps({key: result[key]}), flush=True)
         save()
         return done
 
+    static = make_responder(model, tokenizer, stop_ids, args, "static", batch_size, device)
+    if args.static_only:
+        run("static_cold", "static", conversations, static)
+        run("static", "static", conversations, static)
+        return result
     timed_run(model, tokenizer, stop_ids, conversations[:1], args, "generate", batch_size, device)  # warm-up
     old = run("generate", "generate", conversations)
-    cold = run("static_cold", "static", conversations)
-    warm = run("static", "static", conversations)
+    cold = run("static_cold", "static", conversations, static)
+    warm = run("static", "static", conversations, static)
     result["static_vs_generate_replies"] = same_replies(old["replies"], warm["replies"])
     if continuous:
         try:
@@ -199,7 +231,7 @@ def bench_llama(args, tokenizer, stop_ids, conversations, device, result: dict, 
     lengths = [len(tokenizer(tokenizer.apply_chat_template(c, tokenize=False, add_generation_prompt=True),
                              add_special_tokens=False)["input_ids"]) for c in subset]
     context = sum(lengths) / len(lengths) + args.max_new_tokens / 2
-    steps = -(-len(subset) // args.llama_batch_size) * args.max_new_tokens
+    steps = len(result["static"]["batches"]) * args.max_new_tokens
     result.update(shape=args.llama_shape, parameters=params,
                   static_ms_per_step=round(1000 * result["static"]["elapsed_s"] / steps, 2),
                   bound_ms_per_step=decode_bound_ms(config, params, args.llama_batch_size, context))
@@ -235,7 +267,22 @@ def markdown(report: dict) -> str:
         part = report["llama_8b_shaped"]
         lines.append(f"- 8B-shaped: {part['static_ms_per_step']} ms per decoding step, bound by HBM "
                      f"{part['bound_ms_per_step']} ms (weights + KV cache read once a step)")
+    for name in ("verifier", "llama_8b_shaped"):
+        lines += batch_table(name, report.get(name) or {})
     return "\n".join(lines) + "\n"
+
+
+def batch_table(name: str, part: dict) -> list[str]:
+    """Markdown lines: the static engine's warm batches (none when it did not run)."""
+    batches = (part.get("static") or {}).get("batches")
+    if not batches:
+        return []
+    lines = ["", f"Static engine, warm call, {name}: each batch (seconds per step = seconds / new tokens, "
+                 "prefill included)", "",
+             "| rows | padded width | cache width | s | s per step |", "| --- | --- | --- | --- | --- |"]
+    lines += [f"| {b['rows']} | {b['width']} | {b['cache_width']} | {b['seconds']} | {b['s_per_step']} |"
+              for b in batches]
+    return lines
 
 
 def main(argv=None) -> int:
@@ -266,8 +313,11 @@ def main(argv=None) -> int:
     bench_verifier(model, tokenizer, stop_ids, conversations, args, device, args.batch_size,
                    args.continuous_prompts, report["verifier"], save)
     del model
-    print(json.dumps({"verifier_ratios": report["verifier"]["ratios"]}), flush=True)
     save()
+    if args.static_only:
+        print(markdown(report), flush=True)
+        return 0
+    print(json.dumps({"verifier_ratios": report["verifier"]["ratios"]}), flush=True)
     if args.fp32_check_prompts:
         report["fp32_static_vs_generate"] = fp32_check(args, tokenizer, stop_ids, conversations, device)
         print(json.dumps({"fp32_static_vs_generate": report["fp32_static_vs_generate"]}), flush=True)

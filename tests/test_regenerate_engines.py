@@ -71,6 +71,65 @@ def test_engines_agree_token_for_token_on_smollm2(smollm2):
         assert found[engine][1] == reference[1], engine
 
 
+def test_static_batches_follow_the_token_budget():
+    """A "static" batch padded to width W takes floor(batch_size x (128 + new) / (W + new)) rows: with 4 rows
+    and 128 new tokens, 4 rows at width 128, 2 at 256 and at 384 (exactly the budget), 1 at 512 and wider;
+    prompts are packed in order, a batch closing when the next prompt would overfill it at its width."""
+    from common.data.responders import static_batches, static_rows
+
+    lengths = [5, 100, 128, 129, 200, 256, 257, 300, 384, 385, 512, 600]
+    assert static_batches(lengths, 4, 128) == [[0, 1, 2], [3, 4], [5, 6], [7, 8], [9], [10], [11]]
+    assert static_batches([10] * 9, 4, 128) == [[0, 1, 2, 3], [4, 5, 6, 7], [8]]
+    assert [static_rows(width, 4, 128) for width in (128, 256, 384, 512, 4096)] == [4, 2, 2, 1, 1]
+    # 1024 x 384 positions: 614 rows fit at width 384 (rounded down to 576, a multiple of 64), exactly 768 at
+    # 256; 153 at 384 with a batch of 256 (under 256 rows: not rounded)
+    assert [static_rows(width, 1024, 256) for width in (128, 256, 384, 1024)] == [1024, 768, 576, 256]
+    assert static_rows(384, 256, 256) == 153
+
+
+def test_static_engine_sizes_each_cache_to_its_batch_and_reuses_it(stories260k):
+    """"static" on prompts of three widths, called twice: each batch decodes with a cache as wide as its own
+    padded prompts plus the new tokens (not the widest seen before), takes the rows its width's budget allows,
+    and the second call reuses the pooled caches; replies equal plain `generate`'s token for token."""
+    from common.data.responders import HFResponder, static_rows
+    from common.verifier.loading import load_tokenizer, load_verifier_model
+
+    tokenizer = load_tokenizer(str(stories260k))
+    tokenizer.chat_template = STORIES_TEMPLATE
+    story = " ".join(f"{PROMPTS[i % len(PROMPTS)]}." for i in range(12))  # 157 tokens with the template
+    told_back = " ".join(f"{PROMPTS[-1 - i % len(PROMPTS)]}." for i in range(12))  # 157 too
+    texts = PROMPTS + [story, told_back, f"{story} {story}", f"{story} {told_back}"]  # 6 under 128, 2 of 301
+    first = [[{"role": "user", "content": text}] for text in texts]
+    second = first[-4:-1]  # one batch of 2 rows at width 256, one of 1 row at 384: the two shapes pooled last
+    model = load_verifier_model(str(stories260k), "cpu", "float32")
+    new_tokens, batch_size = 8, 4
+
+    def rows_of(engine):
+        responder = HFResponder(lambda _device: model, tokenizer, {tokenizer.eos_token_id}, new_tokens, 0.0,
+                                batch_size, 512, engine=engine)
+        recorder = RowRecorder(responder)
+        responder(first)
+        calls = [list(recorder.rows)]
+        responder(second)
+        calls.append(recorder.rows[len(calls[0]):])
+        return responder, calls
+
+    _, expected = rows_of("generate")
+    static, found = rows_of("static")
+    assert found == expected
+    shapes = [(batch["rows"], batch["width"]) for batch in static.batch_log]
+    assert shapes == [(4, 128), (2, 128), (2, 256), (1, 384), (1, 384), (2, 256), (1, 384)]
+    for batch in static.batch_log:
+        assert batch["cache_width"] == batch["width"] + new_tokens and batch["seconds"] > 0
+        assert batch["rows"] <= static_rows(batch["width"], batch_size, new_tokens)
+        assert batch["rows"] * batch["cache_width"] <= batch_size * (128 + new_tokens)
+    assert static.caches.created == 4  # the second call made none
+    held = static.caches.held("cpu")
+    assert list(held) == [(2, 256 + new_tokens), (1, 384 + new_tokens)]
+    for (rows, width), cache in held.items():  # generate decoded with these caches, at these shapes
+        assert cache.layers[0].keys.shape[0] == rows and cache.layers[0].keys.shape[2] == width
+
+
 # --- stage 01: several replies per prompt, resume after a kill ---------------------------------------
 
 STARTS = ["Lily found a", "Tom saw a big", "The cat and the dog", "One sunny day", "A little bird", "Sue had a red",

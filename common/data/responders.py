@@ -11,8 +11,9 @@ import threading
 import time
 import urllib.error
 import urllib.request
+from collections import OrderedDict
 from concurrent.futures import ThreadPoolExecutor
-from contextlib import nullcontext
+from contextlib import contextmanager, nullcontext
 from typing import Any, Callable, Sequence
 
 from common.cli.errors import UsageError
@@ -36,9 +37,133 @@ def resolve_engine(engine: str, devices: Sequence[str]) -> str:
     if engine != "auto":
         return engine
     return "static" if any(str(device).startswith("cuda") for device in devices) else "generate"
+
+
+# --- the "static" engine's batches and caches ---------------------------------------------------------
+
 # Static-cache prompts are left-padded to a multiple of this, so batches share a few compiled shapes.
 STATIC_WIDTH_STEP = 128
+# Rows of a narrowed static batch are rounded down to a multiple of this (see static_rows).
+STATIC_ROW_STEP = 64
 
+
+def static_width(length: int) -> int:
+    """The width a prompt of `length` tokens is left-padded to in the "static" engine."""
+    return -(-length // STATIC_WIDTH_STEP) * STATIC_WIDTH_STEP
+
+
+def static_rows(width: int, batch_size: int, max_new_tokens: int) -> int:
+    """Rows of a "static" batch padded to `width`: its cache may hold as many positions as a full batch of
+    the shortest prompts, batch_size x (STATIC_WIDTH_STEP + max_new_tokens), so wider batches take fewer rows
+    (at least 1, at most batch_size).
+
+    Each width gets one row count, so full batches repeat their shapes (the compiled step, its CUDA graphs
+    and the pooled caches go by shape). Narrowed batches of 4 x STATIC_ROW_STEP rows or more are rounded
+    down to a multiple of STATIC_ROW_STEP: with a batch size that is a multiple too, the last, partial
+    batch of a call of one width is then a multiple as well and repeats from call to call, and matrix
+    products get whole tiles. That costs under a fifth of the rows; smaller batches keep every row, as a
+    large verifier's decoding step then spends much of its time reading the weights, whatever the rows.
+    """
+    budget = batch_size * (STATIC_WIDTH_STEP + max_new_tokens)
+    rows = min(batch_size, budget // (width + max_new_tokens))
+    if 4 * STATIC_ROW_STEP <= rows < batch_size:
+        rows -= rows % STATIC_ROW_STEP
+    return max(1, rows)
+
+
+def static_batches(lengths: Sequence[int], batch_size: int, max_new_tokens: int) -> list[list[int]]:
+    """The "static" engine's batches of prompts with these token lengths (sorted shortest first, as
+    HFResponder sorts them): lists of indices into `lengths`, packed greedily in order, each batch as long
+    as static_rows allows for its padded width."""
+    batches: list[list[int]] = []
+    batch: list[int] = []
+    longest = 0  # of the prompts in `batch`
+    for index, length in enumerate(lengths):
+        width = static_width(max(longest, length))
+        if batch and len(batch) + 1 > static_rows(width, batch_size, max_new_tokens):
+            batches.append(batch)
+            batch, longest = [], 0
+        batch.append(index)
+        longest = max(longest, length)
+    if batch:
+        batches.append(batch)
+    return batches
+
+
+def cache_keyword() -> str:
+    """The `generate` keyword for a cache made by the caller: `past_key_values` in transformers 5.17, `cache`
+    in later 5.x (which still takes the old name, with a FutureWarning). Read from the signature of
+    generate's own input preparation, which names the cache the way generate's keywords do."""
+    import inspect
+
+    from transformers import GenerationMixin
+
+    parameters = inspect.signature(GenerationMixin.prepare_inputs_for_generation).parameters
+    return "cache" if "cache" in parameters else "past_key_values"
+
+
+class StaticCachePool:
+    """transformers StaticCaches kept for reuse between batches and calls, keyed by (rows, width) per device.
+
+    `generate(cache_implementation="static")` makes its own cache, as wide as the widest one it made before
+    for that model (transformers keeps `max(max_cache_len, model._previous_max_cache_length)`), so after one
+    batch of long prompts every later batch decoded over the long width. A cache passed to `generate` is
+    used as it is. Reusing the same cache objects (reset, not remade) keeps the tensor addresses that the
+    compiled decoding step's CUDA graphs were recorded with; new addresses make torch record them again,
+    and it gives up graphs for a function after `cudagraph_unexpected_rerecord_limit` re-recordings.
+
+    At most `per_device` caches per device are kept, the least recently used dropped: each holds at most one
+    batch's token budget (static_rows), and with prompts sorted shortest first the widths of a call come
+    in ascending order, so the last two shapes are the ones reused. A cache is lent to one batch at a time
+    (copies of the verifier on one device, each in its own thread, get caches of their own). The copies
+    on a device must share dtype and head shapes: a cache takes them from the model at its first update.
+    """
+
+    def __init__(self, per_device: int = 2):
+        self.per_device = per_device
+        self.created = 0  # caches made, not reused: for the log and the tests
+        self._caches: dict[str, OrderedDict] = {}
+        self._lock = threading.Lock()  # several devices' threads borrow caches at once
+
+    @contextmanager
+    def lend(self, model, device, rows: int, width: int):
+        """An empty StaticCache for `rows` sequences of up to `width` positions on `device`, for the block;
+        kept afterwards as the most recently used."""
+        from transformers import StaticCache
+
+        key = (rows, width)
+        with self._lock:
+            caches = self._caches.setdefault(str(device), OrderedDict())
+            cache = caches.pop(key, None)  # out of the pool while lent
+            if cache is None:
+                self.created += 1
+        if cache is None:
+            cache = StaticCache(config=model.config, max_cache_len=width)
+        cache.reset()  # zeroes the keys, values and fill counter in place: the addresses stay
+        try:
+            yield cache
+        finally:
+            with self._lock:
+                caches[key] = cache
+                while len(caches) > self.per_device:
+                    caches.popitem(last=False)
+
+    def held(self, device) -> dict:
+        """{(rows, width): cache} kept for `device`, least recently used first."""
+        with self._lock:
+            return dict(self._caches.get(str(device), {}))
+
+
+def synchronized_clock(device) -> float:
+    """time.perf_counter() once the device has done its queued work (a CUDA synchronize; nothing on a CPU)."""
+    if device.type == "cuda":
+        import torch
+
+        torch.cuda.synchronize(device)
+    return time.perf_counter()
+
+
+# --- HFResponder -------------------------------------------------------------------------------------
 
 class HFResponder:
     """Batched `generate` on a transformers causal LM (left padding), loaded on first use.
@@ -48,7 +173,12 @@ class HFResponder:
     whole copy of the verifier on each GPU) the batches of a call are spread over the copies, each driven
     by its own thread: `generate` on a small verifier waits mostly on its GPU, so the copies overlap.
     With the "continuous" engine a call's prompts are split evenly over the copies instead of into
-    `batch_size` chunks: the library schedules them itself, requests joining as others finish.
+    `batch_size` chunks: the library schedules them itself, requests joining as others finish. With
+    "static", `batch_size` is the rows of a batch of the shortest prompts and wider batches take fewer
+    (static_batches), each decoding with a pooled cache of its own width (StaticCachePool).
+
+    `batch_log` gets one entry per batch run: engine, rows, padded width, cache width (None for
+    "continuous", whose paged cache the library sizes) and seconds.
     """
 
     def __init__(self, load_model: Callable[[str], Any], tokenizer, stop_ids: set[int], max_new_tokens: int,
@@ -70,6 +200,8 @@ class HFResponder:
         self.seed = seed
         self.hit_max_new_tokens = 0
         self.generated_tokens = 0  # up to each reply's stop token, for rates
+        self.batch_log: list[dict] = []
+        self.caches = StaticCachePool()
         # Any id works for padding (padded positions are masked out); left padding is done by hand.
         self.pad_id = next(i for i in (tokenizer.pad_token_id, tokenizer.eos_token_id, min(stop_ids, default=0))
                            if i is not None)
@@ -96,12 +228,19 @@ class HFResponder:
         replies: list[str | None] = [None] * len(conversations)
         usable = [i for i, ids in enumerate(encoded) if ids is not None and 0 < len(ids) < self.max_prompt_tokens]
         usable.sort(key=lambda i: len(encoded[i]))  # similar lengths together: less padding
-        size = self.batch_size if self.engine != "continuous" else max(1, -(-len(usable) // len(self.devices)))
-        chunks = [usable[start:start + size] for start in range(0, len(usable), size)]
+        chunks = [[usable[k] for k in batch] for batch in self._batches([len(encoded[i]) for i in usable])]
         for chunk, rows in zip(chunks, self._generate_all([[encoded[i] for i in chunk] for chunk in chunks])):
             for i, row in zip(chunk, rows):
                 replies[i] = self._decode(row)
         return replies
+
+    def _batches(self, lengths: list[int]) -> list[list[int]]:
+        """Indices into `lengths` (sorted shortest first) of each batch: "static" packs by its token budget,
+        "generate" takes `batch_size` prompts, "continuous" one equal share per verifier copy."""
+        if self.engine == "static":
+            return static_batches(lengths, self.batch_size, self.max_new_tokens)
+        size = self.batch_size if self.engine == "generate" else max(1, -(-len(lengths) // len(self.devices)))
+        return [list(range(start, min(start + size, len(lengths)))) for start in range(0, len(lengths), size)]
 
     def _generate_all(self, batches: list[list[list[int]]]) -> list[list[list[int]]]:
         """Generated token rows of every batch, in order; with several copies, each batch goes to the next
@@ -124,19 +263,37 @@ class HFResponder:
         with inference_attention(), ThreadPoolExecutor(len(models), thread_name_prefix="regenerate") as pool:
             return list(pool.map(run, batches))
 
-    def _config(self, **extra):
+    def _config(self):
         from transformers import GenerationConfig
 
         sampling = self.temperature > 0
         return GenerationConfig(max_new_tokens=self.max_new_tokens, do_sample=sampling,
                                 temperature=self.temperature if sampling else None,
                                 top_p=1.0 if sampling else None, top_k=0 if sampling else None,
-                                eos_token_id=sorted(self.stop_ids), pad_token_id=self.pad_id, **extra)
+                                eos_token_id=sorted(self.stop_ids), pad_token_id=self.pad_id)
 
     def _generate(self, model, prompts: list[list[int]]) -> list[list[int]]:
+        """One batch's generated rows, timed into `batch_log`."""
+        device = next(model.parameters()).device
+        width, cache_width = self._widths(prompts)
+        started = synchronized_clock(device)
+        rows = self._run_batch(model, prompts, device, width, cache_width)
+        self.batch_log.append({"engine": self.engine, "rows": len(prompts), "width": width,
+                               "cache_width": cache_width, "seconds": synchronized_clock(device) - started})
+        return rows
+
+    def _widths(self, prompts: list[list[int]]) -> tuple[int, int | None]:
+        """The batch's padded prompt width and the positions its KV cache holds (None: the library's paged
+        cache). "static" pads to a multiple of STATIC_WIDTH_STEP so compiled decoding steps are reused."""
+        longest = max(len(p) for p in prompts)
+        if self.engine == "continuous":
+            return longest, None
+        width = static_width(longest) if self.engine == "static" else longest
+        return width, width + self.max_new_tokens
+
+    def _run_batch(self, model, prompts: list[list[int]], device, width: int, cache_width: int | None):
         import torch
 
-        device = next(model.parameters()).device
         self._set_attention(model)
         on_gpu = torch.cuda.device(device) if device.type == "cuda" else nullcontext()
         if self.engine == "continuous":
@@ -145,7 +302,7 @@ class HFResponder:
             with on_gpu, inference_attention():
                 return self._generate_continuous(model, prompts, device)
         with on_gpu, torch.inference_mode(), inference_attention():
-            return self._generate_padded(model, prompts, device)
+            return self._generate_padded(model, prompts, device, width, cache_width)
 
     def _set_attention(self, model) -> None:
         """"static" decodes with common.verifier.decode_attention (no K/V copies for grouped heads); the other
@@ -157,21 +314,23 @@ class HFResponder:
         elif getattr(model.config, "_attn_implementation", None) == NAME:
             model.set_attn_implementation("sdpa")
 
-    def _generate_padded(self, model, prompts: list[list[int]], device) -> list[list[int]]:
-        """One left-padded batch through `generate`; "static" pads to a multiple of STATIC_WIDTH_STEP so
-        the compiled decoding step is reused across batches."""
+    def _generate_padded(self, model, prompts: list[list[int]], device, width: int,
+                         cache_width: int) -> list[list[int]]:
+        """One batch left-padded to `width` through `generate`: "static" with a pooled StaticCache of
+        `cache_width` positions, "generate" with the dynamic cache generate makes. generate compiles its
+        decoding step on a GPU for a cache it is given as for one it makes: its test
+        (`_valid_auto_compile_criteria`) asks only for a compileable cache on a GPU."""
         import torch
 
-        width = max(len(p) for p in prompts)
-        extra = {}
-        if self.engine == "static":
-            width = -(-width // STATIC_WIDTH_STEP) * STATIC_WIDTH_STEP
-            extra["cache_implementation"] = "static"
         pad = self.pad_id
         input_ids = torch.tensor([[pad] * (width - len(p)) + p for p in prompts], device=device)
         attention = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts], device=device)
-        output = model.generate(input_ids=input_ids, attention_mask=attention,
-                                generation_config=self._config(**extra))
+        static = self.engine == "static"
+        lent = self.caches.lend(model, device, len(prompts), cache_width) if static else nullcontext()
+        with lent as cache:
+            given = {cache_keyword(): cache} if static else {}
+            output = model.generate(input_ids=input_ids, attention_mask=attention,
+                                    generation_config=self._config(), **given)
         return output[:, width:].tolist()
 
     def _generate_continuous(self, model, prompts: list[list[int]], device) -> list[list[int]]:
