@@ -65,7 +65,8 @@
 #   LANES, TOPK [64], HELDOUT [60] (held-out prompts decoded), NEW_TOKENS [128]
 #   WORKERS [3]              data workers of each side-by-side training
 #   SPECFORGE []             its wheel or a folder holding the package; empty: no comparison
-#   SPECFORGE_ARGS []        more flags for its recipe, e.g. "--lr 1e-4 --time-limit 480"
+#   SPECFORGE_ARGS []        more flags for its recipe, e.g. "--lr 1e-4 --ttt-steps 7 --time-limit 480": SpecForge's own
+#                            learning rate and TTT depth (without them it takes our run's, 1e-3 and 3)
 #   PHASES ["data compare lanes table"]; "pack" alone packs what exists
 #   MPS, EXTRAS [1], OUT     OUT: pack logs, manifests, metrics and reports into $OUT/quality.tgz
 # Progress: RUN_DIR/logs/quality.log.
