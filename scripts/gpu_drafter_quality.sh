@@ -57,6 +57,9 @@
 #                            prompts, each a fraction of the time of SpecForge's 3,000 one-sequence steps
 #   DATA_SAMPLES [17000]     prompts of the data lane (about every first turn of the device data)
 #   DATA_EPOCHS [2]          epochs of the data lane
+#   DATA_EXTRA []            more chat files in DATA_DIR for the data lane, beside sharegpt.json, e.g. gsm8k_train.jsonl
+#                            (../shared/data/, 7,473 prompts: raise DATA_SAMPLES with it); RUN's held-out prompts are
+#                            excluded from the data lane's data (stage 01 --exclude-prompts)
 #   EPOCHS [4], LR [1e-3], STEP_TOKENS [4096]   the recipe of every lane
 #   TRAIN_FLAGS []           more stage-04 flags for every training, the lanes' common recipe (e.g. "--ttt-steps 3":
 #                            each lane is then one change from it)
@@ -80,7 +83,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 VERIFIER=$1; DATA=$2; RUN=$3; SMALL_RUN=$RUN-small
-SAMPLES=${SAMPLES:-10000}; SMALL=${SMALL:-800}; EPOCHS=${EPOCHS:-4}; LR=${LR:-1e-3}; DATA_SAMPLES=${DATA_SAMPLES:-17000}; DATA_EPOCHS=${DATA_EPOCHS:-2}; SMALL_STEP_TOKENS=${SMALL_STEP_TOKENS:-2048}
+SAMPLES=${SAMPLES:-10000}; SMALL=${SMALL:-800}; EPOCHS=${EPOCHS:-4}; LR=${LR:-1e-3}; DATA_SAMPLES=${DATA_SAMPLES:-17000}; DATA_EPOCHS=${DATA_EPOCHS:-2}; DATA_EXTRA=${DATA_EXTRA:-}; SMALL_STEP_TOKENS=${SMALL_STEP_TOKENS:-2048}
 TRAIN_FLAGS=${TRAIN_FLAGS:-}
 STEP_TOKENS=${STEP_TOKENS:-4096}; LEVER_STEP_TOKENS=${LEVER_STEP_TOKENS:-2048}; TOPK=${TOPK:-64}
 FORMAT_STEP_TOKENS=${FORMAT_STEP_TOKENS:-16384}; LANES=${LANES-"default epochs2 ttt7"}; EXTRAS=${EXTRAS:-1}
@@ -169,7 +172,9 @@ lane() {  # $1 lane, $2 run dir, $3 tokens a step, then extra stage-04 flags: tr
 data_flags() {  # $1 lane: its turns, samples and stage-01 flags, for a lane trained on data of its own
   case $1 in
     sampled) echo "1 $SAMPLES --temperature 0.8" ;;   # replies sampled as sampled serving will meet them
-    data) echo "1 $DATA_SAMPLES" ;;
+    # RUN's held-out prompts stay out of its training, whatever the shuffle of more data does
+    data) echo "1 $DATA_SAMPLES --exclude-prompts $RUN/data/eval_data.jsonl$(
+            for file in $DATA_EXTRA; do printf ' --dataset %s' "$DATA/$file"; done)" ;;
   esac
 }
 format_flags() {  # $1 lane: its stage-02 flags, empty for a lane that trains on RUN's own hidden states

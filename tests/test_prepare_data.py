@@ -406,6 +406,38 @@ def test_eval_split_prompts_never_in_training(stage, tmp_path, smol_tokenizer, s
     assert manifest["train_prompt_hashes"]["count"] == len(train_hashes)
 
 
+def test_excluded_prompts_are_never_trained_on(stage, tmp_path, smollm2):
+    from common.data.records import benchmark_prompt_hashes
+
+    rows = [sharegpt([("human", f"Tell me about topic {i}"), ("gpt", f"Topic {i} is fine.")], id=f"c{i}")
+            for i in range(12)]
+    data = write_jsonl(tmp_path / "chats.jsonl", rows)
+    # another run's held-out split (stage 01's format), respaced and recased, and an MT-bench file: a prompt of
+    # each is a conversation of the data; the MT-bench second turn matches nothing
+    asked = "tell me  about TOPIC 3"
+    other_eval = write_jsonl(tmp_path / "other_eval.jsonl", [
+        {"id": "x1", "prompt": asked, "messages": [{"role": "user", "content": asked}]}])
+    mt_bench = write_jsonl(tmp_path / "mt_bench.jsonl", [
+        {"question_id": 1, "category": "writing", "turns": ["Tell me about topic 7", "Now in one line."]}])
+    out = tmp_path / "out"
+    argv = ["--model-path", str(smollm2), "--dataset", str(data), "--output-dir", str(out), "--eval-ratio", "0.25",
+            "--exclude-prompts", str(other_eval), "--exclude-prompts", str(mt_bench)]
+    assert stage.main(argv) == 0
+    conversations = {s["id"] for s in read_jsonl(out / "tokenized_data.jsonl")} | \
+        {e["conversation_id"] for e in read_jsonl(out / "eval_data.jsonl")}
+    assert conversations == {f"c{i}" for i in range(12)} - {"c3", "c7"}
+    counts = json.loads((out / "manifest.json").read_text())["counts"]
+    assert (counts["excluded_prompt_conversations"], counts["records_read"]) == (2, 12)
+    # what stage 05's overlap check would look up finds nothing of the excluded prompts among the training ones
+    trained = set((out / "train_prompt_hashes.txt").read_text().split())
+    assert not (benchmark_prompt_hashes("Tell me about topic 3") | benchmark_prompt_hashes("Tell me about topic 7")) \
+        & trained
+    # a file that is not there stops the stage before any work, naming the flag
+    missing = tmp_path / "nowhere.jsonl"
+    assert stage.main([*argv[:-1], str(missing), "--overwrite"]) == 2
+    assert f"--exclude-prompts {missing}: no such file" in (out / "logs" / "01_prepare_data.log").read_text()
+
+
 def test_conversations_without_chat_template_need_one(stage, tmp_path, stories260k, stories_template):
     data = small_dataset(tmp_path, 3)
     out = tmp_path / "out"

@@ -112,6 +112,10 @@ _ALL_FLAGS: list[Flag] = [
          aliases=("--holdout-ratio", "--test-ratio"), type=_fraction, default=0.0),
     Flag("--eval-output", "Where the held-out split goes (default: next to the training data).",
          metavar="PATH", is_path=True),
+    Flag("--exclude-prompts", "A prompt file none of whose prompts may be trained on (any format stage 05's "
+         "--prompts reads: another run's data/eval_data.jsonl, mt_bench.jsonl): a conversation whose first user "
+         "turn is one of them (the match stage 05's overlap check makes) is dropped before the split. Repeat "
+         "the flag for several files.", action="append", metavar="FILE", is_path=True),
     Flag("--max-bad-fraction", "Fail when more than this share of records is unusable.",
          type=_fraction, default=0.2),
     Flag("--max-turns", "Keep at most this many user turns (with their replies) of each conversation.",
@@ -291,8 +295,8 @@ FLAGS: dict[str, Flag] = {flag.name: flag for flag in _ALL_FLAGS}
 STAGE_FLAGS: dict[str, list[str]] = {
     "01_prepare_data": ["--run-dir", "--model-path", "--trust-remote-code", "--dataset", "--output-dir",
                         "--chat-template", "--max-seq-len", "--num-samples", "--seed", "--eval-ratio",
-                        "--eval-output", "--max-bad-fraction", "--max-turns", "--regenerate", "--max-new-tokens",
-                        "--batch-size", "--device", "--device-map", "--dtype", "--temperature", "--overwrite",
+                        "--eval-output", "--exclude-prompts", "--max-bad-fraction", "--max-turns", "--regenerate",
+                        "--max-new-tokens", "--batch-size", "--device", "--device-map", "--dtype", "--temperature", "--overwrite",
                         "--regenerate-endpoint", "--concurrency", "--regenerate-engine", "--replies-per-prompt"],
     "02_extract_hidden_states": ["--run-dir", "--model-path", "--trust-remote-code", "--prepared-data",
                                  "--output-dir", "--aux-layers", "--batch-size", "--max-tokens-per-batch",

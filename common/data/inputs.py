@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import json
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from common.cli.errors import UsageError
@@ -29,6 +29,7 @@ class Inputs:
     fingerprint: dict
     device: str | None
     served_model: str | None = None  # the model name the --regenerate-endpoint serves
+    excluded_prompts: set[str] = field(default_factory=set)  # --exclude-prompts, as benchmark_prompt_hashes
 
 
 def check_writable(folder: Path, flag: str) -> None:
@@ -60,14 +61,33 @@ def check_inputs(args) -> Inputs:
     sources = [resolve_source(spec) for spec in args.dataset]
     for source in sources:
         source.check()
+    excluded = excluded_prompt_hashes(args.exclude_prompts or [])
     device = pick_device(args.device) if args.regenerate and not args.regenerate_endpoint else None
     verifier = read_verifier_info(args.model_path, args.trust_remote_code)
     tokenizer = load_tokenizer(args.model_path, args.trust_remote_code, args.chat_template)
     template = _template_text(tokenizer)
     template_sha = sha256_text(template) if template else None
+    fingerprint = _fingerprint(args, verifier.tokenizer_sha256, template_sha, eval_file, served_model)
+    if excluded:  # only then, so outputs made before the flag existed stay complete
+        fingerprint["excluded_prompts_sha256"] = sha256_text("".join(sorted(excluded)))
     return Inputs(out, out / PREPARED_DATA_FILE, eval_file, sources, tokenizer, verifier.identity(), template_sha,
-                  _fingerprint(args, verifier.tokenizer_sha256, template_sha, eval_file, served_model), device,
-                  served_model)
+                  fingerprint, device, served_model, excluded)
+
+
+def excluded_prompt_hashes(files: list[str]) -> set[str]:
+    """benchmark_prompt_hashes of every turn of every prompt in the --exclude-prompts files."""
+    from common.bench.prompts import load_prompts
+    from common.data.records import benchmark_prompt_hashes
+
+    hashes: set[str] = set()
+    for spec in files:
+        if not Path(spec).is_file():
+            raise UsageError(f"--exclude-prompts {spec}: no such file; give a prompt file such as another run's "
+                             f"data/eval_data.jsonl or mt_bench.jsonl")
+        for prompt in load_prompts(spec):
+            for turn in prompt.turns:
+                hashes |= benchmark_prompt_hashes(turn)
+    return hashes
 
 
 def _check_replies(args) -> None:

@@ -10,7 +10,8 @@ from common.cli.flags import PREPARED_DATA_FILE
 from common.data.chat_tokenizer import LOSS_MASK_CONVENTION, ChatTokenizer, end_of_turn_ids
 from common.data.inputs import STAGE, Inputs, generator_identity
 from common.data.processing import Processor, preflight
-from common.data.records import BadRecords, Record, keep_first_user_turns, make_ids_unique, remove_duplicates
+from common.data.records import (BadRecords, Record, drop_prompts, keep_first_user_turns, make_ids_unique,
+                                 remove_duplicates)
 from common.data.sources import read_records
 from common.data.splits import (BAD_RECORDS_FILE, PROMPT_HASHES_FILE, check_bad_fraction, remove_previous_output,
                                 write_bad_records, write_splits)
@@ -114,6 +115,10 @@ def prepare_data(args, inputs: Inputs, log) -> dict:
     records, reading_bad, described, reading_fraction = read_data(args, inputs, log)
 
     records, duplicates = remove_duplicates(records)
+    records, excluded = drop_prompts(records, inputs.excluded_prompts)
+    if args.exclude_prompts:
+        log.info("--exclude-prompts: %d conversation(s) dropped whose first prompt is in %s", excluded,
+                 ", ".join(args.exclude_prompts))
     make_ids_unique(records)
     random.Random(args.seed).shuffle(records)
     total = min(args.num_samples or len(records), len(records))
@@ -147,7 +152,8 @@ def prepare_data(args, inputs: Inputs, log) -> dict:
         "conversations": written.train_conversations, "truncated": train["truncated"],
         "eval_samples": held_out["samples"], "eval_conversations": written.eval_conversations,
         "eval_tokens": held_out["tokens"], "eval_loss_tokens": held_out["loss_tokens"],
-        "records_read": len(records) + duplicates + reading_bad.total, "duplicates_removed": duplicates,
+        "records_read": len(records) + duplicates + excluded + reading_bad.total, "duplicates_removed": duplicates,
+        "excluded_prompt_conversations": excluded,
         "duplicate_samples_removed": process.duplicate_samples,
         "eval_prompt_overlap_dropped": written.eval_prompt_overlap_dropped, "bad_records": all_bad.total,
         "split_turn_samples": chat.split_turn_samples, "dropped_turns": chat.dropped_turns,

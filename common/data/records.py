@@ -52,6 +52,22 @@ def first_user_prompt(messages: list[dict]) -> str | None:
     return next((m["content"] for m in messages if m["role"] == USER), None)
 
 
+def training_prompt_hashes(record: "Record") -> set[str]:
+    """The hashes train_prompt_hashes.txt keeps of a training record, which stage 05's overlap check looks
+    benchmark turns up in (benchmark_prompt_hashes): a conversation's first user prompt, a text's parts."""
+    if record.is_chat:
+        prompt = first_user_prompt(record.messages)
+        return {prompt_hash(prompt)} if prompt else set()
+    return text_prompt_hashes(record.text)
+
+
+def drop_prompts(records: list["Record"], excluded: set[str]) -> tuple[list["Record"], int]:
+    """The records none of whose training prompts is in `excluded` (benchmark_prompt_hashes of prompts that
+    must not be trained on), and how many were dropped."""
+    kept = [r for r in records if training_prompt_hashes(r).isdisjoint(excluded)]
+    return kept, len(records) - len(kept)
+
+
 # --- records and bad records -----------------------------------------------------------------------
 
 @dataclass

@@ -11,7 +11,7 @@ from common.cli.errors import UsageError
 from common.data.chat_tokenizer import Sample, TokenStats, sample_line
 from common.data.inputs import Inputs
 from common.data.processing import Processor, fill
-from common.data.records import BadRecords, Record, first_user_prompt, prompt_hash, text_prompt_hashes
+from common.data.records import BadRecords, Record, first_user_prompt, prompt_hash, training_prompt_hashes
 from common.formats.files import atomic_path, write_text_atomic
 from common.formats.manifest import MANIFEST
 
@@ -102,10 +102,7 @@ def write_splits(args, inputs: Inputs, records: list[Record], process: Processor
                                                        "messages": record.messages}))
 
         def write_train(record: Record, samples: list[Sample]) -> None:
-            if record.is_chat:
-                written.train_prompt_hashes.add(prompt_hash(first_user_prompt(record.messages)))
-            else:  # plain text and completions are trained on too: a benchmark prompt must not repeat them
-                written.train_prompt_hashes.update(text_prompt_hashes(record.text))
+            written.train_prompt_hashes.update(training_prompt_hashes(record))
             for sample in samples:
                 written.train.add(sample)
                 train_handle.write(sample_line(sample))
