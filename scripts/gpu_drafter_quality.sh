@@ -71,7 +71,9 @@
 #   SPECFORGE_ARGS []        more flags for its recipe, e.g. "--lr 1e-4 --ttt-steps 7 --time-limit 480": SpecForge's own
 #                            learning rate and TTT depth (without them it takes our run's, 1e-3 and 3)
 #   PHASES ["data compare lanes table"]; "pack" alone packs what exists
-#   MPS, EXTRAS [1], OUT     OUT: pack logs, manifests, metrics and reports into $OUT/quality.tgz
+#   MPS, EXTRAS [1], OUT     OUT: pack logs, manifests, metrics and reports into $OUT/quality.tgz, and the replies
+#                            the data and sampled lanes regenerated into $OUT/regenerated_<lane>.tgz (a REGEN_CACHE:
+#                            the data lane's holds REGEN_CACHE's replies too)
 # Progress: RUN_DIR/logs/quality.log.
 # Measured on one H200 with REGEN_CACHE (2026-12-01, SMALL 1500, STEP_TOKENS 16384, four lanes): data 2.2 min,
 # compare 7.8 min (SpecForge stopped by its 400 s limit at 54 % of its steps), lanes 15.3 min (the 4096-token
@@ -102,6 +104,11 @@ pack() {  # the small files of every run: logs, manifests, metrics, curves, repo
      -type f \( -path '*/logs/*' -o -path '*/bench_*' -o -path '*/compare/*' -o -name quality.md \
      -o -name manifest.json -o -name metrics.jsonl -o -name '*.png' -o -name 'specforge_results.json' \) \
      -not -path '*/hidden_states/*/*' 2>/dev/null | tar czf "$OUT/quality.tgz" -C "$parent" -T - ) || true
+  local lane
+  for lane in data sampled; do  # the replies regenerated here: a REGEN_CACHE that saves the next machine the time
+    [ -f "$RUN-$lane/data/regenerated.jsonl" ] && (cd "$RUN-$lane/data" && \
+      tar czf "$OUT/regenerated_$lane.tgz" regenerated.jsonl regenerated.settings.json) || true
+  done
 }
 trap pack EXIT
 if [ "$PHASES" = pack ]; then exit 0; fi
