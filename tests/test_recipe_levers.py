@@ -25,7 +25,8 @@ def test_lanes_train_what_their_names_say_and_every_benchmark_lands_in_the_table
              for name in ("default", "lr3_steps2_ttt7")}
     assert (flags["default"]["lr"], flags["default"]["max_tokens_per_batch"]) == (1e-3, 4096)
     assert (flags["lr3_steps2_ttt7"]["lr"], flags["lr3_steps2_ttt7"]["max_tokens_per_batch"]) == (3e-3, 2048)
-    assert (flags["default"]["ttt_steps"], flags["lr3_steps2_ttt7"]["ttt_steps"]) == (3, 7)  # stage 04's default, then the lane's
+    # stage 04's default, then the lane's
+    assert (flags["default"]["ttt_steps"], flags["lr3_steps2_ttt7"]["ttt_steps"]) == (3, 7)
     assert flags["lr3_steps2_ttt7"]["epochs"] == flags["default"]["epochs"] == 1
     assert "FAILED: no lane called epochs2x" in (run / "logs" / "levers.log").read_text()
     assert not (run / "checkpoints_epochs2x").exists()

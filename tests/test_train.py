@@ -606,7 +606,8 @@ def test_resume_with_other_settings_is_refused(run_a, stories260k, stage04, tmp_
     assert stage04.main(train_argv(run_a, out, stories260k, overwrite=True, **flags)) == 0
     assert read_json(out / "latest.json")["checkpoint"] == "epoch_1"
     training = read_json(out / "latest" / "config.json")["eagle3_pipeline"]["training"]
-    assert (training["ttt_positions"], training["ttt_steps"]) == ("shifted", TTT)  # scripts/sglang_launch_command.py reads them
+    # scripts/sglang_launch_command.py reads them
+    assert (training["ttt_positions"], training["ttt_steps"]) == ("shifted", TTT)
     steps = [r["step"] for r in records(out, "train")]  # the crashed run's lines 1..3 are gone
     assert steps == list(range(1, read_json(out / "latest.json")["total_steps"] + 1))
     # the earlier training stays reachable for an A/B, and says so

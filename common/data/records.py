@@ -64,6 +64,8 @@ def training_prompt_hashes(record: "Record") -> set[str]:
 def drop_prompts(records: list["Record"], excluded: set[str]) -> tuple[list["Record"], int]:
     """The records none of whose training prompts is in `excluded` (benchmark_prompt_hashes of prompts that
     must not be trained on), and how many were dropped."""
+    if not excluded:  # the usual run: no prompt hashed
+        return records, 0
     kept = [r for r in records if training_prompt_hashes(r).isdisjoint(excluded)]
     return kept, len(records) - len(kept)
 

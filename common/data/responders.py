@@ -5,6 +5,7 @@ conversation: the text, or None when no reply can be made.
 """
 from __future__ import annotations
 
+import functools
 import json
 import queue
 import threading
@@ -90,6 +91,7 @@ def static_batches(lengths: Sequence[int], batch_size: int, max_new_tokens: int)
     return batches
 
 
+@functools.cache
 def cache_keyword() -> str:
     """The `generate` keyword for a cache made by the caller: `past_key_values` in transformers 5.17, `cache`
     in later 5.x (which still takes the old name, with a FutureWarning). Read from the signature of
@@ -121,7 +123,7 @@ class StaticCachePool:
 
     def __init__(self, per_device: int = 2):
         self.per_device = per_device
-        self.created = 0  # caches made, not reused: for the log and the tests
+        self.created = 0  # caches made, not reused (the tests check reuse by it)
         self._caches: dict[str, OrderedDict] = {}
         self._lock = threading.Lock()  # several devices' threads borrow caches at once
 
