@@ -53,8 +53,10 @@
 # Environment (defaults in brackets):
 #   SAMPLES [10000]          prompts of RUN
 #   SMALL [800]              prompts of RUN-small, the SpecForge comparison
-#   SMALL_STEP_TOKENS [2048] our tokens a step in the comparison (the longest sample's): about 550 steps at 800
-#                            prompts, each a fraction of the time of SpecForge's 3,000 one-sequence steps
+#   SMALL_STEP_TOKENS [1024] our tokens a step in the comparison: about 1,300 steps at 800 prompts (a longer
+#                            sample gets a step alone), each a fraction of the time of SpecForge's 2,980
+#                            one-sequence steps; more steps at the same data raised chain tau in every
+#                            measurement so far (2,048: 664 steps in 76 s on 2026-12-02)
 #   DATA_SAMPLES [17000]     prompts of the data lane (about every first turn of the device data)
 #   DATA_EPOCHS [2]          epochs of the data lane
 #   DATA_EXTRA []            more chat files in DATA_DIR for the data lane, beside sharegpt.json, e.g. gsm8k_train.jsonl
@@ -68,8 +70,9 @@
 #   LANES, TOPK [64], HELDOUT [60] (held-out prompts decoded), NEW_TOKENS [128]
 #   WORKERS [3]              data workers of each side-by-side training
 #   SPECFORGE []             its wheel or a folder holding the package; empty: no comparison
-#   SPECFORGE_ARGS []        more flags for its recipe, e.g. "--lr 1e-4 --ttt-steps 7 --time-limit 480": SpecForge's own
-#                            learning rate and TTT depth (without them it takes our run's, 1e-3 and 3)
+#   SPECFORGE_ARGS []        more flags for its recipe, e.g. "--lr 1e-4 --ttt-steps 7 --time-limit 720": SpecForge's own
+#                            learning rate and TTT depth (without them it takes our run's, 1e-3 and 3); at 800
+#                            prompts it needs about 600 s alone on an H200 (5 steps/s on 2026-12-02)
 #   PHASES ["data compare lanes table"]; "pack" alone packs what exists
 #   MPS, EXTRAS [1], OUT     OUT: pack logs, manifests, metrics and reports into $OUT/quality.tgz, and the replies
 #                            the data and sampled lanes regenerated into $OUT/regenerated_<lane>.tgz (a REGEN_CACHE:
@@ -81,11 +84,14 @@
 # six lanes, one stopped early): data 2.3 min (three extractions), lanes 19.3 min (the 4096-token trainings 10.7
 # min); results in docs/results/2026-12-01-smollm2-h200-lr-formats.md. Third (2026-12-02, EXTRAS=0, LANES="default ttt3
 # ttt3_epochs2 data_ttt3", TTT 7 the default then): data 6.3 min (5,411 prompts of the data lane regenerated), lanes
-# 17.5 min (ttt3_epochs2 trained 9.9 min); results in docs/results/2026-12-02-smollm2-h200-ttt.md.
+# 17.5 min (ttt3_epochs2 trained 9.9 min); results in docs/results/2026-12-02-smollm2-h200-ttt.md. Fourth (2026-12-02,
+# LANES="", SAMPLES=1000, the comparison alone): data 2 min, ours 1.5 min, SpecForge 8.4 min (stopped by a 480 s
+# limit at 80 %), its benchmarks over 7 min (the MT-bench runs, 0.3 turns/s each, did not finish in the session):
+# docs/results/2026-12-02-h200-regen-specforge.md.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 VERIFIER=$1; DATA=$2; RUN=$3; SMALL_RUN=$RUN-small
-SAMPLES=${SAMPLES:-10000}; SMALL=${SMALL:-800}; EPOCHS=${EPOCHS:-4}; LR=${LR:-1e-3}; DATA_SAMPLES=${DATA_SAMPLES:-17000}; DATA_EPOCHS=${DATA_EPOCHS:-2}; DATA_EXTRA=${DATA_EXTRA:-}; SMALL_STEP_TOKENS=${SMALL_STEP_TOKENS:-2048}
+SAMPLES=${SAMPLES:-10000}; SMALL=${SMALL:-800}; EPOCHS=${EPOCHS:-4}; LR=${LR:-1e-3}; DATA_SAMPLES=${DATA_SAMPLES:-17000}; DATA_EPOCHS=${DATA_EPOCHS:-2}; DATA_EXTRA=${DATA_EXTRA:-}; SMALL_STEP_TOKENS=${SMALL_STEP_TOKENS:-1024}
 TRAIN_FLAGS=${TRAIN_FLAGS:-}
 STEP_TOKENS=${STEP_TOKENS:-4096}; LEVER_STEP_TOKENS=${LEVER_STEP_TOKENS:-2048}; TOPK=${TOPK:-64}
 FORMAT_STEP_TOKENS=${FORMAT_STEP_TOKENS:-16384}; LANES=${LANES-"default epochs2 ttt7"}; EXTRAS=${EXTRAS:-1}
