@@ -42,7 +42,8 @@ MODES = {  # --mode: (the run, its SUMMARY line)
 
 TAKEN: list[str] = []  # the flags parse() took from the run directory, logged once the log is set up
 DECODING_SETTINGS = ("num_steps", "topk", "num_draft_tokens", "temperature", "top_p", "concurrency")
-NOT_TAKEN = ("mode", *DECODING_SETTINGS)  # --mode is as given (default offline); the record must match it
+# --mode is as given (default offline; the record must match it); --decode-workers, how a run is spread, too
+NOT_TAKEN = ("mode", "decode_workers", *DECODING_SETTINGS)
 
 
 def parse(argv):

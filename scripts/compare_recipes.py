@@ -53,6 +53,7 @@ def parse(argv=None) -> argparse.Namespace:
     p.add_argument("--num-prompts", type=int, help="stage 05's, per set (default: every prompt)")
     p.add_argument("--device", default="auto")
     p.add_argument("--dtype", help="stage 05's (its default bfloat16)")
+    p.add_argument("--decode-workers", type=int, help="stage 05's, for each decoding run (processes per run)")
     p.add_argument("--recipe-args", default="", help="more flags for train_specforge_recipe.py, one string")
     p.add_argument("--jobs", type=int, default=1, help="benchmarks run at once (each writes its own folder; "
                    "on one GPU they share it, so use this for tau, never for timings)")
@@ -131,7 +132,7 @@ def eval_result(folder: Path) -> dict | None:
 def bench(args) -> None:
     extra = []
     for flag, value in (("--max-new-tokens", args.max_new_tokens), ("--num-prompts", args.num_prompts),
-                        ("--dtype", args.dtype)):
+                        ("--dtype", args.dtype), ("--decode-workers", args.decode_workers)):
         if value is not None:
             extra += [flag, str(value)]
     commands = []

@@ -69,6 +69,10 @@
 #   FORMAT_STEP_TOKENS [16384]  the storage-format lanes' (as the bf16 and fp8topk drafters of 2026-12-01)
 #   LANES, TOPK [64], HELDOUT [60] (held-out prompts decoded), NEW_TOKENS [128]
 #   WORKERS [3]              data workers of each side-by-side training
+#   DECODE_WORKERS [3]       processes of each stage-05 decoding run (05 --decode-workers; the float32 checks
+#                            too): one process decoded about 0.3 MT-bench turns/s on 2026-12-02, so its 160 turns
+#                            took over 8 minutes. A lane's benchmarks then run up to 10 processes at once: keep
+#                            lanes x 10 under CUDA MPS's limit of 48 client processes a GPU
 #   SPECFORGE []             its wheel or a folder holding the package; empty: no comparison
 #   SPECFORGE_ARGS []        more flags for its recipe, e.g. "--lr 1e-4 --ttt-steps 7 --time-limit 720": SpecForge's own
 #                            learning rate and TTT depth (without them it takes our run's, 1e-3 and 3); at 800
@@ -95,7 +99,7 @@ SAMPLES=${SAMPLES:-10000}; SMALL=${SMALL:-800}; EPOCHS=${EPOCHS:-4}; LR=${LR:-1e
 TRAIN_FLAGS=${TRAIN_FLAGS:-}
 STEP_TOKENS=${STEP_TOKENS:-4096}; LEVER_STEP_TOKENS=${LEVER_STEP_TOKENS:-2048}; TOPK=${TOPK:-64}
 FORMAT_STEP_TOKENS=${FORMAT_STEP_TOKENS:-16384}; LANES=${LANES-"default epochs2 ttt7"}; EXTRAS=${EXTRAS:-1}
-HELDOUT=${HELDOUT:-60}; NEW_TOKENS=${NEW_TOKENS:-128}; WORKERS=${WORKERS:-3}
+HELDOUT=${HELDOUT:-60}; NEW_TOKENS=${NEW_TOKENS:-128}; WORKERS=${WORKERS:-3}; DECODE_WORKERS=${DECODE_WORKERS:-3}
 SPECFORGE=${SPECFORGE:-}; SPECFORGE_ARGS=${SPECFORGE_ARGS:-}; PHASES=${PHASES:-"data compare lanes table"}
 export PYTHONUNBUFFERED=1
 mkdir -p "$RUN/logs"
@@ -168,9 +172,10 @@ chain=(--tau-only --num-steps 3 --topk 1 --num-draft-tokens 4)
 suite() {  # $1 run dir, $2 lane, $3 drafter: teacher-forced agreement, chain T=0 on MT-bench and held-out, at once
   local pids=()
   bench "$1" "$2_eval" "$3" --mode eval --num-steps 7 & pids+=($!)
-  bench "$1" "$2_mtbench" "$3" "${chain[@]}" --temperature 0 --prompts "$DATA/mt_bench.jsonl" & pids+=($!)
+  bench "$1" "$2_mtbench" "$3" "${chain[@]}" --temperature 0 --prompts "$DATA/mt_bench.jsonl" \
+    --decode-workers "$DECODE_WORKERS" & pids+=($!)
   bench "$1" "$2_heldout" "$3" "${chain[@]}" --temperature 0 --prompts "$RUN/data/eval_data.jsonl" \
-    --num-prompts "$HELDOUT" & pids+=($!)
+    --num-prompts "$HELDOUT" --decode-workers "$DECODE_WORKERS" & pids+=($!)
   for pid in "${pids[@]}"; do wait "$pid" || true; done
 }
 lane() {  # $1 lane, $2 run dir, $3 tokens a step, then extra stage-04 flags: train, then benchmark
@@ -179,7 +184,7 @@ lane() {  # $1 lane, $2 run dir, $3 tokens a step, then extra stage-04 flags: tr
   suite "$run" "$name" "$run/checkpoints_$name/best" &
   [ "$name" = default ] && [ "$EXTRAS" = 1 ] && default_extras "$run/checkpoints_$name/best"
   case ${name%%_*} in *final|*topk) ;; *) bench "$run" "${name}_t1" "$run/checkpoints_$name/best" "${chain[@]}" \
-    --temperature 1 --prompts "$DATA/mt_bench.jsonl" ;; esac
+    --temperature 1 --prompts "$DATA/mt_bench.jsonl" --decode-workers "$DECODE_WORKERS" ;; esac
   wait
 }
 data_flags() {  # $1 lane: its turns, samples and stage-01 flags, for a lane trained on data of its own
@@ -225,9 +230,9 @@ bases() {  # the first part of every lane's name, once each: the data and storag
 default_extras() {  # $1 drafter: lossless checks in float32, chain and tree
   local pids=()
   bench "$RUN" default_fp32_chain "$1" "${chain[@]}" --temperature 0 --dtype float32 \
-    --prompts "$DATA/mt_bench.jsonl" & pids+=($!)
+    --prompts "$DATA/mt_bench.jsonl" --decode-workers "$DECODE_WORKERS" & pids+=($!)
   bench "$RUN" default_fp32_tree "$1" --tau-only --num-steps 3 --topk 8 --temperature 0 --dtype float32 \
-    --prompts "$DATA/mt_bench.jsonl" & pids+=($!)
+    --prompts "$DATA/mt_bench.jsonl" --decode-workers "$DECODE_WORKERS" & pids+=($!)
   for pid in "${pids[@]}"; do wait "$pid" || true; done
 }
 
@@ -273,7 +278,7 @@ if has lanes; then
   for name in $LANES; do start_lane "$name" & pids+=($!); done
   if [ -d "$SMALL_RUN/specforge/best" ]; then
     (python3 scripts/compare_recipes.py --run-dir "$SMALL_RUN" --model-path "$VERIFIER" --parts bench table \
-       --mt-bench "$DATA/mt_bench.jsonl" --max-new-tokens "$NEW_TOKENS" --jobs 6 \
+       --mt-bench "$DATA/mt_bench.jsonl" --max-new-tokens "$NEW_TOKENS" --jobs 6 --decode-workers "$DECODE_WORKERS" \
        > "$SMALL_RUN/logs/compare.log" 2>&1 || say "FAILED: compare bench") & pids+=($!)
   fi
   for pid in "${pids[@]}"; do wait "$pid" || true; done

@@ -635,6 +635,42 @@ def test_tau_only_run_reports_acceptance_without_baselines(stage05, stories260k,
     assert stage05.main(["--mode", "eval", "--tau-only", "--output-dir", str(tmp_path / "e")]) == 2
 
 
+@pytest.mark.parametrize("temperature", ["0", "1"])
+def test_decode_workers_give_the_report_of_one_process(stage05, stories260k, drafters, tmp_path, temperature):
+    """--decode-workers 2: the prompts decoded in two spawned processes give every turn's tokens, the tau,
+    the acceptance and the teacher-forced scores of one process, in the same order (sampled too: each turn
+    is seeded by its prompt and turn). Timing runs refuse it."""
+    prompts = write_jsonl(tmp_path / "prompts.jsonl", [
+        {"question_id": i, "category": "story" if i % 2 else "people", "turns": [text, "And then"]}
+        for i, text in enumerate(["Once upon a time", "The little girl", "Tom and Sue went", "A big dog"])])
+    common = ["--mode", "offline", "--model-path", str(stories260k), "--draft-model-path",
+              str(drafters["trained_dir"]), "--prompts", str(prompts), "--max-new-tokens", "16", "--device", "cpu",
+              "--dtype", "float32", "--tau-only", "--temperature", temperature]
+    reports = {}
+    for workers in ("1", "2"):
+        out = tmp_path / f"workers{workers}"
+        assert stage05.main(common + ["--output-dir", str(out), "--decode-workers", workers]) == 0
+        (path,) = out.glob("bench_offline_*.json")
+        reports[workers] = json.loads(path.read_text())
+    one, two = reports["1"], reports["2"]
+    assert two["settings"]["decode_workers"] == 2 and one["settings"]["decode_workers"] == 1
+    assert [p["id"] for p in two["prompts"]] == [p["id"] for p in one["prompts"]]
+    tokens = {w: [t["spec"]["tokens"] for p in r["prompts"] for t in p["turns"]] for w, r in reports.items()}
+    assert tokens["2"] == tokens["1"] and len(tokens["1"]) == 8
+    for key in ("tau", "acceptance", "repetition_4gram_share"):
+        assert two["overall"][key] == one["overall"][key], key
+    # the teacher-forced states come from other processes (other thread counts): equal up to float rounding
+    taught = one["overall"]["teacher_forced"]
+    assert two["overall"]["teacher_forced"].keys() == taught.keys()
+    for key, value in two["overall"]["teacher_forced"].items():
+        assert value == pytest.approx(taught[key], rel=1e-6), key
+    assert two["categories"].keys() == one["categories"].keys()
+    assert not list((tmp_path / "workers2").glob("decode_workers_*"))  # the scratch folder is gone
+    # The baselines' timing needs the device alone.
+    assert stage05.main([a for a in common if a != "--tau-only"] + ["--output-dir", str(tmp_path / "t"),
+                                                                    "--decode-workers", "2"]) == 2
+
+
 def test_offline_mode_checks_inputs_before_loading(stage05, stories260k, drafters, tmp_path):
     base = ["--mode", "offline", "--model-path", str(stories260k), "--prompts", str(bench_prompts(tmp_path)),
             "--output-dir", str(tmp_path / "out")]

@@ -2,7 +2,9 @@
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any, Callable
 
 from common.bench.baseline_cache import BaselineCache
 from common.bench.drafter_check import check_drafter
@@ -102,13 +104,31 @@ def _turn_record(prompt, turn, ids, spec, plain, hf, check: dict | None, answer:
     return record
 
 
-def run_offline(args, log, begin, prompt_spec, prompts, overlap) -> dict:
-    """Decode every prompt's turns with and without the drafter; the results of --mode offline."""
+@dataclass
+class DecodingSession:
+    """What decoding a prompt needs: the tokenizer and stop tokens, the models, the speculative decoder and,
+    unless --tau-only, the cache of the no-drafting baselines. One per process (see decode_workers)."""
+    args: Any
+    info: Any
+    tokenizer: Any
+    raw: bool
+    eos: list[int]
+    verifier: Any
+    drafter: Any
+    device: Any
+    decoder: Any
+    text_model: Any
+    baseline_cache: BaselineCache | None = None
+
+
+def open_session(args, log, begin=lambda: None, checked: bool = False) -> DecodingSession:
+    """Load the tokenizer and the models, build the decoder and warm it up (kernels, allocator, caches) on the
+    first prompt's size, untimed. `checked`: the drafter was already checked against the verifier (a worker
+    process of a run whose parent did it)."""
     from common.data.chat_tokenizer import end_of_turn_ids
-    from common.verifier.capture import find_text_model, sample_states
-    from common.bench.decoding import GenerationStats, hf_generate, plain_decode
+    from common.verifier.capture import find_text_model
+    from common.bench.decoding import hf_generate, plain_decode
     from common.bench.speculative import SpeculativeDecoder, resolve_draft_shape
-    from common.train.step import evaluate
     from common.verifier.loading import load_tokenizer, read_verifier_info, resolve_model_path
 
     require(args, "model_path")
@@ -117,121 +137,171 @@ def run_offline(args, log, begin, prompt_spec, prompts, overlap) -> dict:
     except ValueError as err:
         raise UsageError(f"--num-steps/--topk/--num-draft-tokens: {err}")
     info = read_verifier_info(args.model_path, args.trust_remote_code)
-    check_drafter(args, info, log)
+    if not checked:
+        check_drafter(args, info, log)
     tokenizer = load_tokenizer(args.model_path, args.trust_remote_code, args.chat_template)
     raw = not has_chat_template(tokenizer)
-    if raw:
+    if raw and not checked:
         log.warning("the tokenizer has no chat template (and no --chat-template was given): prompts are sent as "
                     "plain text, turns and answers joined by blank lines")
     eos = sorted(end_of_turn_ids(tokenizer, resolve_model_path(args.model_path)[0]))
-    log.info("stop tokens: %s", eos)
     begin()
-
     verifier, drafter, device = load_models(args, log)
     decoder = SpeculativeDecoder(verifier, drafter, num_steps=args.num_steps, topk=args.topk,
                                  num_draft_tokens=num_draft_tokens, temperature=args.temperature,
                                  top_p=args.top_p, seed=args.seed)
+    session = DecodingSession(args, info, tokenizer, raw, eos, verifier, drafter, device, decoder,
+                              find_text_model(verifier))
+    warm_ids = render_conversation(tokenizer, [{"role": "user", "content": "Hello! How are you today?"}], raw)
+    warm_tokens = min(16, args.max_new_tokens)
+    decoder.generate(warm_ids, warm_tokens, eos)
+    if not tau_only(args):
+        plain_decode(verifier, warm_ids, warm_tokens, eos, args.temperature, args.top_p, args.seed)
+        hf_generate(verifier, warm_ids, warm_tokens, eos, args.temperature, args.top_p, args.seed)
+        session.baseline_cache = BaselineCache(
+            Path(args.output_dir) / BASELINE_CACHE,
+            {"verifier": info.identity(), "device": str(device), "gpu": gpu_name(device),
+             "dtype": str(next(verifier.parameters()).dtype), "stop": eos})
+    return session
+
+
+def tau_only(args) -> bool:
+    return bool(getattr(args, "tau_only", False))
+
+
+def _baselines(session: DecodingSession, ids: list[int], seed: int):
+    """The same loop without drafting, and transformers' generate: measured once per prompt and setting."""
+    from common.bench.decoding import GenerationStats, hf_generate, plain_decode
+
+    args, cache = session.args, session.baseline_cache
+    key = cache.key(ids, max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p,
+                    seed=seed)
+    entry = cache.get(key)
+    if entry is None:
+        plain = plain_decode(session.verifier, ids, args.max_new_tokens, session.eos, args.temperature,
+                             args.top_p, seed)
+        hf = hf_generate(session.verifier, ids, args.max_new_tokens, session.eos, args.temperature, args.top_p,
+                         seed)
+        entry = {"plain": [plain[0], plain[1].as_dict()], "hf": [hf[0], hf[1].as_dict()]}
+        cache.put(key, entry)
+    return tuple((tokens, GenerationStats.from_dict(stats)) for tokens, stats in (entry["plain"], entry["hf"]))
+
+
+def decode_prompt(session: DecodingSession, index: int, prompt, on_turn: Callable[[dict], None]) -> tuple[dict, list]:
+    """Every turn of prompt number `index` (its place in the run's prompt list, which seeds its sampling):
+    (its entry of the report's per-prompt list, the teacher-forced states of its turns). `on_turn` gets
+    each turn's record as soon as it is decoded."""
+    from common.verifier.capture import sample_states
+
+    args, tokenizer, raw = session.args, session.tokenizer, session.raw
+    # The baselines hold their own conversation, on the verifier's own replies: the same one as the
+    # speculative run's at temperature 0, and when sampling it does not depend on the drafting settings,
+    # so a later turn's baselines are measured once and not again for every k and topk.
+    messages, plain_messages, turns, states = [], [], [], []
+    for turn, text in enumerate(prompt.turns):
+        messages.append({"role": "user", "content": text})
+        plain_messages.append({"role": "user", "content": text})
+        ids = render_conversation(tokenizer, messages, raw)
+        seed = args.seed + 1000 * index + turn
+        session.decoder.reseed(seed)  # a turn's sample does not depend on the turns decoded before it
+        spec = session.decoder.generate(ids, args.max_new_tokens, session.eos)
+        plain, hf = (None, None) if tau_only(args) else _baselines(
+            session, render_conversation(tokenizer, plain_messages, raw), seed)
+        answer = tokenizer.decode(spec[0], skip_special_tokens=True)
+        state = sample_states(session.text_model, session.decoder.aux_layers, ids + spec[0], len(ids))
+        states.append(state)
+        check = None
+        if args.temperature == 0:
+            check = greedy_check(spec[0], plain[0] if plain else None, state, session.text_model.lm_head, len(ids))
+        record = _turn_record(prompt, turn, ids, spec, plain, hf, check, answer)
+        turns.append(record)
+        on_turn(record)
+        messages.append({"role": "assistant", "content": answer})
+        plain_messages.append({"role": "assistant", "content": answer if plain is None else
+                               tokenizer.decode(plain[0], skip_special_tokens=True)})
+    entry = {"id": prompt.id, "category": prompt.category,
+             "summary": summarize_generations(turns, args.num_steps), "turns": turns}
+    return entry, states
+
+
+def log_turn(log, record: dict, args, max_positions: int) -> None:
+    """The warnings a decoded turn may call for."""
+    max_new_tokens = args.max_new_tokens
+    if record["prompt_tokens"] + max_new_tokens + args.num_steps + 1 > max_positions:
+        log.warning("prompt %s turn %d: %d prompt tokens + %d new tokens exceed the verifier's %d positions",
+                    record["prompt_id"], record["turn"], record["prompt_tokens"], max_new_tokens, max_positions)
+    check = record.get("greedy_check")
+    if check and check["first_divergence"] is not None:
+        log.warning("prompt %s turn %d: speculative output leaves the verifier's greedy output (%s) at token %d "
+                    "of %d, logit margin %s (near 0: a tie, bf16 numerics; large: a bug)", record["prompt_id"],
+                    record["turn"], check["reference"], check["first_divergence"], len(record["spec"]["tokens"]),
+                    fmt(check["logit_margin"], 4))
+
+
+def run_offline(args, log, begin, prompt_spec, prompts, overlap) -> dict:
+    """Decode every prompt's turns with and without the drafter; the results of --mode offline."""
+    from common.bench.decode_workers import decode_in_workers, worker_count
+    from common.train.step import evaluate
+
+    workers = worker_count(args, len(prompts))
+    session = open_session(args, log, begin)
     greedy = args.temperature == 0
-    tau_only = bool(getattr(args, "tau_only", False))
-    log.info("drafting: %s; verification: %s", decoder.drafting,
+    log.info("drafting: %s; verification: %s", session.decoder.drafting,
              "greedy (output must equal the verifier's greedy output)" if greedy else
              f"rejection sampling at temperature {args.temperature}, top-p {args.top_p}")
-    if tau_only:
+    log.info("stop tokens: %s", session.eos)
+    if tau_only(args):
         log.info("--tau-only: the two timing baselines (the loop without drafting, transformers' generate) are "
                  "skipped, so no speedups are reported%s", "; the greedy check compares each output with the "
                  "verifier's argmax after each of its prefixes (one teacher-forced forward)" if greedy else "")
 
-    # Warm-up (kernels, allocator, caches) on the first prompt, untimed.
-    warm_ids = render_conversation(tokenizer, [{"role": "user", "content": prompts[0].turns[0]}], raw)
-    warm_tokens = min(16, args.max_new_tokens)
-    decoder.generate(warm_ids, warm_tokens, eos)
-    if not tau_only:
-        plain_decode(verifier, warm_ids, warm_tokens, eos, args.temperature, args.top_p, args.seed)
-        hf_generate(verifier, warm_ids, warm_tokens, eos, args.temperature, args.top_p, args.seed)
-
-    cache = BaselineCache(Path(args.output_dir) / BASELINE_CACHE,
-                          {"verifier": info.identity(), "device": str(device), "gpu": gpu_name(device),
-                           "dtype": str(next(verifier.parameters()).dtype), "stop": eos})
-
-    def baselines(ids, seed):
-        """The same loop without drafting, and transformers' generate: measured once per prompt and setting."""
-        key = cache.key(ids, max_new_tokens=args.max_new_tokens, temperature=args.temperature,
-                        top_p=args.top_p, seed=seed)
-        entry = cache.get(key)
-        if entry is None:
-            plain = plain_decode(verifier, ids, args.max_new_tokens, eos, args.temperature, args.top_p, seed)
-            hf = hf_generate(verifier, ids, args.max_new_tokens, eos, args.temperature, args.top_p, seed)
-            entry = {"plain": [plain[0], plain[1].as_dict()], "hf": [hf[0], hf[1].as_dict()]}
-            cache.put(key, entry)
-        return tuple((tokens, GenerationStats.from_dict(stats)) for tokens, stats in (entry["plain"], entry["hf"]))
-
-    runs, per_prompt, decoded = [], [], []  # decoded: each turn's text as stage 02 would store it
-    text_model = find_text_model(verifier)
     total_turns = sum(len(p.turns) for p in prompts)
     with Progress(total_turns, "05_benchmark offline", unit="turn") as progress:
-        for index, prompt in enumerate(prompts):
-            # The baselines hold their own conversation, on the verifier's own replies: the same one as the
-            # speculative run's at temperature 0, and when sampling it does not depend on the drafting
-            # settings, so a later turn's baselines are measured once and not again for every k and topk.
-            messages, plain_messages, turns = [], [], []
-            for turn, text in enumerate(prompt.turns):
-                messages.append({"role": "user", "content": text})
-                plain_messages.append({"role": "user", "content": text})
-                ids = render_conversation(tokenizer, messages, raw)
-                if len(ids) + args.max_new_tokens + args.num_steps + 1 > info.max_position_embeddings:
-                    log.warning("prompt %s turn %d: %d prompt tokens + %d new tokens exceed the verifier's %d "
-                                "positions", prompt.id, turn, len(ids), args.max_new_tokens,
-                                info.max_position_embeddings)
-                seed = args.seed + 1000 * index + turn
-                spec = decoder.generate(ids, args.max_new_tokens, eos)
-                plain, hf = (None, None) if tau_only else baselines(
-                    render_conversation(tokenizer, plain_messages, raw), seed)
-                answer = tokenizer.decode(spec[0], skip_special_tokens=True)
-                state = sample_states(text_model, decoder.aux_layers, ids + spec[0], len(ids))
-                decoded.append(state)
-                check = None
-                if greedy:
-                    check = greedy_check(spec[0], plain[0] if plain else None, state, text_model.lm_head, len(ids))
-                    if check["first_divergence"] is not None:
-                        log.warning("prompt %s turn %d: speculative output leaves the verifier's greedy output (%s) "
-                                    "at token %d of %d, logit margin %s (near 0: a tie, bf16 numerics; large: a bug)",
-                                    prompt.id, turn, check["reference"], check["first_divergence"], len(spec[0]),
-                                    fmt(check["logit_margin"], 4))
-                record = _turn_record(prompt, turn, ids, spec, plain, hf, check, answer)
-                turns.append(record)
-                messages.append({"role": "assistant", "content": answer})
-                plain_messages.append({"role": "assistant", "content": answer if plain is None else
-                                       tokenizer.decode(plain[0], skip_special_tokens=True)})
-                progress.update(1, f"tau {spec[1].tau or 0:.2f}")
-            runs.extend(turns)
-            per_prompt.append({"id": prompt.id, "category": prompt.category,
-                               "summary": summarize_generations(turns, args.num_steps), "turns": turns})
+        def on_turn(record: dict) -> None:
+            log_turn(log, record, args, session.info.max_position_embeddings)
+            progress.update(1, f"tau {record['spec'].get('tau') or 0:.2f}")
+
+        if workers > 1:
+            log.info("decoding in %d worker processes, each with its own verifier and drafter on %s",
+                     workers, session.device)
+            per_prompt, states = decode_in_workers(args, prompts, workers, on_turn)
+        else:
+            per_prompt, states = [], []
+            for index, prompt in enumerate(prompts):
+                entry, turn_states = decode_prompt(session, index, prompt, on_turn)
+                per_prompt.append(entry)
+                states.append(turn_states)
+    runs = [turn for entry in per_prompt for turn in entry["turns"]]
+    decoded = [state for turn_states in states for state in turn_states]  # each turn as stage 02 would store it
     overall = summarize_generations(runs, args.num_steps)
     # Stage 04's validation on the text just decoded. Far below training's validation: the prompts (or the
     # sampled text) differ from the training data. Far above the live acceptance: the decoding loop loses
     # something; a little above it at the first position is expected (verify steps often start right after
     # a rejection, at the harder positions).
-    overall["teacher_forced"] = evaluate(drafter, decoded, text_model.lm_head.weight,
-                                         args.num_steps, device=device)
+    overall["teacher_forced"] = evaluate(session.drafter, decoded, session.text_model.lm_head.weight,
+                                         args.num_steps, device=session.device)
     if greedy:
         match = overall["greedy_match"]
         log.info("greedy check (%s): %d of %d turns identical, mean share of tokens before the first divergence %s",
                  ", ".join(match["reference"]), match["turns_identical"], match["turns_checked"],
                  fmt(match["mean_share_before_divergence"]))
-    if cache.hits:
+    cache = session.baseline_cache
+    if cache is not None and cache.hits:
         log.info("baselines: %d of %d turns reused from %s (same verifier, prompt and settings)", cache.hits,
                  total_turns, cache.path)
+    verifier, device = session.verifier, session.device
     return {
         "mode": "offline",
         "stage": STAGE,
         "created_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-        "settings": recorded_settings(args, {"prompts": prompt_spec, "num_draft_tokens": num_draft_tokens,
-                                     "drafting": decoder.drafting, "device": str(device),
+        "settings": recorded_settings(args, {"prompts": prompt_spec,
+                                     "num_draft_tokens": session.decoder.num_draft_tokens,
+                                     "drafting": session.decoder.drafting, "device": str(device),
                                      "compute_dtype": str(next(verifier.parameters()).dtype).replace("torch.", ""),
-                                     "aux_layers": decoder.aux_layers, "raw_text_prompts": raw,
-                                     "stop_token_ids": eos, "prompt_count": len(prompts),
-                                     "gpu": gpu_name(device),
-                                     "baselines_reused": None if tau_only else cache.hits}),
+                                     "aux_layers": session.decoder.aux_layers, "raw_text_prompts": session.raw,
+                                     "stop_token_ids": session.eos, "prompt_count": len(prompts),
+                                     "gpu": gpu_name(device), "decode_workers": workers,
+                                     "baselines_reused": None if cache is None else cache.hits}),
         "overlap_check": overlap,
         "overall": overall,
         "categories": by_category(runs, args.num_steps),

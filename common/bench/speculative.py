@@ -103,6 +103,12 @@ class SpeculativeDecoder:
         stats.drafter_forwards += 1
         return out[:, -1:], logits[:, -1]
 
+    def reseed(self, seed: int) -> None:
+        """Restart the sampling stream from `seed` (stage 05 does it per turn, so a turn's sample is the same
+        whichever turns a process decoded before it). No effect at temperature 0."""
+        if self.generator is not None:
+            self.generator.manual_seed(seed)
+
     # --- the loop ------------------------------------------------------------------------------------
     @torch.inference_mode()
     @inference_attention()
