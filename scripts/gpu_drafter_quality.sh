@@ -39,8 +39,8 @@
 #               Every lane: stage 05 --tau-only at chain 3/1/4 (what SGLang serves), T=0, on all 80 MT-bench
 #               questions (both turns) and HELDOUT stratified held-out prompts, and the teacher-forced agreement
 #               (--mode eval); every lane but the storage-format ones also chain at T=1 on MT-bench. The
-#               default lane also (unless EXTRAS=0): chain and tree in float32 on all of MT-bench (every turn
-#               checked against the verifier's greedy choice: lossless).
+#               default lane also (unless EXTRAS=0): chain and tree in float32 and in float64 on all of
+#               MT-bench (every turn checked against the verifier's greedy choice in the same precision: lossless).
 #   4. table    scripts/quality_table.py -> RUN/quality.md
 # Each stage-05 run writes its own output folder (a folder has one writer at a time). With MPS=1 the CUDA MPS daemon
 # is started first (when it starts and works), so the side-by-side processes run their kernels concurrently.
@@ -227,11 +227,16 @@ bases() {  # the first part of every lane's name, once each: the data and storag
   local name
   for name in $LANES; do echo "${name%%_*}"; done | sort -u
 }
-default_extras() {  # $1 drafter: lossless checks in float32, chain and tree
+default_extras() {  # $1 drafter: lossless checks in float32 and float64, chain and tree
   local pids=()
   bench "$RUN" default_fp32_chain "$1" "${chain[@]}" --temperature 0 --dtype float32 \
     --prompts "$DATA/mt_bench.jsonl" --decode-workers "$DECODE_WORKERS" & pids+=($!)
   bench "$RUN" default_fp32_tree "$1" --tau-only --num-steps 3 --topk 8 --temperature 0 --dtype float32 \
+    --prompts "$DATA/mt_bench.jsonl" --decode-workers "$DECODE_WORKERS" & pids+=($!)
+  # float64: a float32 near tie (2.1e-5 apart on 2026-12-01) can flip either way; in float64 none should
+  bench "$RUN" default_fp64_chain "$1" "${chain[@]}" --temperature 0 --dtype float64 \
+    --prompts "$DATA/mt_bench.jsonl" --decode-workers "$DECODE_WORKERS" & pids+=($!)
+  bench "$RUN" default_fp64_tree "$1" --tau-only --num-steps 3 --topk 8 --temperature 0 --dtype float64 \
     --prompts "$DATA/mt_bench.jsonl" --decode-workers "$DECODE_WORKERS" & pids+=($!)
   for pid in "${pids[@]}"; do wait "$pid" || true; done
 }

@@ -671,6 +671,29 @@ def test_decode_workers_give_the_report_of_one_process(stage05, stories260k, dra
                                                                     "--decode-workers", "2"]) == 2
 
 
+def test_float64_decoding_is_checked_against_float64_greedy(stage05, stories260k, drafters, tmp_path):
+    """--dtype float64 (the lossless check): chain and tree decode in float64 on a CPU too, every turn equal to
+    the verifier's float64 greedy choice; the other stages and modes refuse it before loading anything."""
+    for topk, steps in (("1", "3"), ("4", "3")):
+        out = tmp_path / f"topk{topk}"
+        assert stage05.main(["--mode", "offline", "--model-path", str(stories260k), "--draft-model-path",
+                             str(drafters["trained_dir"]), "--prompts", str(bench_prompts(tmp_path)),
+                             "--max-new-tokens", "24", "--device", "cpu", "--dtype", "float64", "--tau-only",
+                             "--num-steps", steps, "--topk", topk, "--output-dir", str(out)]) == 0
+        (path,) = out.glob("bench_offline_*.json")
+        results = json.loads(path.read_text())
+        assert results["settings"]["compute_dtype"] == "float64"
+        match = results["overall"]["greedy_match"]
+        assert match["turns_checked"] == 4 and match["turns_identical"] == 4
+    extract = _load_module("extract_stage", "02_extract_hidden_states.py")
+    for main, argv in ((stage05.main, ["--mode", "eval", "--output-dir", str(tmp_path / "e")]),
+                       (extract.main, ["--run-dir", str(tmp_path / "run"), "--model-path", str(stories260k)])):
+        with pytest.raises(SystemExit) as stopped:
+            main(argv + ["--dtype", "float64"])
+        assert stopped.value.code == 2
+    assert not (tmp_path / "e").exists() and not (tmp_path / "run").exists()
+
+
 def test_offline_mode_checks_inputs_before_loading(stage05, stories260k, drafters, tmp_path):
     base = ["--mode", "offline", "--model-path", str(stories260k), "--prompts", str(bench_prompts(tmp_path)),
             "--output-dir", str(tmp_path / "out")]

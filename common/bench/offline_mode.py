@@ -37,8 +37,9 @@ def load_models(args, log):
     from common.train.parameters import compute_dtype_for
 
     device = pick_device(args.device)
-    # --dtype on GPU; float32 on CPU, where bf16 is slow and its rounding makes greedy ties differ.
-    dtype = compute_dtype_for(device, args.dtype)
+    # --dtype on GPU; float32 on CPU, where bf16 is slow and its rounding makes greedy ties differ; float64
+    # (the lossless check) everywhere.
+    dtype = "float64" if args.dtype == "float64" else compute_dtype_for(device, args.dtype)
     started = time.time()
     verifier = load_verifier_model(args.model_path, device, dtype, args.trust_remote_code)
     embed = verifier.get_input_embeddings().weight.detach()
@@ -69,7 +70,9 @@ def greedy_check(spec_tokens: list[int], plain_tokens: list[int] | None, state: 
 
     def logits(start: int, stop: int) -> "torch.Tensor":  # rows predicting the tokens after positions start..stop-1
         with torch.inference_mode():
-            return (final[start:stop].to(weight.device, weight.dtype) @ weight.T).float()
+            # float32 at least; float64 kept, or its argmax would be taken over rounded logits
+            return (final[start:stop].to(weight.device, weight.dtype) @ weight.T).to(
+                torch.promote_types(weight.dtype, torch.float32))
 
     if plain_tokens is not None:
         reference, source = list(plain_tokens), "plain_decode"

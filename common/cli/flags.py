@@ -151,8 +151,10 @@ _ALL_FLAGS: list[Flag] = [
          "it by the capture's own buffers, stated in the log).",
          aliases=("--mem-fraction-static", "--gpu-mem-util", "--mem-fraction"), type=_fraction, default=0.85),
     Flag("--device", "cuda, cpu, or auto (cuda when available).", default="auto"),
-    Flag("--dtype", "Precision of the verifier's computation and stored hidden states.",
-         choices=("bfloat16", "float16", "float32"), default="bfloat16"),
+    Flag("--dtype", "Precision of the verifier's computation and stored hidden states. float64: stage 05's "
+         "--mode offline only, to check that decoding is lossless where float32's rounding can flip a near tie "
+         "(on a CPU too, where the other precisions compute in float32).",
+         choices=("bfloat16", "float16", "float32", "float64"), default="bfloat16"),
     Flag("--num-workers", "Background workers (data loading, file writing).",
          aliases=("--dataloader-num-workers", "--workers"), type=_non_negative_int, default=2),
     Flag("--seed", "Random seed for shuffling, splits and initialisation.", type=int, default=0),
@@ -476,6 +478,9 @@ def parse_stage_args(stage: str, description: str, argv: Sequence[str] | None = 
                      extra: Sequence[Flag] = ()) -> argparse.Namespace:
     parser = build_parser(stage, description, extra)
     args = parser.parse_args(argv)
+    if getattr(args, "dtype", None) == "float64" and (stage != "05_benchmark" or args.mode != "offline"):
+        parser.error("--dtype float64 is only for 05_benchmark --mode offline (a lossless check); give bfloat16, "
+                     "float16 or float32")
     try:
         return resolve_run_paths(stage, args)
     except UsageError as err:
