@@ -90,11 +90,12 @@ def _worker_main(args, share: list, states_file: Path, messages) -> None:
 
     import torch
 
-    from common.bench.offline_mode import decode_prompt, open_session
+    from common.bench.offline_mode import decode_prompt, load_session, prepare_session
 
     try:
         log = logging.getLogger("05_benchmark.worker")
-        session = open_session(args, log, checked=True)
+        session = prepare_session(args, log, checked=True)
+        load_session(session, log)
         states = {}
         for index, prompt in share:
             entry, states[index] = decode_prompt(session, index, prompt, lambda record: messages.put(("turn", record)))

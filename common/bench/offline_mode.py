@@ -109,29 +109,28 @@ def _turn_record(prompt, turn, ids, spec, plain, hf, check: dict | None, answer:
 
 @dataclass
 class DecodingSession:
-    """What decoding a prompt needs: the tokenizer and stop tokens, the models, the speculative decoder and,
-    unless --tau-only, the cache of the no-drafting baselines. One per process (see decode_workers)."""
+    """What decoding a prompt needs: the tokenizer and stop tokens (prepare_session), then the models, the
+    speculative decoder and, unless --tau-only, the cache of the no-drafting baselines (load_session). One per
+    process (see decode_workers)."""
     args: Any
     info: Any
     tokenizer: Any
     raw: bool
     eos: list[int]
-    verifier: Any
-    drafter: Any
-    device: Any
-    decoder: Any
-    text_model: Any
+    num_draft_tokens: int
+    verifier: Any = None
+    drafter: Any = None
+    device: Any = None
+    decoder: Any = None
+    text_model: Any = None
     baseline_cache: BaselineCache | None = None
 
 
-def open_session(args, log, begin=lambda: None, checked: bool = False) -> DecodingSession:
-    """Load the tokenizer and the models, build the decoder and warm it up (kernels, allocator, caches) on the
-    first prompt's size, untimed. `checked`: the drafter was already checked against the verifier (a worker
-    process of a run whose parent did it)."""
+def prepare_session(args, log, checked: bool = False) -> DecodingSession:
+    """Check the decoding settings and the drafter against the verifier, load the tokenizer; nothing on the
+    device yet. `checked`: a worker process of a run whose parent did the checks (and logged them)."""
     from common.data.chat_tokenizer import end_of_turn_ids
-    from common.verifier.capture import find_text_model
-    from common.bench.decoding import hf_generate, plain_decode
-    from common.bench.speculative import SpeculativeDecoder, resolve_draft_shape
+    from common.bench.speculative import resolve_draft_shape
     from common.verifier.loading import load_tokenizer, read_verifier_info, resolve_model_path
 
     require(args, "model_path")
@@ -148,24 +147,35 @@ def open_session(args, log, begin=lambda: None, checked: bool = False) -> Decodi
         log.warning("the tokenizer has no chat template (and no --chat-template was given): prompts are sent as "
                     "plain text, turns and answers joined by blank lines")
     eos = sorted(end_of_turn_ids(tokenizer, resolve_model_path(args.model_path)[0]))
-    begin()
+    return DecodingSession(args, info, tokenizer, raw, eos, num_draft_tokens)
+
+
+def load_session(session: DecodingSession, log, warm: bool = True) -> None:
+    """Load the models and build the decoder; `warm`: run it once (kernels, allocator, caches), untimed."""
+    from common.verifier.capture import find_text_model
+    from common.bench.decoding import hf_generate, plain_decode
+    from common.bench.speculative import SpeculativeDecoder
+
+    args, eos = session.args, session.eos
     verifier, drafter, device = load_models(args, log)
-    decoder = SpeculativeDecoder(verifier, drafter, num_steps=args.num_steps, topk=args.topk,
-                                 num_draft_tokens=num_draft_tokens, temperature=args.temperature,
-                                 top_p=args.top_p, seed=args.seed)
-    session = DecodingSession(args, info, tokenizer, raw, eos, verifier, drafter, device, decoder,
-                              find_text_model(verifier))
-    warm_ids = render_conversation(tokenizer, [{"role": "user", "content": "Hello! How are you today?"}], raw)
-    warm_tokens = min(16, args.max_new_tokens)
-    decoder.generate(warm_ids, warm_tokens, eos)
+    session.verifier, session.drafter, session.device = verifier, drafter, device
+    session.text_model = find_text_model(verifier)
+    session.decoder = SpeculativeDecoder(verifier, drafter, num_steps=args.num_steps, topk=args.topk,
+                                         num_draft_tokens=session.num_draft_tokens, temperature=args.temperature,
+                                         top_p=args.top_p, seed=args.seed)
     if not tau_only(args):
-        plain_decode(verifier, warm_ids, warm_tokens, eos, args.temperature, args.top_p, args.seed)
-        hf_generate(verifier, warm_ids, warm_tokens, eos, args.temperature, args.top_p, args.seed)
         session.baseline_cache = BaselineCache(
             Path(args.output_dir) / BASELINE_CACHE,
-            {"verifier": info.identity(), "device": str(device), "gpu": gpu_name(device),
+            {"verifier": session.info.identity(), "device": str(device), "gpu": gpu_name(device),
              "dtype": str(next(verifier.parameters()).dtype), "stop": eos})
-    return session
+    if warm:
+        ids = render_conversation(session.tokenizer, [{"role": "user", "content": "Hello! How are you today?"}],
+                                  session.raw)
+        tokens = min(16, args.max_new_tokens)
+        session.decoder.generate(ids, tokens, eos)
+        if not tau_only(args):
+            plain_decode(verifier, ids, tokens, eos, args.temperature, args.top_p, args.seed)
+            hf_generate(verifier, ids, tokens, eos, args.temperature, args.top_p, args.seed)
 
 
 def tau_only(args) -> bool:
@@ -247,12 +257,14 @@ def run_offline(args, log, begin, prompt_spec, prompts, overlap) -> dict:
     from common.train.step import evaluate
 
     workers = worker_count(args, len(prompts))
-    session = open_session(args, log, begin)
+    session = prepare_session(args, log)
+    begin()
+    if workers == 1:
+        load_session(session, log)
     greedy = args.temperature == 0
-    log.info("drafting: %s; verification: %s", session.decoder.drafting,
+    log.info("stop tokens: %s; verification: %s", session.eos,
              "greedy (output must equal the verifier's greedy output)" if greedy else
              f"rejection sampling at temperature {args.temperature}, top-p {args.top_p}")
-    log.info("stop tokens: %s", session.eos)
     if tau_only(args):
         log.info("--tau-only: the two timing baselines (the loop without drafting, transformers' generate) are "
                  "skipped, so no speedups are reported%s", "; the greedy check compares each output with the "
@@ -265,15 +277,17 @@ def run_offline(args, log, begin, prompt_spec, prompts, overlap) -> dict:
             progress.update(1, f"tau {record['spec'].get('tau') or 0:.2f}")
 
         if workers > 1:
-            log.info("decoding in %d worker processes, each with its own verifier and drafter on %s",
-                     workers, session.device)
+            log.info("decoding in %d worker processes, each with its own verifier and drafter", workers)
             per_prompt, states = decode_in_workers(args, prompts, workers, on_turn)
+            # this process's copy only now: it scores the states below, and stays off the device meanwhile
+            load_session(session, log, warm=False)
         else:
             per_prompt, states = [], []
             for index, prompt in enumerate(prompts):
                 entry, turn_states = decode_prompt(session, index, prompt, on_turn)
                 per_prompt.append(entry)
                 states.append(turn_states)
+    log.info("drafting: %s", session.decoder.drafting)
     runs = [turn for entry in per_prompt for turn in entry["turns"]]
     decoded = [state for turn_states in states for state in turn_states]  # each turn as stage 02 would store it
     overall = summarize_generations(runs, args.num_steps)
