@@ -71,8 +71,9 @@
 #   WORKERS [3]              data workers of each side-by-side training
 #   DECODE_WORKERS [3]       processes of each stage-05 decoding run (05 --decode-workers; the float32 checks
 #                            too): one process decoded about 0.3 MT-bench turns/s on 2026-12-02, so its 160 turns
-#                            took over 8 minutes. A lane's benchmarks then run up to 10 processes at once: keep
-#                            lanes x 10 under CUDA MPS's limit of 48 client processes a GPU
+#                            took over 8 minutes. A lane's benchmarks then run up to 10 processes at once (the
+#                            default lane's lossless checks 12 more, the comparison's 14): keep the sum under
+#                            CUDA MPS's limit of 48 client processes a GPU
 #   SPECFORGE []             its wheel or a folder holding the package; empty: no comparison
 #   SPECFORGE_ARGS []        more flags for its recipe, e.g. "--lr 1e-4 --ttt-steps 7 --time-limit 720": SpecForge's own
 #                            learning rate and TTT depth (without them it takes our run's, 1e-3 and 3); at 800
