@@ -245,6 +245,11 @@ _ALL_FLAGS: list[Flag] = [
     Flag("--keep-last", "Keep the N most recent step checkpoints.", type=_positive_int, default=3),
     Flag("--log-interval", "Write a training-metrics line every N optimizer steps.",
          aliases=("--logging-steps", "--log-steps"), type=_positive_int, default=10),
+    Flag("--profile-steps", "Profile N optimizer steps of the real loop with torch.profiler, after the first 10 (or "
+         "earlier in a shorter run): the log gives the wall time a step against the time the device was busy, "
+         "and OUTPUT_DIR/profile_steps.txt the operations by device and host time. For finding what bounds a "
+         "step (a small drafter's is often bound by the host); it slows the profiled steps.",
+         type=_positive_int),
     Flag("--resume", "Continue the run in --output-dir from its latest checkpoint.", type=None,
          action="store_true"),
     Flag("--fp8", "Run the drafter's matrix multiplications (fc, attention projections, MLP, lm_head; forward "
@@ -320,7 +325,8 @@ STAGE_FLAGS: dict[str, list[str]] = {
                  "--max-tokens-per-batch", "--max-seq-len", "--ttt-steps", "--ttt-decay", "--noise-std",
                  "--val-ratio", "--scheduler", "--warmup-ratio", "--grad-accum", "--max-grad-norm",
                  "--eval-interval", "--save-interval", "--keep-last", "--resume", "--num-workers",
-                 "--seed", "--device", "--dtype", "--log-interval", "--overwrite", "--allow-low-disk",
+                 "--seed", "--device", "--dtype", "--log-interval", "--profile-steps", "--overwrite",
+                 "--allow-low-disk",
                  "--drafter-config", "--fsdp", "--fp8", "--ttt-positions", "--loss", "--init-from-verifier-layer",
                  "--allow-other-verifier"],
     "05_benchmark": ["--run-dir", "--model-path", "--trust-remote-code", "--draft-model-path",

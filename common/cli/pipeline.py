@@ -23,7 +23,8 @@ from common.formats.manifest import MANIFEST, STATUS_COMPLETE
 REPO = Path(__file__).resolve().parents[2]
 STAGES = list(STAGE_FLAGS)  # "01_prepare_data", ...
 # Flags that say how to run, not what to make: they don't decide whether a finished stage is stale.
-_NOT_STALE_KEYS = {"overwrite", "resume", "num_workers", "allow_low_disk", "run_dir", "device"}
+_NOT_STALE_KEYS = {"overwrite", "resume", "num_workers", "allow_low_disk", "run_dir", "device", "profile_steps",
+                   "decode_workers"}
 TAIL_LINES = 30
 
 

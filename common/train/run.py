@@ -17,6 +17,7 @@ from common.train.inputs import STAGE, Inputs
 from common.train.parameters import cast_parameters
 from common.train.plots import CURVES_FILE, training_title, write_training_curves
 from common.train.step import TrainConfig
+from common.train.profiling import StepProfiler
 from common.train.stopping import signal_hooks_for_tests
 from common.train.trainer import LoopConfig, Trainer
 from common.bench.report import fmt
@@ -146,11 +147,13 @@ def train_drafter(args, log, inputs: Inputs, run_config: dict, resume_from: Path
     if rank.distributed:
         parallel = make_data_parallel(rank, device, args.fsdp)
     curves = CurvesAfterValidation(output_dir, training_title(args), log) if rank.is_main else None
+    profiler = StepProfiler(args.profile_steps, output_dir, device, log) if args.profile_steps and rank.is_main \
+        else None
     trainer = Trainer(model, verifier_lm_head, cfg, loop, train_set, val_set, output_dir, args.keep_last,
                       run_config,
                       validate_checkpoint=lambda path: check_drafter_dir(path, data_manifest=inputs.data_manifest,
                                                                          verifier_info=inputs.verifier),
-                      is_main=rank.is_main, hooks=[*hooks, *signal_hooks_for_tests(rank.rank), *filter(None, [curves])],
+                      is_main=rank.is_main, hooks=[*hooks, *signal_hooks_for_tests(rank.rank), *filter(None, [curves, profiler])],
                       parallel=parallel)
     if resume_from is not None:
         trainer.load_training_state(resume_from)

@@ -1,0 +1,82 @@
+"""--profile-steps N: where stage 04's optimizer steps spend their time, from inside the real training loop.
+
+scripts/bench_train_step.py times the step alone on synthetic inputs already on the device. A real run adds the
+data loader, host-to-device copies, metrics and progress; on a small drafter the loop measured about three times
+the benchmark's step time (SmolLM2 on an H200, 2026-12-02), so the gap is looked for here. torch.profiler runs
+over N steps after a warm-up; the tables (by operation: device time first, then host time) go to
+OUTPUT_DIR/profile_steps.txt, and the log gives the wall time a step against the time the device was busy: a
+device busy for a small share of the step means the host bounds it.
+"""
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+from common.formats.files import write_text_atomic
+
+PROFILE_FILE = "profile_steps.txt"
+WARMUP_STEPS = 10  # compiled kernels, allocator and loader workers settle first
+
+
+class StepProfiler:
+    """A trainer hook (called after every optimizer step) that profiles the N steps after the warm-up."""
+
+    def __init__(self, steps: int, output_dir: Path, device: str, log):
+        self.steps, self.output_dir, self.device, self.log = steps, Path(output_dir), device, log
+        self.start_step = None
+        self.profiler = None
+        self.started_at = 0.0
+
+    def __call__(self, trainer) -> None:
+        step = trainer.state.step
+        # after the warm-up, or earlier when the run is too short for both
+        warmup = min(WARMUP_STEPS, max(1, trainer.total_steps - self.steps))
+        if self.profiler is None and self.start_step is None and step >= warmup:
+            self._start(step)
+        elif self.profiler is not None and step >= self.start_step + self.steps:
+            self._finish(step)
+
+    def _start(self, step: int) -> None:
+        from torch.profiler import ProfilerActivity, profile
+
+        activities = [ProfilerActivity.CPU]
+        if self.device.startswith("cuda"):
+            activities.append(ProfilerActivity.CUDA)
+        self.start_step = step
+        self.profiler = profile(activities=activities)
+        self.profiler.start()
+        self.started_at = time.perf_counter()
+
+    def _finish(self, step: int) -> None:
+        import torch
+
+        if self.device.startswith("cuda"):
+            torch.cuda.synchronize(self.device)
+        wall = time.perf_counter() - self.started_at
+        self.profiler.stop()
+        steps = step - self.start_step
+        averages = self.profiler.key_averages()
+        device_us = sum(_device_time(event) for event in averages)
+        on_device = self.device.startswith("cuda")
+        summary = (f"{steps} steps profiled (steps {self.start_step + 1}-{step}): {1000 * wall / steps:.1f} ms a step"
+                   + (f", the device busy {device_us / 1000 / steps:.1f} ms of it "
+                      f"({100 * device_us / 1e6 / wall:.0f} %)" if on_device else " (CPU: no device time)"))
+        tables = [summary, ""]
+        if on_device:
+            tables += ["By device time:", averages.table(sort_by=_device_sort_key(averages), row_limit=25), ""]
+        tables += ["By host time:", averages.table(sort_by="self_cpu_time_total", row_limit=25)]
+        path = self.output_dir / PROFILE_FILE
+        write_text_atomic(path, "\n".join(tables) + "\n")
+        self.log.info("--profile-steps: %s; tables in %s", summary, path)
+        self.profiler = None
+
+
+def _device_time(event) -> float:
+    """An operation's own device time in microseconds (the attribute's name changed across torch versions)."""
+    return float(getattr(event, "self_device_time_total", getattr(event, "self_cuda_time_total", 0.0)) or 0.0)
+
+
+def _device_sort_key(averages) -> str:
+    event = next(iter(averages), None)
+    return "self_device_time_total" if event is None or hasattr(event, "self_device_time_total") \
+        else "self_cuda_time_total"
