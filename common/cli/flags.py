@@ -151,9 +151,8 @@ _ALL_FLAGS: list[Flag] = [
          "it by the capture's own buffers, stated in the log).",
          aliases=("--mem-fraction-static", "--gpu-mem-util", "--mem-fraction"), type=_fraction, default=0.85),
     Flag("--device", "cuda, cpu, or auto (cuda when available).", default="auto"),
-    Flag("--dtype", "Precision of the verifier's computation and stored hidden states. float64: stage 05's "
-         "--mode offline only, to check that decoding is lossless where float32's rounding can flip a near tie "
-         "(on a CPU too, where the other precisions compute in float32).",
+    Flag("--dtype", "Precision of the verifier's computation and stored hidden states. float64: 05 --mode offline "
+         "only, a lossless check where float32 rounding can flip a near tie (docs/benchmarking.md).",
          choices=("bfloat16", "float16", "float32", "float64"), default="bfloat16"),
     Flag("--num-workers", "Background workers (data loading, file writing).",
          aliases=("--dataloader-num-workers", "--workers"), type=_non_negative_int, default=2),
@@ -245,11 +244,8 @@ _ALL_FLAGS: list[Flag] = [
     Flag("--keep-last", "Keep the N most recent step checkpoints.", type=_positive_int, default=3),
     Flag("--log-interval", "Write a training-metrics line every N optimizer steps.",
          aliases=("--logging-steps", "--log-steps"), type=_positive_int, default=10),
-    Flag("--profile-steps", "Profile N optimizer steps of the real loop with torch.profiler, after the first 10 (or "
-         "earlier in a shorter run): the log gives the wall time a step against the time the device was busy, "
-         "and OUTPUT_DIR/profile_steps.txt the operations by device and host time. For finding what bounds a "
-         "step (a small drafter's is often bound by the host); it slows the profiled steps.",
-         type=_positive_int),
+    Flag("--profile-steps", "Profile N steps of the loop after the first 10 (torch.profiler): wall time a step "
+         "against device busy time in the log, tables in OUTPUT_DIR/profile_steps.txt.", type=_positive_int),
     Flag("--resume", "Continue the run in --output-dir from its latest checkpoint.", type=None,
          action="store_true"),
     Flag("--fp8", "Run the drafter's matrix multiplications (fc, attention projections, MLP, lm_head; forward "
@@ -294,11 +290,9 @@ _ALL_FLAGS: list[Flag] = [
          "and transformers' generate), so no speedups are reported. At temperature 0 the output is still "
          "checked against the verifier's greedy choice, from one teacher-forced verifier pass over it.",
          aliases=("--acceptance-only",), type=None, action="store_true"),
-    Flag("--decode-workers", "--mode offline --tau-only: decode the prompts in N processes at once, each with its "
-         "own copy of the verifier and the drafter on the device, for a verifier small enough to hold N copies. "
-         "A small verifier's decoding step waits on Python and kernel launches, not on the GPU, so N processes "
-         "go up to N times as fast (best with CUDA MPS); the results are the same as with 1 (each turn's "
-         "sampling is seeded by the prompt and turn). Timing runs need 1.", type=_positive_int, default=1),
+    Flag("--decode-workers", "--tau-only: decode in N processes, each with its own verifier and drafter on the "
+         "device (a small verifier's step waits on the host, so up to Nx as fast; best with CUDA MPS). The same "
+         "results as 1 process (docs/benchmarking.md).", type=_positive_int, default=1),
 ]
 
 FLAGS: dict[str, Flag] = {flag.name: flag for flag in _ALL_FLAGS}
