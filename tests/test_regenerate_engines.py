@@ -195,6 +195,7 @@ def test_loop_stops_once_every_row_has_stopped(stories260k):
         hook.remove()
     assert len(loop.batch_log) == 2 and loop.hit_max_new_tokens == 0
     assert len(forwards) == CHECK_EVERY * len(loop.batch_log)
+    assert [batch["steps"] for batch in loop.batch_log] == [CHECK_EVERY, CHECK_EVERY]
     for row in raw_rows:
         stop = next(i for i, token in enumerate(row) if token in stop_ids)
         assert len(row) == CHECK_EVERY and stop < 2 and set(row[stop + 1:]) == {loop.pad_id}

@@ -182,7 +182,9 @@ class HFResponder:
     fewer (static_batches), each decoding with a pooled cache of its own width (StaticCachePool).
 
     `batch_log` gets one entry per batch run: engine, rows, padded width, cache width (None for
-    "continuous", whose paged cache the library sizes) and seconds.
+    "continuous", whose paged cache the library sizes), seconds and steps (tokens in the longest row: the
+    forward passes of a padded batch, prefill included, fewer than max_new_tokens when every row stopped
+    early).
     """
 
     def __init__(self, load_model: Callable[[str], Any], tokenizer, stop_ids: set[int], max_new_tokens: int,
@@ -288,7 +290,8 @@ class HFResponder:
         started = synchronized_clock(device)
         rows = self._run_batch(model, prompts, device, width, cache_width)
         self.batch_log.append({"engine": self.engine, "rows": len(prompts), "width": width,
-                               "cache_width": cache_width, "seconds": synchronized_clock(device) - started})
+                               "cache_width": cache_width, "seconds": synchronized_clock(device) - started,
+                               "steps": max(len(row) for row in rows)})
         return rows
 
     def _widths(self, prompts: list[list[int]]) -> tuple[int, int | None]:
