@@ -129,10 +129,10 @@ def synchronize(device: str) -> None:
 
 def log_compile_hints() -> None:
     """torch's compile diagnostics in the log: why CUDA graphs were skipped ("skipping cudagraphs due to
-    ...") or recorded again, performance hints, and why a function was recompiled."""
+    ...") or recorded again, performance hints, graph breaks, and why a function was recompiled."""
     import torch._logging
 
-    torch._logging.set_logs(perf_hints=True, cudagraphs=True, recompiles=True)
+    torch._logging.set_logs(perf_hints=True, cudagraphs=True, graph_breaks=True, recompiles=True)
 
 
 def make_responder(model, tokenizer, stop_ids, args, engine: str, batch_size: int, device: str):

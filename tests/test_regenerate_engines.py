@@ -203,6 +203,28 @@ def test_loop_stops_once_every_row_has_stopped(stories260k):
     assert replies == expected(conversations)
 
 
+def test_loop_decoding_step_compiles_to_one_graph_per_batch_shape(stories260k, monkeypatch):
+    """The loop's decoding forward, compiled as on a GPU but with a recording backend and fullgraph=True (a
+    graph break raises): one graph per batch shape (two here), and the replies of eager `generate`."""
+    from common.data import decode_loop
+    from common.verifier.loading import load_tokenizer
+
+    graphs = []
+
+    def recording_backend(graph, _inputs):
+        graphs.append(graph)
+        return graph.forward
+
+    options = {"backend": recording_backend, "fullgraph": True, "dynamic": False}
+    monkeypatch.setattr(decode_loop, "decoding_forward", lambda model: decode_loop.compiled_forward(model, options))
+    tokenizer = load_tokenizer(str(stories260k))
+    tokenizer.chat_template = STORIES_TEMPLATE
+    conversations = [[{"role": "user", "content": text}] for text in PROMPTS]
+    found = replies_by_engine(stories260k, tokenizer, conversations, 12, ("generate", "loop"))
+    assert found["loop"][1] == found["generate"][1]
+    assert len(graphs) == 2  # batches of 4 and 2 rows
+
+
 # --- stage 01: several replies per prompt, resume after a kill ---------------------------------------
 
 STARTS = ["Lily found a", "Tom saw a big", "The cat and the dog", "One sunny day", "A little bird", "Sue had a red",

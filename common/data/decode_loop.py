@@ -26,6 +26,9 @@ CHECK_EVERY = 16
 # Dynamo compiles the decoding step once per (rows, cache width) and per pooled cache: more than its
 # default limit (8) in a run of several prompt widths, after which it would run the step eagerly.
 RECOMPILE_LIMIT = 64
+# How the decoding step is compiled on a GPU: CUDA graphs ("reduce-overhead"), static shapes (each batch
+# shape its own graph, as transformers compiles generate's step).
+COMPILE_OPTIONS = {"mode": "reduce-overhead", "dynamic": False}
 
 
 def decode(model, cache, input_ids, prompt_mask, cache_width: int, max_new_tokens: int, stop_ids, pad_id: int,
@@ -80,17 +83,21 @@ def next_token(logits, temperature: float):
 
 
 def decoding_forward(model):
-    """The callable for decoding steps: on a GPU, the model's forward compiled once per model (kept on it)
-    with CUDA graphs ("reduce-overhead") and static shapes, each shape its own graph; on a CPU, the model.
-    Prefill stays eager: it runs once a batch, at a shape of its own."""
+    """The callable for decoding steps: on a GPU, the model's forward compiled with COMPILE_OPTIONS; on a
+    CPU, the model. Prefill stays eager: it runs once a batch, at a shape of its own."""
     if next(model.parameters()).device.type != "cuda":
         return model
+    return compiled_forward(model, COMPILE_OPTIONS)
+
+
+def compiled_forward(model, options: dict):
+    """The model's forward compiled with these torch.compile options, once per model (kept on it)."""
     compiled = model.__dict__.get("_decode_loop_forward")
     if compiled is None:
         import torch
 
         raise_recompile_limit(RECOMPILE_LIMIT)
-        compiled = torch.compile(model.forward, mode="reduce-overhead", dynamic=False)
+        compiled = torch.compile(model.forward, **options)
         model.__dict__["_decode_loop_forward"] = compiled  # a plain attribute, not a registered submodule
     return compiled
 
