@@ -4,24 +4,33 @@
 One run, the same prompts (the first user turns of a ShareGPT JSON / JSONL file), greedy:
 
 1. the verifier at --model-path (e.g. SmolLM2-135M-Instruct, a dense HF folder) in --dtype:
-   - "generate" (the first engine, today's default before this change) on every prompt;
-   - "static" (the new default) twice on every prompt with one responder, as stage 01 keeps one: cold
-     (transformers compiles the decoding step) and warm (the rate a long stage 01 run sees, its pooled
-     caches reused); its replies are compared with "generate"'s. Batches are packed by the token budget
-     (--batch-size rows at the shortest width, fewer when wider), each with a cache of its own width; the
-     warm call's batches (rows, padded width, cache width, seconds, seconds per decoding step) are written
-     out, to show where the time goes;
+   - "generate" (the first engine, the reference) on every prompt;
+   - the static-cache engines, each twice on every prompt with one responder, as stage 01 keeps one: cold
+     (the decoding step compiled) and warm (the rate a long stage 01 run sees, its pooled caches reused):
+     "static" (transformers' generate over a StaticCache, the default on a GPU) and "loop" (our own
+     decoding loop over the same caches, common.data.decode_loop); their replies are compared with
+     "generate"'s. Batches are packed by the token budget (--batch-size rows at the shortest width, fewer
+     when wider), each with a cache of its own width; the warm call's batches (rows, padded width, cache
+     width, seconds, decoding steps, seconds per step) are written out, to show where the time goes;
+   - with --profile, torch.profiler over the last batch of each warm call, run again: the top ops by
+     device time and by CPU time, and the batch's device time against its wall time;
    - "continuous" (transformers' continuous batching) on the first --continuous-prompts prompts;
    - the forward pass alone (tokens/s of one full batch), the ceiling the decoding rate is held against;
-   - in float32, "generate" and "static" on the first --fp32-check-prompts prompts: token-for-token equality;
-2. a random Llama-3.1-8B-shaped verifier in bf16 (built from the config below, no download), "generate"
-   and "static" on the first --llama-prompts prompts, and the memory-bandwidth bound of its decoding step.
+   - in float32, "generate" and the static-cache engines on the first --fp32-check-prompts prompts:
+     token-for-token equality;
+2. a random Llama-3.1-8B-shaped verifier in bf16 (built from the config below, no download): the same
+   engines but "continuous" on the first --llama-prompts prompts, and the memory-bandwidth bound of its
+   decoding step.
+
+--engines picks the engines (each part can be left out: --continuous-prompts 0, --fp32-check-prompts 0,
+--llama-prompts 0); --static-only runs the static-cache engines' two calls alone. torch's compile hints
+(why CUDA graphs were skipped or re-recorded, why a step was recompiled) go to the log.
 
 Writes OUT/bench_regenerate.json and OUT/bench_regenerate.md after every measurement (a run stopped early
-keeps what it measured) and prints the ratios. On one H200 with the defaults: about 4 minutes for part 1
-(measured before the token budget and the cache pool: generate 44 s, static 90 s cold and 15 s warm,
-continuous about 20 s, the float32 check) and 2 to 3 for part 2 (compiling the 8B-shaped model is most of
-it); --llama-prompts 0 leaves part 2 out, and --static-only runs the static engine's two calls alone:
+keeps what it measured) and prints the ratios. On one H200 with the defaults, before "loop" was added:
+about 4 minutes for part 1 (measured before the token budget and the cache pool: generate 44 s, static
+90 s cold and 15 s warm, continuous about 20 s, the float32 check) and 2 to 3 for part 2 (compiling the
+8B-shaped model is most of it):
 
   python scripts/bench_regenerate.py --model-path /path/smollm2-dense --data sharegpt.jsonl --out results/
 """
@@ -48,17 +57,27 @@ LLAMA_TINY = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, nu
                   tie_word_embeddings=False)
 HBM_BYTES_PER_S = 4.8e12  # H200's HBM3e, nominal
 
+# Engines run twice (cold, then warm on the same responder, whose pooled caches the warm call reuses).
+STATIC_CACHE_ENGINES = ("static", "loop")
+ENGINES = ("generate", *STATIC_CACHE_ENGINES, "continuous")
+# Rows of the report's engine table, in order.
+RUN_KEYS = ("generate", "static_cold", "static", "loop_cold", "loop", "continuous")
+TOP_OPS = 15
+
 
 def parse_args(argv=None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model-path", required=True, help="dense Hugging Face folder of the verifier")
+    parser.add_argument("--chat-template", help="Jinja chat template file, for a tokenizer without one")
     parser.add_argument("--data", required=True, help="ShareGPT JSON / JSONL chat file (first user turns are used)")
     parser.add_argument("--out", required=True, type=Path, help="folder for bench_regenerate.json / .md")
     parser.add_argument("--num-prompts", type=int, default=2000)
     parser.add_argument("--batch-size", type=int, default=1024,
-                        help="rows of a batch (static: of the shortest prompts; wider batches take fewer)")
+                        help="rows of a batch (static and loop: of the shortest prompts; wider batches take fewer)")
     parser.add_argument("--max-new-tokens", type=int, default=256)
     parser.add_argument("--max-prompt-tokens", type=int, default=1024)
+    parser.add_argument("--engines", type=engine_list, default=ENGINES,
+                        help=f"comma-separated engines to run, of {','.join(ENGINES)} (default: all)")
     parser.add_argument("--continuous-prompts", type=int, default=128,
                         help="prompts for the continuous-batching engine (0: skip it); about 10 conversations/s "
                              "on an H200 with transformers 5.17 and no flash-attn")
@@ -67,11 +86,23 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--llama-batch-size", type=int, default=256)
     parser.add_argument("--llama-shape", choices=("8b", "tiny"), default="8b")
     parser.add_argument("--static-only", action="store_true",
-                        help="only the static engine, cold and warm, on the verifier at --model-path: no other "
-                             "engine, forward rate, float32 check or 8B-shaped verifier")
+                        help="only the static-cache engines (static, loop; those of --engines), cold and warm, on "
+                             "the verifier at --model-path: no other engine, forward rate, float32 check or "
+                             "8B-shaped verifier")
+    parser.add_argument("--profile", action="store_true",
+                        help="profile one warm batch of each static-cache engine (torch.profiler): top ops by "
+                             "device and CPU time, device time against wall time")
     parser.add_argument("--device", default="auto")
     parser.add_argument("--dtype", default="bfloat16")
     return parser.parse_args(argv)
+
+
+def engine_list(text: str) -> tuple[str, ...]:
+    engines = tuple(e.strip() for e in text.split(",") if e.strip())
+    unknown = [e for e in engines if e not in ENGINES]
+    if unknown or not engines:
+        raise argparse.ArgumentTypeError(f"unknown engine(s) {unknown}; of {', '.join(ENGINES)}")
+    return engines
 
 
 def first_turns(data: str, count: int) -> list[list[dict]]:
@@ -83,11 +114,25 @@ def first_turns(data: str, count: int) -> list[list[dict]]:
     return [[next(m for m in r.messages if m["role"] == "user")] for r in islice(chats, count)]
 
 
+def prompt_lengths(tokenizer, conversations: list) -> list[int]:
+    """Tokens of each conversation rendered with the chat template, as HFResponder renders it."""
+    return [len(tokenizer(tokenizer.apply_chat_template(c, tokenize=False, add_generation_prompt=True),
+                          add_special_tokens=False)["input_ids"]) for c in conversations]
+
+
 def synchronize(device: str) -> None:
     import torch
 
     if device.startswith("cuda"):
         torch.cuda.synchronize()
+
+
+def log_compile_hints() -> None:
+    """torch's compile diagnostics in the log: why CUDA graphs were skipped ("skipping cudagraphs due to
+    ...") or recorded again, performance hints, graph breaks, and why a function was recompiled."""
+    import torch._logging
+
+    torch._logging.set_logs(perf_hints=True, cudagraphs=True, graph_breaks=True, recompiles=True)
 
 
 def make_responder(model, tokenizer, stop_ids, args, engine: str, batch_size: int, device: str):
@@ -114,14 +159,15 @@ def timed_run(model, tokenizer, stop_ids, conversations, args, engine: str, batc
             "elapsed_s": round(elapsed, 2), "conversations_per_s": round(answered / elapsed, 1),
             "generated_tokens": generated, "generated_tokens_per_s": round(generated / elapsed, 1),
             "hit_max_new_tokens": responder.hit_max_new_tokens - hit,
-            "batches": batch_rows(responder.batch_log[logged:], args.max_new_tokens), "replies": replies}
+            "batches": batch_rows(responder.batch_log[logged:]), "replies": replies}
 
 
-def batch_rows(batch_log: list[dict], max_new_tokens: int) -> list[dict]:
-    """HFResponder.batch_log's entries with seconds per decoding step: seconds / max_new_tokens, prefill
-    included (a batch whose rows all stop early runs fewer steps)."""
+def batch_rows(batch_log: list[dict]) -> list[dict]:
+    """HFResponder.batch_log's entries with seconds per decoding step (the batch's forward passes, prefill
+    included)."""
     return [{"rows": b["rows"], "width": b["width"], "cache_width": b["cache_width"],
-             "seconds": round(b["seconds"], 3), "s_per_step": round(b["seconds"] / max_new_tokens, 5)}
+             "seconds": round(b["seconds"], 3), "steps": b["steps"],
+             "s_per_step": round(b["seconds"] / max(1, b["steps"]), 5)}
             for b in batch_log]
 
 
@@ -131,7 +177,8 @@ def forward_rate(model, device: str, batch: int, length: int) -> float:
 
     from common.verifier.loading import inference_attention
 
-    ids = torch.randint(10, 1000, (batch, length), device=device)
+    vocab = model.get_input_embeddings().num_embeddings
+    ids = torch.randint(min(10, vocab - 1), min(1000, vocab), (batch, length), device=device)
     with torch.inference_mode(), inference_attention():
         for _ in range(2):
             model(ids, use_cache=False, logits_to_keep=1)
@@ -149,14 +196,69 @@ def same_replies(a: list, b: list) -> dict:
 
 
 def for_report(key: str, run: dict) -> dict:
-    """A run without its replies; the batches are kept for the static engine's warm call only."""
-    return {k: v for k, v in run.items() if k != "replies" and (k != "batches" or key == "static")}
+    """A run without its replies; the batches are kept for the static-cache engines' warm calls only."""
+    return {k: v for k, v in run.items() if k != "replies" and (k != "batches" or key in STATIC_CACHE_ENGINES)}
 
+
+# --- profiling one warm batch ----------------------------------------------------------------------
+
+def last_batch(responder, conversations: list) -> list:
+    """The conversations of the responder's last batch: the longest prompts it answered (it sorts them
+    shortest first). Its cache is still pooled and its shape compiled, so running it again is warm."""
+    rows = responder.batch_log[-1]["rows"]
+    lengths = prompt_lengths(responder.tokenizer, conversations)
+    usable = sorted((i for i, n in enumerate(lengths) if 0 < n < responder.max_prompt_tokens),
+                    key=lengths.__getitem__)
+    return [conversations[i] for i in usable[-rows:]]
+
+
+def profile_last_batch(responder, conversations: list, device: str) -> dict:
+    """torch.profiler over the warm call's last batch run again: its shape, wall and device seconds (in
+    total and per decoding step), and the top ops by device time and by CPU time."""
+    from torch.profiler import ProfilerActivity, profile
+
+    batch = last_batch(responder, conversations)
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.startswith("cuda") else [])
+    logged = len(responder.batch_log)
+    synchronize(device)
+    started = time.perf_counter()
+    with profile(activities=activities) as profiler:
+        responder(batch)
+        synchronize(device)
+    wall = time.perf_counter() - started
+    entry = responder.batch_log[logged]
+    device_s = device_busy_seconds(profiler.events())
+    steps = max(1, entry["steps"])
+    averages = profiler.key_averages()
+    return {"rows": entry["rows"], "width": entry["width"], "cache_width": entry["cache_width"],
+            "steps": entry["steps"], "wall_s": round(wall, 3), "device_s": round(device_s, 3),
+            "wall_ms_per_step": round(1000 * wall / steps, 3), "device_ms_per_step": round(1000 * device_s / steps, 3),
+            "top_by_device": top_ops(averages, "self_device_time_total"),
+            "top_by_cpu": top_ops(averages, "self_cpu_time_total")}
+
+
+def device_busy_seconds(events) -> float:
+    """Seconds the device ran kernels: the sum of the device-side events' durations (kernels and copies on
+    the device; none on a CPU run)."""
+    from torch.autograd import DeviceType
+
+    return sum(e.device_time_total for e in events if e.device_type == DeviceType.CUDA) / 1e6
+
+
+def top_ops(averages, attribute: str) -> list[dict]:
+    """The TOP_OPS profiler rows (grouped by name) with the most `attribute` time, in milliseconds."""
+    ranked = sorted(averages, key=lambda e: getattr(e, attribute), reverse=True)[:TOP_OPS]
+    return [{"op": e.key[:100], "calls": e.count, "self_device_ms": round(e.self_device_time_total / 1000, 3),
+             "self_cpu_ms": round(e.self_cpu_time_total / 1000, 3)}
+            for e in ranked if getattr(e, attribute) > 0]
+
+
+# --- the parts ---------------------------------------------------------------------------------------
 
 def bench_verifier(model, tokenizer, stop_ids, conversations, args, device, batch_size, continuous: int,
                    result: dict, save) -> dict:
     """The engines on one loaded model, the forward rate and the ratios, into `result` (saved after each).
-    The static engine's two calls go to one responder, as in stage 01: the warm call reuses its caches."""
+    A static-cache engine's two calls go to one responder, as in stage 01: the warm call reuses its caches."""
     def run(key: str, engine: str, prompts: list, responder=None) -> dict:
         done = timed_run(model, tokenizer, stop_ids, prompts, args, engine, batch_size, device, responder)
         result[key] = for_report(key, done)
@@ -164,50 +266,71 @@ def bench_verifier(model, tokenizer, stop_ids, conversations, args, device, batc
         save()
         return done
 
-    static = make_responder(model, tokenizer, stop_ids, args, "static", batch_size, device)
-    if args.static_only:
-        run("static_cold", "static", conversations, static)
-        run("static", "static", conversations, static)
-        return result
-    timed_run(model, tokenizer, stop_ids, conversations[:1], args, "generate", batch_size, device)  # warm-up
-    old = run("generate", "generate", conversations)
-    cold = run("static_cold", "static", conversations, static)
-    warm = run("static", "static", conversations, static)
-    result["static_vs_generate_replies"] = same_replies(old["replies"], warm["replies"])
-    if continuous:
+    engines = [e for e in args.engines if e in STATIC_CACHE_ENGINES or not args.static_only]
+    old = None
+    if "generate" in engines:
+        timed_run(model, tokenizer, stop_ids, conversations[:1], args, "generate", batch_size, device)  # warm-up
+        old = run("generate", "generate", conversations)
+    for engine in (e for e in STATIC_CACHE_ENGINES if e in engines):
+        responder = make_responder(model, tokenizer, stop_ids, args, engine, batch_size, device)
+        run(f"{engine}_cold", engine, conversations, responder)
+        warm = run(engine, engine, conversations, responder)
+        if old:
+            result[f"{engine}_vs_generate_replies"] = same_replies(old["replies"], warm["replies"])
+        if args.profile and responder.batch_log:
+            result[f"{engine}_profile"] = profile_last_batch(responder, conversations, device)
+            save()
+    if "continuous" in engines and continuous:
         try:
             cb = run("continuous", "continuous", conversations[:continuous])
-            result["continuous_vs_generate_replies"] = same_replies(old["replies"][:continuous], cb["replies"])
+            if old:
+                result["continuous_vs_generate_replies"] = same_replies(old["replies"][:continuous],
+                                                                        cb["replies"])
         except RuntimeError as err:  # reported, not fatal: the other engines' figures still stand
             result["continuous"] = None
             result["continuous_error"] = str(err)
+    if args.static_only:
+        return result
     result["forward_tokens_per_s"] = forward_rate(model, device, min(batch_size, 64), 512)
-    base = result["generate"]
-    result["ratios"] = {
-        "static_vs_generate_conversations_per_s": round(warm["conversations_per_s"] / base["conversations_per_s"], 2),
-        "static_cold_vs_generate_conversations_per_s":
-            round(cold["conversations_per_s"] / base["conversations_per_s"], 2),
-        "static_generated_tokens_per_s_vs_forward": round(warm["generated_tokens_per_s"]
-                                                          / result["forward_tokens_per_s"], 4),
-        "generate_generated_tokens_per_s_vs_forward": round(base["generated_tokens_per_s"]
-                                                            / result["forward_tokens_per_s"], 4),
-    }
-    if result.get("continuous"):
-        result["ratios"]["continuous_vs_generate_conversations_per_s"] = round(
-            result["continuous"]["conversations_per_s"] / base["conversations_per_s"], 2)
+    result["ratios"] = ratios(result)
+    save()
     return result
 
 
-def fp32_check(args, tokenizer, stop_ids, conversations, device) -> dict:
-    """Float32: "static" and "generate" replies, token for token (compared as decoded text of the same rows)."""
+def ratios(part: dict) -> dict:
+    """Each engine's conversations/s over generate's and loop's over static's (where both ran), and each
+    engine's generated tokens/s over the forward pass alone."""
+    found = {}
+    base = part.get("generate")
+    for key in RUN_KEYS[1:]:
+        if part.get(key) and base:
+            found[f"{key}_vs_generate_conversations_per_s"] = round(
+                part[key]["conversations_per_s"] / base["conversations_per_s"], 2)
+    if part.get("loop") and part.get("static"):
+        found["loop_vs_static_conversations_per_s"] = round(
+            part["loop"]["conversations_per_s"] / part["static"]["conversations_per_s"], 2)
+    for key in ("generate", *STATIC_CACHE_ENGINES):
+        if part.get(key):
+            found[f"{key}_generated_tokens_per_s_vs_forward"] = round(
+                part[key]["generated_tokens_per_s"] / part["forward_tokens_per_s"], 4)
+    return found
+
+
+def fp32_check(args, tokenizer, stop_ids, conversations, device, found: dict, save) -> dict:
+    """Float32: each static-cache engine's replies against "generate"'s, token for token (compared as decoded
+    text of the same rows), into `found` {engine: counts} (saved after each)."""
     from common.verifier.loading import load_verifier_model
 
     model = load_verifier_model(args.model_path, device, "float32")
     subset = conversations[:args.fp32_check_prompts]
     old = timed_run(model, tokenizer, stop_ids, subset, args, "generate", args.batch_size, device)
-    new = timed_run(model, tokenizer, stop_ids, subset, args, "static", args.batch_size, device)
+    for engine in (e for e in STATIC_CACHE_ENGINES if e in args.engines):
+        new = timed_run(model, tokenizer, stop_ids, subset, args, engine, args.batch_size, device)
+        found[engine] = same_replies(old["replies"], new["replies"])
+        print(json.dumps({f"fp32_{engine}_vs_generate": found[engine]}), flush=True)
+        save()
     del model
-    return same_replies(old["replies"], new["replies"])
+    return found
 
 
 def decode_bound_ms(config, params: int, batch: int, context: float, dtype_bytes: int = 2) -> float:
@@ -227,61 +350,115 @@ def bench_llama(args, tokenizer, stop_ids, conversations, device, result: dict, 
         model = LlamaForCausalLM(config).to(getattr(torch, args.dtype)).eval()
     params = sum(p.numel() for p in model.parameters())
     subset = conversations[:args.llama_prompts]
-    result = bench_verifier(model, tokenizer, stop_ids, subset, args, device, args.llama_batch_size, 0, result, save)
-    lengths = [len(tokenizer(tokenizer.apply_chat_template(c, tokenize=False, add_generation_prompt=True),
-                             add_special_tokens=False)["input_ids"]) for c in subset]
+    lengths = prompt_lengths(tokenizer, subset)
     context = sum(lengths) / len(lengths) + args.max_new_tokens / 2
-    steps = len(result["static"]["batches"]) * args.max_new_tokens
     result.update(shape=args.llama_shape, parameters=params,
-                  static_ms_per_step=round(1000 * result["static"]["elapsed_s"] / steps, 2),
                   bound_ms_per_step=decode_bound_ms(config, params, args.llama_batch_size, context))
+    result = bench_verifier(model, tokenizer, stop_ids, subset, args, device, args.llama_batch_size, 0, result, save)
+    for engine in STATIC_CACHE_ENGINES:
+        if result.get(engine):
+            steps = sum(b["steps"] for b in result[engine]["batches"])
+            result[f"{engine}_ms_per_step"] = round(1000 * result[engine]["elapsed_s"] / steps, 2)
     del model
     return result
+
+
+# --- the report --------------------------------------------------------------------------------------
+
+PARTS = ("verifier", "llama_8b_shaped")
 
 
 def markdown(report: dict) -> str:
     lines = [f"# Stage 01 regeneration engines ({report['device']}, transformers {report['transformers']}, "
              f"torch {report['torch']})", "",
-             f"{report['prompts']} ShareGPT first turns, {report['max_new_tokens']} new tokens, greedy.", "",
+             f"{report['prompts']} ShareGPT first turns, {report['max_new_tokens']} new tokens, greedy, "
+             f"{report['dtype']}. `_cold`: the first call (compiling on a GPU); the other static-cache rows: the "
+             "second call on the same responder.", "",
              "| verifier | engine | prompts | batch | s | conversations/s | generated tokens/s |",
              "| --- | --- | --- | --- | --- | --- | --- |"]
-    for name in ("verifier", "llama_8b_shaped"):
-        part = report.get(name)
-        if not part:
-            continue
-        for key in ("generate", "static_cold", "static", "continuous"):
+    for name in PARTS:
+        part = report.get(name) or {}
+        for key in RUN_KEYS:
             run = part.get(key)
             if run:
                 lines.append(f"| {name} | {key} | {run['prompts']} | {run['batch_size']} | {run['elapsed_s']} | "
                              f"{run['conversations_per_s']} | {run['generated_tokens_per_s']} |")
     lines.append("")
-    for name in ("verifier", "llama_8b_shaped"):
-        part = report.get(name)
-        if part and "ratios" in part:
-            lines.append(f"- {name}: forward only {part['forward_tokens_per_s']} tokens/s; ratios "
-                         f"{json.dumps(part['ratios'])}; static vs generate replies (same dtype) "
-                         f"{json.dumps(part['static_vs_generate_replies'])}")
-    if report.get("fp32_static_vs_generate"):
-        lines.append(f"- float32, static vs generate: {json.dumps(report['fp32_static_vs_generate'])}")
-    if report.get("llama_8b_shaped", {}).get("bound_ms_per_step") is not None:
-        part = report["llama_8b_shaped"]
-        lines.append(f"- 8B-shaped: {part['static_ms_per_step']} ms per decoding step, bound by HBM "
+    for name in PARTS:
+        lines += summary_lines(name, report.get(name) or {})
+    if report.get("fp32_vs_generate"):
+        lines.append("- float32 replies equal to generate's: " + ", ".join(
+            f"{engine} {c['equal']} of {c['compared']}" for engine, c in report["fp32_vs_generate"].items()))
+    part = report.get("llama_8b_shaped") or {}
+    steps = [f"{e} {part[f'{e}_ms_per_step']} ms" for e in STATIC_CACHE_ENGINES if f"{e}_ms_per_step" in part]
+    if steps:
+        lines.append(f"- 8B-shaped, per decoding step: {', '.join(steps)}; bound by HBM "
                      f"{part['bound_ms_per_step']} ms (weights + KV cache read once a step)")
-    for name in ("verifier", "llama_8b_shaped"):
-        lines += batch_table(name, report.get(name) or {})
+    for name in PARTS:
+        for engine in STATIC_CACHE_ENGINES:
+            lines += batch_table(name, engine, report.get(name) or {})
+            lines += profile_tables(name, engine, report.get(name) or {})
     return "\n".join(lines) + "\n"
 
 
-def batch_table(name: str, part: dict) -> list[str]:
-    """Markdown lines: the static engine's warm batches (none when it did not run)."""
-    batches = (part.get("static") or {}).get("batches")
+def summary_lines(name: str, part: dict) -> list[str]:
+    """Markdown bullets: the forward rate, the ratios, and the replies compared with generate's."""
+    lines = []
+    if "forward_tokens_per_s" in part:
+        lines.append(f"- {name}: forward pass alone {part['forward_tokens_per_s']} tokens/s")
+    if part.get("ratios"):
+        lines.append(f"- {name}, ratios: {ratio_text(part['ratios'])}")
+    same = [(key[:-len("_vs_generate_replies")], counts) for key, counts in part.items()
+            if key.endswith("_vs_generate_replies")]
+    if same:
+        lines.append(f"- {name}, replies equal to generate's (same dtype): " + ", ".join(
+            f"{engine} {c['equal']} of {c['compared']}" for engine, c in same))
+    return lines
+
+
+def ratio_text(found: dict) -> str:
+    """ratios()'s figures in words: over generate's conversations/s, loop over static, over the forward pass."""
+    over_generate, over_forward = "_vs_generate_conversations_per_s", "_generated_tokens_per_s_vs_forward"
+    parts = []
+    named = [f"{key[:-len(over_generate)]} {v}" for key, v in found.items() if key.endswith(over_generate)]
+    if named:
+        parts.append("conversations/s over generate's: " + ", ".join(named))
+    if "loop_vs_static_conversations_per_s" in found:
+        parts.append(f"loop over static {found['loop_vs_static_conversations_per_s']}")
+    named = [f"{key[:-len(over_forward)]} {v}" for key, v in found.items() if key.endswith(over_forward)]
+    if named:
+        parts.append("generated tokens/s over the forward pass's tokens/s: " + ", ".join(named))
+    return "; ".join(parts)
+
+
+def batch_table(name: str, engine: str, part: dict) -> list[str]:
+    """Markdown lines: an engine's warm batches (none when it did not run)."""
+    batches = (part.get(engine) or {}).get("batches")
     if not batches:
         return []
-    lines = ["", f"Static engine, warm call, {name}: each batch (seconds per step = seconds / new tokens, "
-                 "prefill included)", "",
-             "| rows | padded width | cache width | s | s per step |", "| --- | --- | --- | --- | --- |"]
-    lines += [f"| {b['rows']} | {b['width']} | {b['cache_width']} | {b['seconds']} | {b['s_per_step']} |"
-              for b in batches]
+    lines = ["", f"{engine}, warm call, {name}: each batch (steps: its forward passes, prefill included)", "",
+             "| rows | padded width | cache width | s | steps | s per step |", "| --- | --- | --- | --- | --- | --- |"]
+    lines += [f"| {b['rows']} | {b['width']} | {b['cache_width']} | {b['seconds']} | {b['steps']} | "
+              f"{b['s_per_step']} |" for b in batches]
+    return lines
+
+
+def profile_tables(name: str, engine: str, part: dict) -> list[str]:
+    """Markdown lines: an engine's profiled batch, its time and its top ops (none when not profiled)."""
+    found = part.get(f"{engine}_profile")
+    if not found:
+        return []
+    on_device = bool(found["top_by_device"])  # nothing ran on a device in a CPU run
+    device = (f"device busy {found['device_s']} s ({found['device_ms_per_step']} ms a step)" if on_device
+              else "no device time (a CPU run)")
+    lines = ["", f"{engine}, profile of the warm call's last batch run again, {name}: {found['rows']} rows, "
+                 f"width {found['width']}, cache {found['cache_width']}, {found['steps']} steps; wall "
+                 f"{found['wall_s']} s ({found['wall_ms_per_step']} ms a step, under the profiler), {device}"]
+    for title, rows in (("device", found["top_by_device"]), ("CPU", found["top_by_cpu"])):
+        if rows:
+            lines += ["", f"| op (top {TOP_OPS} by self {title} time) | calls | self device ms | self CPU ms |",
+                      "| --- | --- | --- | --- |"]
+            lines += [f"| `{r['op']}` | {r['calls']} | {r['self_device_ms']} | {r['self_cpu_ms']} |" for r in rows]
     return lines
 
 
@@ -295,14 +472,15 @@ def main(argv=None) -> int:
 
     args = parse_args(argv)
     args.out.mkdir(parents=True, exist_ok=True)
+    log_compile_hints()
     device = pick_device(args.device)
-    tokenizer = load_tokenizer(args.model_path)
+    tokenizer = load_tokenizer(args.model_path, chat_template=args.chat_template)
     stop_ids = end_of_turn_ids(tokenizer, resolve_model_path(args.model_path)[0])
     conversations = first_turns(args.data, args.num_prompts)
     report = {"device": torch.cuda.get_device_name(0) if device.startswith("cuda") else device,
               "transformers": transformers.__version__, "torch": torch.__version__, "model_path": args.model_path,
               "data": args.data, "prompts": len(conversations), "max_new_tokens": args.max_new_tokens,
-              "dtype": args.dtype}
+              "dtype": args.dtype, "engines": list(args.engines)}
 
     def save() -> None:
         write_json_atomic(args.out / "bench_regenerate.json", report)
@@ -313,15 +491,13 @@ def main(argv=None) -> int:
     bench_verifier(model, tokenizer, stop_ids, conversations, args, device, args.batch_size,
                    args.continuous_prompts, report["verifier"], save)
     del model
-    save()
     if args.static_only:
         print(markdown(report), flush=True)
         return 0
     print(json.dumps({"verifier_ratios": report["verifier"]["ratios"]}), flush=True)
     if args.fp32_check_prompts:
-        report["fp32_static_vs_generate"] = fp32_check(args, tokenizer, stop_ids, conversations, device)
-        print(json.dumps({"fp32_static_vs_generate": report["fp32_static_vs_generate"]}), flush=True)
-        save()
+        report["fp32_vs_generate"] = {}
+        fp32_check(args, tokenizer, stop_ids, conversations, device, report["fp32_vs_generate"], save)
     if args.llama_prompts:
         if device.startswith("cuda"):
             torch.cuda.empty_cache()

@@ -1,6 +1,7 @@
 """Stage 01's regeneration engines (common.data.responders.HFResponder, --regenerate-engine): static-cache
-`generate` and transformers' continuous batching give, greedily in float32, the same replies token for token
-as plain `generate` (the first engine), on stories260K and SmolLM2; several sampled replies per prompt."""
+`generate`, our own decoding loop (common.data.decode_loop) and transformers' continuous batching give,
+greedily in float32, the same replies token for token as plain `generate` (the first engine), on stories260K
+and SmolLM2; the loop's sampling, early stop and cache reuse; several sampled replies per prompt."""
 from __future__ import annotations
 
 import pytest
@@ -49,10 +50,11 @@ def test_engines_agree_token_for_token_on_stories260k(stories260k):
     tokenizer = load_tokenizer(str(stories260k))
     tokenizer.chat_template = STORIES_TEMPLATE
     conversations = [[{"role": "user", "content": text}] for text in PROMPTS]
-    found = replies_by_engine(stories260k, tokenizer, conversations, 24, ("generate", "static", "continuous"))
+    found = replies_by_engine(stories260k, tokenizer, conversations, 24,
+                              ("generate", "static", "loop", "continuous"))
     reference = found["generate"]
     assert len(set(reference[0])) >= 4 and all(reference[0])
-    for engine in ("static", "continuous"):
+    for engine in ("static", "loop", "continuous"):
         assert found[engine][1] == reference[1], engine
         assert found[engine][0] == reference[0] and found[engine][2] == reference[2], engine
 
@@ -64,10 +66,10 @@ def test_engines_agree_token_for_token_on_smollm2(smollm2):
     conversations = [[{"role": "user", "content": text}] for text in
                      ["What is the capital of France?", "Write a haiku about rain.", "Say hi.",
                       "List three colours and explain why the sky looks blue during the day."]]
-    found = replies_by_engine(smollm2, tokenizer, conversations, 16, ("generate", "static", "continuous"))
+    found = replies_by_engine(smollm2, tokenizer, conversations, 16, ("generate", "static", "loop", "continuous"))
     reference = found["generate"]
     assert all(reference[0]) and len(set(reference[0])) == 4
-    for engine in ("static", "continuous"):
+    for engine in ("static", "loop", "continuous"):
         assert found[engine][1] == reference[1], engine
 
 
@@ -87,10 +89,12 @@ def test_static_batches_follow_the_token_budget():
     assert static_rows(384, 256, 256) == 153
 
 
-def test_static_engine_sizes_each_cache_to_its_batch_and_reuses_it(stories260k):
-    """"static" on prompts of three widths, called twice: each batch decodes with a cache as wide as its own
-    padded prompts plus the new tokens (not the widest seen before), takes the rows its width's budget allows,
-    and the second call reuses the pooled caches; replies equal plain `generate`'s token for token."""
+@pytest.mark.parametrize("engine", ["static", "loop"])
+def test_static_cache_engines_size_each_cache_to_its_batch_and_reuse_it(stories260k, engine):
+    """"static" and "loop" on prompts of three widths, called twice: each batch decodes with a cache as wide as
+    its own padded prompts plus the new tokens (not the widest seen before), takes the rows its width's budget
+    allows, and the second call reuses the pooled caches, reset in place (same tensor addresses, as CUDA
+    graphs need); replies equal plain `generate`'s token for token."""
     from common.data.responders import HFResponder, static_rows
     from common.verifier.loading import load_tokenizer, load_verifier_model
 
@@ -110,12 +114,13 @@ def test_static_engine_sizes_each_cache_to_its_batch_and_reuses_it(stories260k):
         recorder = RowRecorder(responder)
         responder(first)
         calls = [list(recorder.rows)]
+        addresses = {key: cache.layers[0].keys.data_ptr() for key, cache in responder.caches.held("cpu").items()}
         responder(second)
         calls.append(recorder.rows[len(calls[0]):])
-        return responder, calls
+        return responder, calls, addresses
 
-    _, expected = rows_of("generate")
-    static, found = rows_of("static")
+    _, expected, _ = rows_of("generate")
+    static, found, addresses = rows_of(engine)
     assert found == expected
     shapes = [(batch["rows"], batch["width"]) for batch in static.batch_log]
     assert shapes == [(4, 128), (2, 128), (2, 256), (1, 384), (1, 384), (2, 256), (1, 384)]
@@ -126,8 +131,98 @@ def test_static_engine_sizes_each_cache_to_its_batch_and_reuses_it(stories260k):
     assert static.caches.created == 4  # the second call made none
     held = static.caches.held("cpu")
     assert list(held) == [(2, 256 + new_tokens), (1, 384 + new_tokens)]
-    for (rows, width), cache in held.items():  # generate decoded with these caches, at these shapes
+    for (rows, width), cache in held.items():  # the engine decoded with these caches, at these shapes
         assert cache.layers[0].keys.shape[0] == rows and cache.layers[0].keys.shape[2] == width
+    assert {key: cache.layers[0].keys.data_ptr() for key, cache in held.items()} == addresses
+
+
+# --- the "loop" engine: sampling and early stopping --------------------------------------------------
+
+def stories_responder(stories260k, engine, stop_ids=None, max_new_tokens=24, temperature=0.0, seed=0):
+    """An HFResponder on stories260K (float32, CPU, batches of 4) and the loaded model."""
+    from common.data.responders import HFResponder
+    from common.verifier.loading import load_tokenizer, load_verifier_model
+
+    tokenizer = load_tokenizer(str(stories260k))
+    tokenizer.chat_template = STORIES_TEMPLATE
+    model = load_verifier_model(str(stories260k), "cpu", "float32")
+    stop_ids = {tokenizer.eos_token_id} if stop_ids is None else stop_ids
+    responder = HFResponder(lambda _device: model, tokenizer, stop_ids, max_new_tokens, temperature, 4, 512,
+                            seed=seed, engine=engine)
+    return responder, model
+
+
+def test_loop_samples_are_reproducible_for_a_seed(stories260k):
+    """At temperature 0.7, "loop" replies are the same for one seed and differ for another; they are also
+    generate's samples for that seed (softmax(logits / T) and one multinomial draw a step from the same
+    seeded generator), and not the greedy replies."""
+    conversations = [[{"role": "user", "content": text}] for text in PROMPTS]
+
+    def sampled(engine, seed, temperature=0.7):
+        responder, _ = stories_responder(stories260k, engine, temperature=temperature, seed=seed)
+        return responder(conversations)
+
+    first = sampled("loop", 0)
+    assert sampled("loop", 0) == first
+    other = sampled("loop", 1)
+    assert sum(a != b for a, b in zip(first, other)) >= len(PROMPTS) // 2
+    assert first == sampled("generate", 0)
+    assert first != sampled("loop", 0, temperature=0.0)
+
+
+def test_loop_stops_once_every_row_has_stopped(stories260k):
+    """When every row has produced a stop id within its first two tokens, the loop ends its batch at the first
+    check (CHECK_EVERY tokens: the prefill's and CHECK_EVERY - 1 decoding forwards), not after all
+    `max_new_tokens`; a row that has stopped produces pads; replies equal `generate`'s with the same stop
+    ids."""
+    from common.data.decode_loop import CHECK_EVERY
+
+    conversations = [[{"role": "user", "content": text}] for text in PROMPTS]
+    reference, _ = stories_responder(stories260k, "generate", max_new_tokens=2)
+    recorder = RowRecorder(reference)
+    reference(conversations)
+    stop_ids = {row[1] for row in recorder.rows}  # each row's second greedy token (none stopped earlier)
+    assert all(len(row) == 2 for row in recorder.rows)
+
+    loop, model = stories_responder(stories260k, "loop", stop_ids, max_new_tokens=3 * CHECK_EVERY)
+    raw_rows, decode = [], loop._decode
+    loop._decode = lambda row: raw_rows.append(row) or decode(row)
+    forwards = []
+    hook = model.register_forward_hook(lambda *_: forwards.append(1))
+    try:
+        replies = loop(conversations)
+    finally:
+        hook.remove()
+    assert len(loop.batch_log) == 2 and loop.hit_max_new_tokens == 0
+    assert len(forwards) == CHECK_EVERY * len(loop.batch_log)
+    assert [batch["steps"] for batch in loop.batch_log] == [CHECK_EVERY, CHECK_EVERY]
+    for row in raw_rows:
+        stop = next(i for i, token in enumerate(row) if token in stop_ids)
+        assert len(row) == CHECK_EVERY and stop < 2 and set(row[stop + 1:]) == {loop.pad_id}
+    expected, _ = stories_responder(stories260k, "generate", stop_ids, max_new_tokens=3 * CHECK_EVERY)
+    assert replies == expected(conversations)
+
+
+def test_loop_decoding_step_compiles_to_one_graph_per_batch_shape(stories260k, monkeypatch):
+    """The loop's decoding forward, compiled as on a GPU but with a recording backend and fullgraph=True (a
+    graph break raises): one graph per batch shape (two here), and the replies of eager `generate`."""
+    from common.data import decode_loop
+    from common.verifier.loading import load_tokenizer
+
+    graphs = []
+
+    def recording_backend(graph, _inputs):
+        graphs.append(graph)
+        return graph.forward
+
+    options = {"backend": recording_backend, "fullgraph": True, "dynamic": False}
+    monkeypatch.setattr(decode_loop, "decoding_forward", lambda model: decode_loop.compiled_forward(model, options))
+    tokenizer = load_tokenizer(str(stories260k))
+    tokenizer.chat_template = STORIES_TEMPLATE
+    conversations = [[{"role": "user", "content": text}] for text in PROMPTS]
+    found = replies_by_engine(stories260k, tokenizer, conversations, 12, ("generate", "loop"))
+    assert found["loop"][1] == found["generate"][1]
+    assert len(graphs) == 2  # batches of 4 and 2 rows
 
 
 # --- stage 01: several replies per prompt, resume after a kill ---------------------------------------

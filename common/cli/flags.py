@@ -130,9 +130,11 @@ _ALL_FLAGS: list[Flag] = [
          "generate with a static KV cache (compiled by transformers on a GPU; the fastest measured on an H200 "
          "without flash-attn, 3x generate); continuous = transformers' continuous batching (generate_batch, a "
          "paged cache; fast only with flash attention installed); generate = plain batched generate (the first "
-         "engine, the fallback, and the faster one on a CPU); auto = static on a GPU, generate on a CPU. Greedy "
-         "float32 replies are the same token for token (docs/data.md).",
-         choices=("auto", "static", "continuous", "generate"), default="auto"),
+         "engine, the fallback, and the faster one on a CPU); loop = our own decoding loop over the static caches, "
+         "without generate (CUDA graphs on a GPU, a host check for finished rows every 16 steps; not measured on "
+         "a GPU yet); auto = static on a GPU, generate on a CPU (auto does not pick loop until it is measured). "
+         "Greedy float32 replies are the same token for token (docs/data.md).",
+         choices=("auto", "static", "loop", "continuous", "generate"), default="auto"),
     Flag("--replies-per-prompt", "With --regenerate: sample this many replies per training conversation "
          "(needs --temperature > 0); each becomes its own training sample with its own id (ID, ID#reply1, "
          "...). Eval conversations keep one reply, and never share a prompt with training.",

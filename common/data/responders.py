@@ -28,8 +28,10 @@ from common.verifier.loading import inference_attention
 # How HFResponder runs the verifier (docs/data.md, "Regeneration engines"): "static" = `generate` with a
 # static KV cache, which transformers compiles on a GPU, decoding with common.verifier.decode_attention;
 # "continuous" = transformers' continuous batching (`generate_batch`, a paged cache); "generate" = plain
-# batched `generate` with a dynamic cache (the first engine, kept as the reference and the fallback).
-ENGINES = ("static", "continuous", "generate")
+# batched `generate` with a dynamic cache (the first engine, kept as the reference and the fallback);
+# "loop" = our own decoding loop over the same pooled static caches, without `generate`
+# (common.data.decode_loop; not measured on a GPU yet, so "auto" does not pick it).
+ENGINES = ("static", "loop", "continuous", "generate")
 DEFAULT_ENGINE = "auto"  # static on a GPU; generate on a CPU, where the static cache is slower (docs/data.md)
 
 
@@ -40,7 +42,7 @@ def resolve_engine(engine: str, devices: Sequence[str]) -> str:
     return "static" if any(str(device).startswith("cuda") for device in devices) else "generate"
 
 
-# --- the "static" engine's batches and caches ---------------------------------------------------------
+# --- the "static" and "loop" engines' batches and caches ---------------------------------------------
 
 # Static-cache prompts are left-padded to a multiple of this, so batches share a few compiled shapes.
 STATIC_WIDTH_STEP = 128
@@ -176,11 +178,13 @@ class HFResponder:
     by its own thread: `generate` on a small verifier waits mostly on its GPU, so the copies overlap.
     With the "continuous" engine a call's prompts are split evenly over the copies instead of into
     `batch_size` chunks: the library schedules them itself, requests joining as others finish. With
-    "static", `batch_size` is the rows of a batch of the shortest prompts and wider batches take fewer
-    (static_batches), each decoding with a pooled cache of its own width (StaticCachePool).
+    "static" and "loop", `batch_size` is the rows of a batch of the shortest prompts and wider batches take
+    fewer (static_batches), each decoding with a pooled cache of its own width (StaticCachePool).
 
     `batch_log` gets one entry per batch run: engine, rows, padded width, cache width (None for
-    "continuous", whose paged cache the library sizes) and seconds.
+    "continuous", whose paged cache the library sizes), seconds and steps (tokens in the longest row: the
+    forward passes of a padded batch, prefill included, fewer than max_new_tokens when every row stopped
+    early).
     """
 
     def __init__(self, load_model: Callable[[str], Any], tokenizer, stop_ids: set[int], max_new_tokens: int,
@@ -207,6 +211,11 @@ class HFResponder:
         # Any id works for padding (padded positions are masked out); left padding is done by hand.
         self.pad_id = next(i for i in (tokenizer.pad_token_id, tokenizer.eos_token_id, min(stop_ids, default=0))
                            if i is not None)
+
+    @property
+    def uses_static_cache(self) -> bool:
+        """"static" and "loop": batches packed by a token budget, each with a pooled StaticCache."""
+        return self.engine in ("static", "loop")
 
     def _ensure_models(self) -> list[Any]:
         if not self.models:
@@ -237,9 +246,9 @@ class HFResponder:
         return replies
 
     def _batches(self, lengths: list[int]) -> list[list[int]]:
-        """Indices into `lengths` (sorted shortest first) of each batch: "static" packs by its token budget,
-        "generate" takes `batch_size` prompts, "continuous" one equal share per verifier copy."""
-        if self.engine == "static":
+        """Indices into `lengths` (sorted shortest first) of each batch: "static" and "loop" pack by their
+        token budget, "generate" takes `batch_size` prompts, "continuous" one equal share per verifier copy."""
+        if self.uses_static_cache:
             return static_batches(lengths, self.batch_size, self.max_new_tokens)
         size = self.batch_size if self.engine == "generate" else max(1, -(-len(lengths) // len(self.devices)))
         return [list(range(start, min(start + size, len(lengths)))) for start in range(0, len(lengths), size)]
@@ -281,16 +290,18 @@ class HFResponder:
         started = synchronized_clock(device)
         rows = self._run_batch(model, prompts, device, width, cache_width)
         self.batch_log.append({"engine": self.engine, "rows": len(prompts), "width": width,
-                               "cache_width": cache_width, "seconds": synchronized_clock(device) - started})
+                               "cache_width": cache_width, "seconds": synchronized_clock(device) - started,
+                               "steps": max(len(row) for row in rows)})
         return rows
 
     def _widths(self, prompts: list[list[int]]) -> tuple[int, int | None]:
         """The batch's padded prompt width and the positions its KV cache holds (None: the library's paged
-        cache). "static" pads to a multiple of STATIC_WIDTH_STEP so compiled decoding steps are reused."""
+        cache). "static" and "loop" pad to a multiple of STATIC_WIDTH_STEP so compiled decoding steps are
+        reused."""
         longest = max(len(p) for p in prompts)
         if self.engine == "continuous":
             return longest, None
-        width = static_width(longest) if self.engine == "static" else longest
+        width = static_width(longest) if self.uses_static_cache else longest
         return width, width + self.max_new_tokens
 
     def _run_batch(self, model, prompts: list[list[int]], device, width: int, cache_width: int | None):
@@ -304,14 +315,16 @@ class HFResponder:
             with on_gpu, inference_attention():
                 return self._generate_continuous(model, prompts, device)
         with on_gpu, torch.inference_mode(), inference_attention():
+            if self.engine == "loop":
+                return self._generate_loop(model, prompts, device, width, cache_width)
             return self._generate_padded(model, prompts, device, width, cache_width)
 
     def _set_attention(self, model) -> None:
-        """"static" decodes with common.verifier.decode_attention (no K/V copies for grouped heads); the other
-        engines with transformers' own SDPA (a model shared between engines is switched back)."""
+        """"static" and "loop" decode with common.verifier.decode_attention (no K/V copies for grouped heads);
+        the other engines with transformers' own SDPA (a model shared between engines is switched back)."""
         from common.verifier.decode_attention import NAME, use_gqa_decode_attention
 
-        if self.engine == "static":
+        if self.uses_static_cache:
             use_gqa_decode_attention(model)
         elif getattr(model.config, "_attn_implementation", None) == NAME:
             model.set_attn_implementation("sdpa")
@@ -322,11 +335,7 @@ class HFResponder:
         `cache_width` positions, "generate" with the dynamic cache generate makes. generate compiles its
         decoding step on a GPU for a cache it is given as for one it makes: its test
         (`_valid_auto_compile_criteria`) asks only for a compileable cache on a GPU."""
-        import torch
-
-        pad = self.pad_id
-        input_ids = torch.tensor([[pad] * (width - len(p)) + p for p in prompts], device=device)
-        attention = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts], device=device)
+        input_ids, attention = self._left_padded(prompts, device, width)
         static = self.engine == "static"
         lent = self.caches.lend(model, device, len(prompts), cache_width) if static else nullcontext()
         with lent as cache:
@@ -334,6 +343,26 @@ class HFResponder:
             output = model.generate(input_ids=input_ids, attention_mask=attention,
                                     generation_config=self._config(), **given)
         return output[:, width:].tolist()
+
+    def _generate_loop(self, model, prompts: list[list[int]], device, width: int,
+                       cache_width: int) -> list[list[int]]:
+        """One batch left-padded to `width` through common.data.decode_loop, with a pooled StaticCache of
+        `cache_width` positions."""
+        from common.data.decode_loop import decode
+
+        input_ids, attention = self._left_padded(prompts, device, width)
+        with self.caches.lend(model, device, len(prompts), cache_width) as cache:
+            return decode(model, cache, input_ids, attention, cache_width, self.max_new_tokens, self.stop_ids,
+                          self.pad_id, self.temperature)
+
+    def _left_padded(self, prompts: list[list[int]], device, width: int):
+        """The prompts left-padded to `width` with the pad id, and their attention mask (0 on pads)."""
+        import torch
+
+        pad = self.pad_id
+        input_ids = torch.tensor([[pad] * (width - len(p)) + p for p in prompts], device=device)
+        attention = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts], device=device)
+        return input_ids, attention
 
     def _generate_continuous(self, model, prompts: list[list[int]], device) -> list[list[int]]:
         """All prompts through transformers' continuous batching; rows in the prompts' order."""

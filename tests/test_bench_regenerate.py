@@ -1,0 +1,69 @@
+"""scripts/bench_regenerate.py on a CPU: stories260K and a tiny Llama, every engine part but continuous batching,
+with --profile; and a run of one engine alone (--static-only --engines loop)."""
+from __future__ import annotations
+
+import json
+
+from conftest import ASSETS, run_script
+
+STARTS = ["Once upon a time", "The dog ran to the", "Lily and Tom went to the park and saw", "A big red",
+          "One day, a little girl named Sue found a shiny stone in the garden. She", "Sam had a toy",
+          "The cat sat on the", "Tom saw a big", "A little bird sang", "Mom made a cake for"]
+NEW_TOKENS = 8
+
+
+def sharegpt_file(path):
+    """ShareGPT JSON: short first turns, and every fourth long (over 128 tokens: a second padded width)."""
+    story = " ".join(STARTS)
+    rows = [{"id": f"c{i}", "conversations": [{"from": "human", "value": f"{s} {story} {story}" if i % 4 == 0 else s},
+                                               {"from": "gpt", "value": "ok"}]}
+            for i, s in enumerate(STARTS)]
+    path.write_text(json.dumps(rows))
+    return path
+
+
+def bench(tmp_path, stories260k, out_name, *extra):
+    out = tmp_path / out_name
+    done = run_script("scripts/bench_regenerate.py", "--model-path", str(stories260k),
+                      "--chat-template", str(ASSETS / "stories260K_chat.jinja"),
+                      "--data", str(sharegpt_file(tmp_path / "sharegpt.json")), "--out", str(out),
+                      "--device", "cpu", "--dtype", "float32", "--max-new-tokens", str(NEW_TOKENS),
+                      "--batch-size", "4", *extra, env={"OMP_NUM_THREADS": "1"})
+    assert done.returncode == 0, done.stderr[-3000:]
+    return json.loads((out / "bench_regenerate.json").read_text()), (out / "bench_regenerate.md").read_text()
+
+
+def test_bench_measures_loop_beside_static_and_profiles_them(tmp_path, stories260k):
+    """Both static-cache engines run cold then warm, their float32 greedy replies equal generate's in each
+    part and in the float32 check, their warm batches cover every prompt, the 8B-shaped part (tiny here)
+    times a step of each, and --profile records the last warm batch's shape and its top CPU ops."""
+    report, text = bench(tmp_path, stories260k, "all", "--continuous-prompts", "0", "--fp32-check-prompts", "10",
+                         "--llama-shape", "tiny", "--llama-prompts", "6", "--llama-batch-size", "2", "--profile")
+    for name, prompts in (("verifier", len(STARTS)), ("llama_8b_shaped", 6)):
+        part = report[name]
+        assert "continuous" not in part and part["generate"]["answered"] == prompts
+        for engine in ("static", "loop"):
+            assert part[f"{engine}_cold"]["answered"] == part[engine]["answered"] == prompts
+            assert part[f"{engine}_vs_generate_replies"] == {"compared": prompts, "equal": prompts}
+            batches = part[engine]["batches"]
+            assert sum(b["rows"] for b in batches) == prompts and len({b["width"] for b in batches}) == 2
+            assert all(1 <= b["steps"] <= NEW_TOKENS and b["cache_width"] == b["width"] + NEW_TOKENS
+                       for b in batches)
+            profiled = part[f"{engine}_profile"]
+            assert (profiled["rows"], profiled["width"]) == (batches[-1]["rows"], batches[-1]["width"])
+            assert profiled["top_by_cpu"] and profiled["top_by_device"] == [] and profiled["wall_s"] > 0
+            assert f"| {name} | {engine} |" in text and f"| {name} | {engine}_cold |" in text
+            assert f"{engine}, warm call, {name}" in text and f"{engine}, profile of the warm call" in text
+        assert "loop_vs_static_conversations_per_s" in part["ratios"]
+    assert report["fp32_vs_generate"] == {engine: {"compared": 10, "equal": 10} for engine in ("static", "loop")}
+    assert report["llama_8b_shaped"]["loop_ms_per_step"] > 0 and report["llama_8b_shaped"]["static_ms_per_step"] > 0
+    assert "float32 replies equal to generate's: static 10 of 10, loop 10 of 10" in text
+
+
+def test_bench_runs_one_engine_alone(tmp_path, stories260k):
+    """--static-only --engines loop: the loop's two calls and nothing else (no other engine, forward rate,
+    float32 check or 8B-shaped part)."""
+    report, text = bench(tmp_path, stories260k, "loop", "--static-only", "--engines", "loop")
+    assert set(report["verifier"]) == {"loop_cold", "loop"}
+    assert "fp32_vs_generate" not in report and "llama_8b_shaped" not in report
+    assert "| verifier | loop |" in text and "| verifier | static |" not in text
