@@ -27,10 +27,10 @@ One run, the same prompts (the first user turns of a ShareGPT JSON / JSONL file)
 (why CUDA graphs were skipped or re-recorded, why a step was recompiled) go to the log.
 
 Writes OUT/bench_regenerate.json and OUT/bench_regenerate.md after every measurement (a run stopped early
-keeps what it measured) and prints the ratios. On one H200 with the defaults, before "loop" was added:
-about 4 minutes for part 1 (measured before the token budget and the cache pool: generate 44 s, static
-90 s cold and 15 s warm, continuous about 20 s, the float32 check) and 2 to 3 for part 2 (compiling the
-8B-shaped model is most of it):
+keeps what it measured) and prints the ratios. On one H200 with the defaults, before "loop" was added
+(2026-12-02): part 1 took 5 minutes (generate 45 s, static 123 s cold and 10 s warm, continuous 19 s, the
+float32 check); part 2's generate took 63 s, and its static engine was still compiling 3 minutes later
+when the run was stopped, so budget 6 minutes or more for part 2, or leave it out (--llama-prompts 0):
 
   python scripts/bench_regenerate.py --model-path /path/smollm2-dense --data sharegpt.jsonl --out results/
 """
@@ -38,6 +38,8 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
+import statistics
 import sys
 import time
 from itertools import islice
@@ -191,8 +193,25 @@ def forward_rate(model, device: str, batch: int, length: int) -> float:
 
 
 def same_replies(a: list, b: list) -> dict:
+    """How many replies are identical and, for the others, where they part: the share of the longer reply
+    (in characters) the two have in common before the first difference. A wrong cache or mask parts them
+    at once, in most replies; a near tie that bf16 rounding flips parts them somewhere along the way."""
     pairs = [(x, y) for x, y in zip(a, b) if x is not None and y is not None]
-    return {"compared": len(pairs), "equal": sum(x == y for x, y in pairs)}
+    shares = sorted(len(os.path.commonprefix([x, y])) / max(len(x), len(y)) for x, y in pairs if x != y)
+    found = {"compared": len(pairs), "equal": len(pairs) - len(shares)}
+    if shares:
+        found.update(differing_shared_prefix_median=round(statistics.median(shares), 3),
+                     differing_within_first_5_percent=sum(share < 0.05 for share in shares))
+    return found
+
+
+def agreement_text(engine: str, counts: dict) -> str:
+    """One engine's reply comparison in words."""
+    text = f"{engine} {counts['equal']} of {counts['compared']}"
+    if "differing_shared_prefix_median" in counts:
+        text += (f" (the others share a median {100 * counts['differing_shared_prefix_median']:.0f} % of their "
+                 f"text before they part; {counts['differing_within_first_5_percent']} part within the first 5 %)")
+    return text
 
 
 def for_report(key: str, run: dict) -> dict:
@@ -388,7 +407,7 @@ def markdown(report: dict) -> str:
         lines += summary_lines(name, report.get(name) or {})
     if report.get("fp32_vs_generate"):
         lines.append("- float32 replies equal to generate's: " + ", ".join(
-            f"{engine} {c['equal']} of {c['compared']}" for engine, c in report["fp32_vs_generate"].items()))
+            agreement_text(engine, c) for engine, c in report["fp32_vs_generate"].items()))
     part = report.get("llama_8b_shaped") or {}
     steps = [f"{e} {part[f'{e}_ms_per_step']} ms" for e in STATIC_CACHE_ENGINES if f"{e}_ms_per_step" in part]
     if steps:
@@ -412,7 +431,7 @@ def summary_lines(name: str, part: dict) -> list[str]:
             if key.endswith("_vs_generate_replies")]
     if same:
         lines.append(f"- {name}, replies equal to generate's (same dtype): " + ", ".join(
-            f"{engine} {c['equal']} of {c['compared']}" for engine, c in same))
+            agreement_text(engine, c) for engine, c in same))
     return lines
 
 

@@ -67,3 +67,21 @@ def test_bench_runs_one_engine_alone(tmp_path, stories260k):
     assert set(report["verifier"]) == {"loop_cold", "loop"}
     assert "fp32_vs_generate" not in report and "llama_8b_shaped" not in report
     assert "| verifier | loop |" in text and "| verifier | static |" not in text
+
+
+def test_differing_replies_say_where_they_part():
+    """The comparison of two engines' replies counts the identical ones and, for the others, how much text
+    they share before they part (a bug parts them at once; a flipped near tie somewhere along)."""
+    import importlib.util
+
+    from conftest import REPO
+
+    spec = importlib.util.spec_from_file_location("bench_regenerate", REPO / "scripts" / "bench_regenerate.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    found = module.same_replies(["abcdefghij", "same", "xyz", None], ["abcdeXXXXX", "same", "qrs", "unpaired"])
+    assert found == {"compared": 3, "equal": 1, "differing_shared_prefix_median": 0.25,
+                     "differing_within_first_5_percent": 1}
+    assert module.agreement_text("loop", found) == ("loop 1 of 3 (the others share a median 25 % of their text "
+                                                   "before they part; 1 part within the first 5 %)")
+    assert module.same_replies(["a"], ["a"]) == {"compared": 1, "equal": 1}

@@ -128,7 +128,7 @@ _ALL_FLAGS: list[Flag] = [
          "--model-path in-process; the tokenizer still comes from --model-path.", metavar="URL"),
     Flag("--regenerate-engine", "How the in-process verifier generates with --regenerate: static = transformers' "
          "generate with a static KV cache (compiled by transformers on a GPU; the fastest measured on an H200 "
-         "without flash-attn, 3x generate); continuous = transformers' continuous batching (generate_batch, a "
+         "without flash-attn, 4.5x generate); continuous = transformers' continuous batching (generate_batch, a "
          "paged cache; fast only with flash attention installed); generate = plain batched generate (the first "
          "engine, the fallback, and the faster one on a CPU); loop = our own decoding loop over the static caches, "
          "without generate (CUDA graphs on a GPU, a host check for finished rows every 16 steps; not measured on "
