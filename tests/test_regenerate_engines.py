@@ -77,7 +77,7 @@ def test_static_batches_follow_the_token_budget():
     """A "static" batch padded to width W takes floor(batch_size x (128 + new) / (W + new)) rows: with 4 rows
     and 128 new tokens, 4 rows at width 128, 2 at 256 and at 384 (exactly the budget), 1 at 512 and wider;
     prompts are packed in order, a batch closing when the next prompt would overfill it at its width."""
-    from common.data.responders import static_batches, static_rows
+    from common.data.static_cache import static_batches, static_rows
 
     lengths = [5, 100, 128, 129, 200, 256, 257, 300, 384, 385, 512, 600]
     assert static_batches(lengths, 4, 128) == [[0, 1, 2], [3, 4], [5, 6], [7, 8], [9], [10], [11]]
@@ -95,7 +95,8 @@ def test_static_cache_engines_size_each_cache_to_its_batch_and_reuse_it(stories2
     its own padded prompts plus the new tokens (not the widest seen before), takes the rows its width's budget
     allows, and the second call reuses the pooled caches, reset in place (same tensor addresses, as CUDA
     graphs need); replies equal plain `generate`'s token for token."""
-    from common.data.responders import HFResponder, static_rows
+    from common.data.responders import HFResponder
+    from common.data.static_cache import static_rows
     from common.verifier.loading import load_tokenizer, load_verifier_model
 
     tokenizer = load_tokenizer(str(stories260k))

@@ -168,7 +168,7 @@ def test_compare_recipes_prints_the_side_by_side_table(run_dir, trained, stories
     done = run_script("scripts/compare_recipes.py", "--run-dir", str(run_dir), "--model-path", str(stories260k),
                       "--mt-bench", str(prompts), "--heldout", str(prompts), "--output-dir", str(out), "--parts",
                       "bench", "table", "--device", "cpu", "--dtype", "float32", "--max-new-tokens", "8",
-                      "--num-prompts", "2", "--jobs", "2", env=ONE_THREAD)
+                      "--num-prompts", "2", "--jobs", "2", "--decode-workers", "2", env=ONE_THREAD)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     # 4 tau runs + 2 teacher-forced, two at a time (--jobs 2: their output interleaves, so count, not lines)
     assert done.stdout.count(" 05_benchmark.py --mode ") == 6
@@ -189,7 +189,8 @@ def test_compare_recipes_prints_the_side_by_side_table(run_dir, trained, stories
     # Stage 05 ran with the chain setting on every (drafter, set): four result folders.
     settings = [json.loads(next(p.glob("bench_offline_*tau*.json")).read_text())["settings"]
                 for p in sorted(out.glob("*_*")) if p.is_dir() and not p.name.endswith("_validation")]
-    assert len(settings) == 4 and all((s["num_steps"], s["topk"], s["temperature"]) == (3, 1, 0.0) for s in settings)
+    assert len(settings) == 4 and all((s["num_steps"], s["topk"], s["temperature"], s["decode_workers"]) ==
+                                      (3, 1, 0.0, 2) for s in settings)  # --decode-workers passed through
     # Teacher-forced on our validation split, both drafters on the same held-out samples (the recipe put our
     # val_split.json beside its drafter).
     evals = {name: json.loads(next((out / f"{name}_validation").glob("bench_eval_*.json")).read_text())

@@ -17,8 +17,7 @@ passed: a reset cache starts at 0 and each forward advances it by its query leng
 """
 from __future__ import annotations
 
-import functools
-import inspect
+from common.data.static_cache import forward_cache_keyword
 
 # Steps between the host's checks that every row has stopped: each check waits for the device, so a
 # batch that is done runs at most this many steps too many (producing pads).
@@ -49,7 +48,7 @@ def decode(model, cache, input_ids, prompt_mask, cache_width: int, max_new_token
     stops = torch.tensor(sorted(stop_ids), dtype=torch.long, device=device)
     out = torch.full((rows, max_new_tokens), pad_id, dtype=torch.long, device=device)
     finished = torch.zeros(rows, dtype=torch.bool, device=device)
-    given = {cache_keyword(type(model)): cache, "attention_mask": mask, "use_cache": True, "logits_to_keep": 1}
+    given = {forward_cache_keyword(type(model)): cache, "attention_mask": mask, "use_cache": True, "logits_to_keep": 1}
 
     logits = model(input_ids=input_ids, position_ids=positions, **given).logits
     step_forward = decoding_forward(model)
@@ -119,10 +118,3 @@ def mark_step(device) -> None:
         import torch
 
         torch.compiler.cudagraph_mark_step_begin()
-
-
-@functools.cache
-def cache_keyword(model_class: type) -> str:
-    """The forward's keyword for the KV cache: `cache` in later transformers 5.x, `past_key_values` before
-    (looked up once per model class)."""
-    return "cache" if "cache" in inspect.signature(model_class.forward).parameters else "past_key_values"
