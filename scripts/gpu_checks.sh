@@ -45,7 +45,9 @@ if has regen; then
 fi
 if has profile && wait_for "$RUN/hidden_states/manifest.json"; then
   say "stage 04 profile on $RUN"
-  python3 04_train.py --run-dir "$RUN" --model-path "$VERIFIER" --output-dir "$OUT/train_profile" --epochs 1 \
+  # RUN's folders named one by one, not --run-dir: RUN's logs and recorded flags belong to the job making it
+  python3 04_train.py --data-dir "$RUN/hidden_states" --vocab-mapping-dir "$RUN/vocab" --model-path "$VERIFIER" \
+    --output-dir "$OUT/train_profile" --epochs 1 \
     --max-seq-len 2048 --max-tokens-per-batch 2048 --lr 1e-3 --num-workers 8 --profile-steps "$PROFILE_STEPS" \
     --eval-interval 100000 --save-interval 100000 --overwrite > "$OUT/train_profile.log" 2>&1 \
     || say "FAILED: stage 04 profile (see train_profile.log)"
@@ -58,7 +60,7 @@ if has lossless && wait_for "$DRAFTER/config.json"; then
       name=${drafting%% *}_$dtype
       say "lossless check: $name"
       # shellcheck disable=SC2086
-      python3 05_benchmark.py --run-dir "$RUN" --model-path "$VERIFIER" --draft-model-path "$DRAFTER" \
+      python3 05_benchmark.py --model-path "$VERIFIER" --draft-model-path "$DRAFTER" \
         --output-dir "$OUT/lossless_$name" --prompts "$DATA/mt_bench.jsonl" --tau-only --temperature 0 \
         --max-new-tokens 128 --dtype "$dtype" --decode-workers "$DECODE_WORKERS" ${drafting#* } \
         > "$OUT/lossless_$name.log" 2>&1 &

@@ -40,6 +40,9 @@ def test_checks_profile_the_loop_and_find_every_turn_lossless(tmp_path, stories2
             match = report["overall"]["greedy_match"]
             assert match["turns_checked"] == 3 and match["turns_identical"] == 3
     assert log.count("3 of 3 turns identical") == 4
+    # RUN's own logs and recorded flags are left to the job that makes RUN
+    assert {path.name for path in (run / "logs").iterdir()}.isdisjoint({"04_train.log", "05_benchmark.log",
+                                                                       "04_train.config.json"})
 
     # A drafter that never comes: the lossless phase gives up after WAIT_S and says so.
     again = subprocess.run(["bash", str(REPO / "scripts" / "gpu_checks.sh"), str(stories260k), str(data), str(run),
