@@ -17,13 +17,14 @@
 #               (scripts/prepare_device_data.py); RUN_DIR a run with stage 02's hidden states (e.g.
 #               gpu_drafter_quality.sh's RUN-small); DRAFTER a drafter checkpoint folder
 # Environment: PHASES ["regen profile lossless"], DECODE_WORKERS [4], PROFILE_STEPS [20], WAIT_S [1200],
+#   PYTHON [python3] the interpreter with the project's requirements,
 #   REGEN_ARGS [""] more flags for bench_regenerate.py (e.g. "--llama-prompts 0" to leave the 8B shape out).
 # Progress: OUT_DIR/checks.log; each step's own log beside it.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 VERIFIER=$1; DATA=$2; RUN=$3; DRAFTER=$4; OUT=$5
 PHASES=${PHASES:-"regen profile lossless"}; DECODE_WORKERS=${DECODE_WORKERS:-4}; PROFILE_STEPS=${PROFILE_STEPS:-20}
-WAIT_S=${WAIT_S:-1200}; REGEN_ARGS=${REGEN_ARGS:-}
+WAIT_S=${WAIT_S:-1200}; REGEN_ARGS=${REGEN_ARGS:-}; PY=${PYTHON:-python3}
 export PYTHONUNBUFFERED=1
 mkdir -p "$OUT"
 LOG=$OUT/checks.log
@@ -40,13 +41,13 @@ wait_for() {  # $1 file another job makes: wait for it, or give up after WAIT_S 
 if has regen; then
   say "regeneration engines"
   # shellcheck disable=SC2086
-  python3 scripts/bench_regenerate.py --model-path "$VERIFIER" --data "$DATA/sharegpt.json" --out "$OUT/regen" \
+  "$PY" scripts/bench_regenerate.py --model-path "$VERIFIER" --data "$DATA/sharegpt.json" --out "$OUT/regen" \
     --profile --continuous-prompts 0 $REGEN_ARGS > "$OUT/regen.log" 2>&1 || say "FAILED: regen (see regen.log)"
 fi
 if has profile && wait_for "$RUN/hidden_states/manifest.json"; then
   say "stage 04 profile on $RUN"
   # RUN's folders named one by one, not --run-dir: RUN's logs and recorded flags belong to the job making it
-  python3 04_train.py --data-dir "$RUN/hidden_states" --vocab-mapping-dir "$RUN/vocab" --model-path "$VERIFIER" \
+  "$PY" 04_train.py --data-dir "$RUN/hidden_states" --vocab-mapping-dir "$RUN/vocab" --model-path "$VERIFIER" \
     --output-dir "$OUT/train_profile" --epochs 1 \
     --max-seq-len 2048 --max-tokens-per-batch 2048 --lr 1e-3 --num-workers 8 --profile-steps "$PROFILE_STEPS" \
     --eval-interval 100000 --save-interval 100000 --overwrite > "$OUT/train_profile.log" 2>&1 \
@@ -60,7 +61,7 @@ if has lossless && wait_for "$DRAFTER/config.json"; then
       name=${drafting%% *}_$dtype
       say "lossless check: $name"
       # shellcheck disable=SC2086
-      python3 05_benchmark.py --model-path "$VERIFIER" --draft-model-path "$DRAFTER" \
+      "$PY" 05_benchmark.py --model-path "$VERIFIER" --draft-model-path "$DRAFTER" \
         --output-dir "$OUT/lossless_$name" --prompts "$DATA/mt_bench.jsonl" --tau-only --temperature 0 \
         --max-new-tokens 128 --dtype "$dtype" --decode-workers "$DECODE_WORKERS" ${drafting#* } \
         > "$OUT/lossless_$name.log" 2>&1 &

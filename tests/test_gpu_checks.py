@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import os
 import subprocess
+import sys
 
 from conftest import REPO
 from test_benchmark import write_jsonl
@@ -23,7 +24,7 @@ def test_checks_profile_the_loop_and_find_every_turn_lossless(tmp_path, stories2
         {"question_id": 2, "category": "people", "turns": ["Tom and Sue went"]}])
     out = tmp_path / "checks"
     env = {**os.environ, "PHASES": "profile lossless", "DECODE_WORKERS": "2", "PROFILE_STEPS": "2",
-           "OMP_NUM_THREADS": "1"}
+           "OMP_NUM_THREADS": "1", "PYTHON": sys.executable}
     done = subprocess.run(["bash", str(REPO / "scripts" / "gpu_checks.sh"), str(stories260k), str(data), str(run),
                            str(run / "checkpoints" / "best"), str(out)], cwd=REPO, env=env, capture_output=True,
                           text=True, timeout=1200)
