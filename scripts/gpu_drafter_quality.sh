@@ -243,7 +243,9 @@ default_extras() {  # $1 drafter: lossless checks in float32 and float64, chain 
 }
 
 if has data; then
-  say "stages 01-03: $SAMPLES samples in $RUN"; prepare "$RUN" "$SAMPLES" > "$RUN/logs/prepare.log" 2>&1
+  if [ -n "$LANES" ]; then  # the comparison alone (LANES="") needs only RUN-small
+    say "stages 01-03: $SAMPLES samples in $RUN"; prepare "$RUN" "$SAMPLES" > "$RUN/logs/prepare.log" 2>&1
+  fi
   for name in $(bases); do
     read -r turns samples more <<< "$(data_flags "$name")"; [ -n "$turns" ] || continue
     mkdir -p "$RUN-$name/logs"; say "stages 01-03 in $RUN-$name: $samples samples, --max-turns $turns $more"
