@@ -222,19 +222,18 @@ def for_report(key: str, run: dict) -> dict:
 # --- profiling one warm batch ----------------------------------------------------------------------
 
 def last_batch(responder, conversations: list) -> list:
-    """The conversations of the responder's last batch: the longest prompts it answered (it sorts them
-    shortest first). Its cache is still pooled and its shape compiled, so running it again is warm."""
-    rows = responder.batch_log[-1]["rows"]
-    lengths = prompt_lengths(responder.tokenizer, conversations)
-    usable = sorted((i for i, n in enumerate(lengths) if 0 < n < responder.max_prompt_tokens),
-                    key=lengths.__getitem__)
-    return [conversations[i] for i in usable[-rows:]]
+    """The conversations of the responder's last batch (its longest prompts). Its cache is still pooled and
+    its shape compiled, so running it again is warm."""
+    _, batches = responder.plan(conversations)
+    return [conversations[i] for i in batches[-1]]
 
 
 def profile_last_batch(responder, conversations: list, device: str) -> dict:
     """torch.profiler over the warm call's last batch run again: its shape, wall and device seconds (in
     total and per decoding step), and the top ops by device time and by CPU time."""
     from torch.profiler import ProfilerActivity, profile
+
+    from common.train.profiling import device_busy_seconds
 
     batch = last_batch(responder, conversations)
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.startswith("cuda") else [])
@@ -254,14 +253,6 @@ def profile_last_batch(responder, conversations: list, device: str) -> dict:
             "wall_ms_per_step": round(1000 * wall / steps, 3), "device_ms_per_step": round(1000 * device_s / steps, 3),
             "top_by_device": top_ops(averages, "self_device_time_total"),
             "top_by_cpu": top_ops(averages, "self_cpu_time_total")}
-
-
-def device_busy_seconds(events) -> float:
-    """Seconds the device ran kernels: the sum of the device-side events' durations (kernels and copies on
-    the device; none on a CPU run)."""
-    from torch.autograd import DeviceType
-
-    return sum(e.device_time_total for e in events if e.device_type == DeviceType.CUDA) / 1e6
 
 
 def top_ops(averages, attribute: str) -> list[dict]:

@@ -169,14 +169,15 @@ bench() {  # $1 run dir, $2 report folder name, $3 drafter folder, then stage 05
     > "$RUN/logs/bench_$name.log" 2>&1 || say "FAILED: bench $name $*"
   say "bench $name done"
 }
-chain=(--tau-only --num-steps 3 --topk 1 --num-draft-tokens 4)
+tau=(--tau-only --decode-workers "$DECODE_WORKERS")  # acceptance only, so decoding may be spread over processes
+chain=("${tau[@]}" --num-steps 3 --topk 1 --num-draft-tokens 4)
+tree=("${tau[@]}" --num-steps 3 --topk 8)
 suite() {  # $1 run dir, $2 lane, $3 drafter: teacher-forced agreement, chain T=0 on MT-bench and held-out, at once
   local pids=()
   bench "$1" "$2_eval" "$3" --mode eval --num-steps 7 & pids+=($!)
-  bench "$1" "$2_mtbench" "$3" "${chain[@]}" --temperature 0 --prompts "$DATA/mt_bench.jsonl" \
-    --decode-workers "$DECODE_WORKERS" & pids+=($!)
+  bench "$1" "$2_mtbench" "$3" "${chain[@]}" --temperature 0 --prompts "$DATA/mt_bench.jsonl" & pids+=($!)
   bench "$1" "$2_heldout" "$3" "${chain[@]}" --temperature 0 --prompts "$RUN/data/eval_data.jsonl" \
-    --num-prompts "$HELDOUT" --decode-workers "$DECODE_WORKERS" & pids+=($!)
+    --num-prompts "$HELDOUT" & pids+=($!)
   for pid in "${pids[@]}"; do wait "$pid" || true; done
 }
 lane() {  # $1 lane, $2 run dir, $3 tokens a step, then extra stage-04 flags: train, then benchmark
@@ -185,7 +186,7 @@ lane() {  # $1 lane, $2 run dir, $3 tokens a step, then extra stage-04 flags: tr
   suite "$run" "$name" "$run/checkpoints_$name/best" &
   [ "$name" = default ] && [ "$EXTRAS" = 1 ] && default_extras "$run/checkpoints_$name/best"
   case ${name%%_*} in *final|*topk) ;; *) bench "$run" "${name}_t1" "$run/checkpoints_$name/best" "${chain[@]}" \
-    --temperature 1 --prompts "$DATA/mt_bench.jsonl" --decode-workers "$DECODE_WORKERS" ;; esac
+    --temperature 1 --prompts "$DATA/mt_bench.jsonl" ;; esac
   wait
 }
 data_flags() {  # $1 lane: its turns, samples and stage-01 flags, for a lane trained on data of its own
@@ -231,14 +232,14 @@ bases() {  # the first part of every lane's name, once each: the data and storag
 default_extras() {  # $1 drafter: lossless checks in float32 and float64, chain and tree
   local pids=()
   bench "$RUN" default_fp32_chain "$1" "${chain[@]}" --temperature 0 --dtype float32 \
-    --prompts "$DATA/mt_bench.jsonl" --decode-workers "$DECODE_WORKERS" & pids+=($!)
-  bench "$RUN" default_fp32_tree "$1" --tau-only --num-steps 3 --topk 8 --temperature 0 --dtype float32 \
-    --prompts "$DATA/mt_bench.jsonl" --decode-workers "$DECODE_WORKERS" & pids+=($!)
+    --prompts "$DATA/mt_bench.jsonl" & pids+=($!)
+  bench "$RUN" default_fp32_tree "$1" "${tree[@]}" --temperature 0 --dtype float32 \
+    --prompts "$DATA/mt_bench.jsonl" & pids+=($!)
   # float64: a float32 near tie (2.1e-5 apart on 2026-12-01) can flip either way; in float64 none should
   bench "$RUN" default_fp64_chain "$1" "${chain[@]}" --temperature 0 --dtype float64 \
-    --prompts "$DATA/mt_bench.jsonl" --decode-workers "$DECODE_WORKERS" & pids+=($!)
-  bench "$RUN" default_fp64_tree "$1" --tau-only --num-steps 3 --topk 8 --temperature 0 --dtype float64 \
-    --prompts "$DATA/mt_bench.jsonl" --decode-workers "$DECODE_WORKERS" & pids+=($!)
+    --prompts "$DATA/mt_bench.jsonl" & pids+=($!)
+  bench "$RUN" default_fp64_tree "$1" "${tree[@]}" --temperature 0 --dtype float64 \
+    --prompts "$DATA/mt_bench.jsonl" & pids+=($!)
   for pid in "${pids[@]}"; do wait "$pid" || true; done
 }
 

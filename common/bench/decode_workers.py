@@ -21,8 +21,10 @@ from common.cli.errors import UsageError
 
 def worker_count(args, prompt_count: int) -> int:
     """The processes to decode in: --decode-workers, at most one per prompt; checked against the mode."""
+    from common.bench.offline_mode import tau_only
+
     workers = int(getattr(args, "decode_workers", 1) or 1)
-    if workers > 1 and not getattr(args, "tau_only", False):
+    if workers > 1 and not tau_only(args):
         raise UsageError(f"--decode-workers {workers} needs --tau-only: the timing baselines must run alone on the "
                          "device (processes sharing it slow each other's clocks); drop --decode-workers to time")
     return max(1, min(workers, prompt_count))

@@ -116,17 +116,22 @@ class HFResponder:
             return None
 
     def __call__(self, conversations: list[list[dict]]) -> list[str | None]:
-        texts = [self._render(c) for c in conversations]
-        encoded = [None if t is None else list(self.tokenizer(t, add_special_tokens=False)["input_ids"])
-                   for t in texts]
+        encoded, chunks = self.plan(conversations)
         replies: list[str | None] = [None] * len(conversations)
-        usable = [i for i, ids in enumerate(encoded) if ids is not None and 0 < len(ids) < self.max_prompt_tokens]
-        usable.sort(key=lambda i: len(encoded[i]))  # similar lengths together: less padding
-        chunks = [[usable[k] for k in batch] for batch in self._batches([len(encoded[i]) for i in usable])]
         for chunk, rows in zip(chunks, self._generate_all([[encoded[i] for i in chunk] for chunk in chunks])):
             for i, row in zip(chunk, rows):
                 replies[i] = self._decode(row)
         return replies
+
+    def plan(self, conversations: list[list[dict]]) -> tuple[list[list[int] | None], list[list[int]]]:
+        """The conversations' prompt tokens (None: not renderable) and the batches a call runs, as lists of
+        indices into `conversations`: the prompts within the length budget, shortest first."""
+        texts = [self._render(c) for c in conversations]
+        encoded = [None if t is None else list(self.tokenizer(t, add_special_tokens=False)["input_ids"])
+                   for t in texts]
+        usable = [i for i, ids in enumerate(encoded) if ids is not None and 0 < len(ids) < self.max_prompt_tokens]
+        usable.sort(key=lambda i: len(encoded[i]))  # similar lengths together: less padding
+        return encoded, [[usable[k] for k in batch] for batch in self._batches([len(encoded[i]) for i in usable])]
 
     def _batches(self, lengths: list[int]) -> list[list[int]]:
         """Indices into `lengths` (sorted shortest first) of each batch: "static" and "loop" pack by their

@@ -50,20 +50,20 @@ class StepProfiler:
     def _finish(self, step: int) -> None:
         import torch
 
-        if self.device.startswith("cuda"):
+        on_device = self.device.startswith("cuda")
+        if on_device:
             torch.cuda.synchronize(self.device)
         wall = time.perf_counter() - self.started_at
         self.profiler.stop()
         steps = step - self.start_step
         averages = self.profiler.key_averages()
-        device_us = sum(_device_time(event) for event in averages)
-        on_device = self.device.startswith("cuda")
+        device_s = device_busy_seconds(self.profiler.events())
         summary = (f"{steps} steps profiled (steps {self.start_step + 1}-{step}): {1000 * wall / steps:.1f} ms a step"
-                   + (f", the device busy {device_us / 1000 / steps:.1f} ms of it "
-                      f"({100 * device_us / 1e6 / wall:.0f} %)" if on_device else " (CPU: no device time)"))
+                   + (f", the device busy {1000 * device_s / steps:.1f} ms of it "
+                      f"({100 * device_s / wall:.0f} %)" if on_device else " (CPU: no device time)"))
         tables = [summary, ""]
         if on_device:
-            tables += ["By device time:", averages.table(sort_by=_device_sort_key(averages), row_limit=25), ""]
+            tables += ["By device time:", averages.table(sort_by="self_device_time_total", row_limit=25), ""]
         tables += ["By host time:", averages.table(sort_by="self_cpu_time_total", row_limit=25)]
         path = self.output_dir / PROFILE_FILE
         write_text_atomic(path, "\n".join(tables) + "\n")
@@ -71,12 +71,8 @@ class StepProfiler:
         self.profiler = None
 
 
-def _device_time(event) -> float:
-    """An operation's own device time in microseconds (the attribute's name changed across torch versions)."""
-    return float(getattr(event, "self_device_time_total", getattr(event, "self_cuda_time_total", 0.0)) or 0.0)
+def device_busy_seconds(events) -> float:
+    """Seconds the device ran kernels and copies: the sum of a profile's device-side events (0 on a CPU)."""
+    from torch.autograd import DeviceType
 
-
-def _device_sort_key(averages) -> str:
-    event = next(iter(averages), None)
-    return "self_device_time_total" if event is None or hasattr(event, "self_device_time_total") \
-        else "self_cuda_time_total"
+    return sum(event.device_time_total for event in events if event.device_type == DeviceType.CUDA) / 1e6
