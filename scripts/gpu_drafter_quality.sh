@@ -53,6 +53,8 @@
 # Environment (defaults in brackets):
 #   SAMPLES [10000]          prompts of RUN
 #   SMALL [800]              prompts of RUN-small, the SpecForge comparison
+#   SMALL_EVAL_RATIO [0.1]   RUN-small's held-out share (its held-out set in the comparison: 80 prompts at 800;
+#                            RUN's is 0.02)
 #   SMALL_STEP_TOKENS [1024] our tokens a step in the comparison: about 1,300 steps at 800 prompts (a longer
 #                            sample gets a step alone), each a fraction of the time of SpecForge's 2,980
 #                            one-sequence steps; more steps at the same data raised chain tau in every
@@ -97,6 +99,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 VERIFIER=$1; DATA=$2; RUN=$3; SMALL_RUN=$RUN-small
 SAMPLES=${SAMPLES:-10000}; SMALL=${SMALL:-800}; EPOCHS=${EPOCHS:-4}; LR=${LR:-1e-3}; DATA_SAMPLES=${DATA_SAMPLES:-17000}; DATA_EPOCHS=${DATA_EPOCHS:-2}; DATA_EXTRA=${DATA_EXTRA:-}; SMALL_STEP_TOKENS=${SMALL_STEP_TOKENS:-1024}
+SMALL_EVAL_RATIO=${SMALL_EVAL_RATIO:-0.1}
 TRAIN_FLAGS=${TRAIN_FLAGS:-}
 STEP_TOKENS=${STEP_TOKENS:-4096}; LEVER_STEP_TOKENS=${LEVER_STEP_TOKENS:-2048}; TOPK=${TOPK:-64}
 FORMAT_STEP_TOKENS=${FORMAT_STEP_TOKENS:-16384}; LANES=${LANES-"default epochs2 ttt7"}; EXTRAS=${EXTRAS:-1}
@@ -134,13 +137,13 @@ if [ "${MPS:-0}" = 1 ] && command -v nvidia-cuda-mps-control > /dev/null; then
 fi
 
 prepare() {  # $1 run dir, $2 samples[, $3 turns, $4 more stage-01 flags]: stages 01-03, the replies from
-             # REGEN_CACHE when its settings fit
+             # REGEN_CACHE when its settings fit; EVAL_RATIO [0.02] the held-out share
   if [ -n "${REGEN_CACHE:-}" ] && [ ! -f "$1/data/regenerated.jsonl" ]; then
     mkdir -p "$1/data" && tar xzf "$REGEN_CACHE" -C "$1/data"
   fi
   pipeline() {
     python3 run_pipeline.py --run-dir "$1" --model-path "$VERIFIER" --dataset "$DATA/sharegpt.json" \
-      --regenerate --max-turns "${3:-1}" --num-samples "$2" --eval-ratio 0.02 --max-seq-len 2048 \
+      --regenerate --max-turns "${3:-1}" --num-samples "$2" --eval-ratio "${EVAL_RATIO:-0.02}" --max-seq-len 2048 \
       --draft-vocab-size 32000 --skip 04 --skip 05 --stage-args 01 "--batch-size 1024 --max-new-tokens 256 ${4:-}" \
       --stage-args 02 "--batch-size 64 --num-workers 8"
   }
@@ -264,7 +267,8 @@ if has data; then
   done
   if [ -n "$SPECFORGE" ]; then
     mkdir -p "$SMALL_RUN/logs"
-    say "stages 01-03: $SMALL samples in $SMALL_RUN"; prepare "$SMALL_RUN" "$SMALL" > "$SMALL_RUN/logs/prepare.log" 2>&1
+    say "stages 01-03: $SMALL samples in $SMALL_RUN"; EVAL_RATIO=$SMALL_EVAL_RATIO prepare "$SMALL_RUN" "$SMALL" \
+      > "$SMALL_RUN/logs/prepare.log" 2>&1
   fi
   say "data done"
 fi

@@ -1,0 +1,50 @@
+#!/usr/bin/env bash
+# The GPU measurements of issues 17 and 18 on ONE GPU in about 22 minutes, ordered so that no timed part shares the
+# GPU with anything else:
+#   1. data      gpu_drafter_quality.sh's data phase: RUN-small (SMALL prompts, the SpecForge comparison's data)
+#   2. profile   gpu_checks.sh: stage 04 --profile-steps on RUN-small's hidden states        (timed, alone)
+#   3. regen     gpu_checks.sh: bench_regenerate.py, engines ENGINES, no 8B shape            (timed, alone)
+#   4. compare   gpu_drafter_quality.sh: our stage 04, then SpecForge's recipe, then both drafters benchmarked;
+#                our training runs alone (timed); once SpecForge's starts, gpu_checks.sh's lossless checks
+#                (float32 and float64, chain and tree, all of MT-bench) run beside it, so SpecForge's wall time
+#                here is not its own (its steps/s in specforge.log show by how much)
+#
+#   scripts/gpu_session_one_gpu.sh VERIFIER DATA_DIR WORK_DIR
+#     VERIFIER, DATA_DIR  as gpu_drafter_quality.sh's (DATA_DIR also holds REGEN_CACHE's smollm2_sharegpt_greedy_10k.tgz
+#                         and SpecForge's wheel, specforge-0.2.0-py3-none-any.whl)
+#     WORK_DIR            runs go to WORK_DIR/q-small, the checks to WORK_DIR/checks
+# Environment: SMALL [600], ENGINES [generate,loop], SPECFORGE_ARGS ["--lr 1e-4 --ttt-steps 7 --time-limit 660"],
+#   PYTHON [python3]; OUT: pack everything small into $OUT/quality.tgz and $OUT/checks.tgz at the end.
+# Progress: WORK_DIR/session.log.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+VERIFIER=$1; DATA=$2; WORK=$3
+SMALL=${SMALL:-600}; ENGINES=${ENGINES:-generate,loop}; PY=${PYTHON:-python3}
+SPECFORGE_ARGS=${SPECFORGE_ARGS:-"--lr 1e-4 --ttt-steps 7 --time-limit 660"}
+RUN=$WORK/q; CHECKS=$WORK/checks
+mkdir -p "$WORK" "$RUN/logs"
+say() { echo "$(date +%T) $*" | tee -a "$WORK/session.log"; }
+quality() {  # $1 phases of gpu_drafter_quality.sh: the comparison alone (LANES=""), on RUN-small
+  MPS=1 EXTRAS=0 LANES="" SMALL=$SMALL REGEN_CACHE=$DATA/smollm2_sharegpt_greedy_10k.tgz \
+    SPECFORGE=$DATA/specforge-0.2.0-py3-none-any.whl SPECFORGE_ARGS=$SPECFORGE_ARGS PHASES=$1 \
+    bash scripts/gpu_drafter_quality.sh "$VERIFIER" "$DATA" "$RUN"
+}
+checks() {  # $1 phases of gpu_checks.sh
+  PYTHON=$PY PHASES=$1 DECODE_WORKERS=3 REGEN_ARGS="--llama-prompts 0 --engines $ENGINES --fp32-check-prompts 32" \
+    bash scripts/gpu_checks.sh "$VERIFIER" "$DATA" "$RUN-small" "$RUN-small/checkpoints/best" "$CHECKS"
+}
+
+say "data"; quality data
+say "stage 04 profile"; checks profile
+say "regeneration engines"; checks regen
+say "comparison"; quality "compare lanes" & compare=$!
+until grep -q "SpecForge's recipe on" "$RUN/logs/quality.log" 2> /dev/null || ! kill -0 "$compare" 2> /dev/null; do
+  sleep 5
+done
+say "lossless checks"; checks lossless
+wait "$compare"
+say "session done"
+if [ -n "${OUT:-}" ]; then
+  OUT=$OUT PHASES=pack bash scripts/gpu_drafter_quality.sh "$VERIFIER" "$DATA" "$RUN"
+  tar czf "$OUT/checks.tgz" -C "$WORK" checks session.log
+fi
