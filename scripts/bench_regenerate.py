@@ -177,11 +177,11 @@ def forward_rate(model, device: str, batch: int, length: int) -> float:
     """Tokens/s of the forward pass alone (random tokens, one full batch, after two warm-ups)."""
     import torch
 
-    from common.verifier.loading import inference_attention
+    from common.model.kernels import sdpa_without_cudnn
 
     vocab = model.get_input_embeddings().num_embeddings
     ids = torch.randint(min(10, vocab - 1), min(1000, vocab), (batch, length), device=device)
-    with torch.inference_mode(), inference_attention():
+    with torch.inference_mode(), sdpa_without_cudnn():
         for _ in range(2):
             model(ids, use_cache=False, logits_to_keep=1)
         synchronize(device)

@@ -183,7 +183,7 @@ def main(argv=None) -> int:
                         help="random weights at the shape of --model-path's config.json (timing only)")
     parser.add_argument("--cudnn-attention", action="store_true",
                         help="let PyTorch pick cuDNN's attention for the verifier (EAGLE3_CUDNN_ATTENTION=1), "
-                             "which the loops otherwise switch off (common.verifier.loading.inference_attention)")
+                             "which the loops otherwise switch off (common.model.kernels.sdpa_without_cudnn)")
     parser.add_argument("--hf-mask", action="store_true",
                         help="verify with transformers' own causal mask instead of the explicit one")
     args = parser.parse_args(argv)

@@ -55,10 +55,10 @@
 #   SMALL [800]              prompts of RUN-small, the SpecForge comparison
 #   SMALL_EVAL_RATIO [0.1]   RUN-small's held-out share (its held-out set in the comparison: 80 prompts at 800;
 #                            RUN's is 0.02)
-#   SMALL_STEP_TOKENS [1024] our tokens a step in the comparison: about 1,300 steps at 800 prompts (a longer
-#                            sample gets a step alone), each a fraction of the time of SpecForge's 2,980
-#                            one-sequence steps; more steps at the same data raised chain tau in every
-#                            measurement so far (2,048: 664 steps in 76 s on 2026-12-02)
+#   SMALL_STEP_TOKENS [2048] our tokens a step in the comparison (at least the 2,048-token --max-seq-len: stage
+#                            04 refuses a step shorter than the longest sample): 664 steps in 76 s at 800
+#                            prompts on 2026-12-02, each a fraction of the time of SpecForge's 2,980
+#                            one-sequence steps
 #   DATA_SAMPLES [17000]     prompts of the data lane (about every first turn of the device data)
 #   DATA_EPOCHS [2]          epochs of the data lane
 #   DATA_EXTRA []            more chat files in DATA_DIR for the data lane, beside sharegpt.json, e.g. gsm8k_train.jsonl
@@ -98,7 +98,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 VERIFIER=$1; DATA=$2; RUN=$3; SMALL_RUN=$RUN-small
-SAMPLES=${SAMPLES:-10000}; SMALL=${SMALL:-800}; EPOCHS=${EPOCHS:-4}; LR=${LR:-1e-3}; DATA_SAMPLES=${DATA_SAMPLES:-17000}; DATA_EPOCHS=${DATA_EPOCHS:-2}; DATA_EXTRA=${DATA_EXTRA:-}; SMALL_STEP_TOKENS=${SMALL_STEP_TOKENS:-1024}
+SAMPLES=${SAMPLES:-10000}; SMALL=${SMALL:-800}; EPOCHS=${EPOCHS:-4}; LR=${LR:-1e-3}; DATA_SAMPLES=${DATA_SAMPLES:-17000}; DATA_EPOCHS=${DATA_EPOCHS:-2}; DATA_EXTRA=${DATA_EXTRA:-}; SMALL_STEP_TOKENS=${SMALL_STEP_TOKENS:-2048}
 SMALL_EVAL_RATIO=${SMALL_EVAL_RATIO:-0.1}
 TRAIN_FLAGS=${TRAIN_FLAGS:-}
 STEP_TOKENS=${STEP_TOKENS:-4096}; LEVER_STEP_TOKENS=${LEVER_STEP_TOKENS:-2048}; TOPK=${TOPK:-64}

@@ -46,5 +46,5 @@ wait "$compare"
 say "session done"
 if [ -n "${OUT:-}" ]; then
   OUT=$OUT PHASES=pack bash scripts/gpu_drafter_quality.sh "$VERIFIER" "$DATA" "$RUN"
-  tar czf "$OUT/checks.tgz" -C "$WORK" checks session.log
+  tar czf "$OUT/checks.tgz" --exclude='*.safetensors' --exclude='*.pt' -C "$WORK" checks session.log
 fi

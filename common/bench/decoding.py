@@ -9,7 +9,7 @@ import torch
 
 from common.bench.sampling import Sampler, make_generator
 from common.bench.verifier_runner import VerifierRunner
-from common.verifier.loading import inference_attention
+from common.model.kernels import sdpa_without_cudnn
 
 
 def synchronize(device: torch.device) -> None:
@@ -80,7 +80,7 @@ def as_input_ids(input_ids, device: torch.device) -> torch.Tensor:
 # --- baselines -----------------------------------------------------------------------------------------
 
 @torch.inference_mode()
-@inference_attention()
+@sdpa_without_cudnn()
 def plain_decode(verifier: torch.nn.Module, input_ids, max_new_tokens: int, eos_token_ids: Iterable[int] = (),
                  temperature: float = 0.0, top_p: float = 1.0, seed: int = 0,
                  runner: VerifierRunner | None = None) -> tuple[list[int], GenerationStats]:
@@ -111,7 +111,7 @@ def plain_decode(verifier: torch.nn.Module, input_ids, max_new_tokens: int, eos_
 
 
 @torch.inference_mode()
-@inference_attention()
+@sdpa_without_cudnn()
 def hf_generate(verifier: torch.nn.Module, input_ids, max_new_tokens: int, eos_token_ids: Iterable[int] = (),
                 temperature: float = 0.0, top_p: float = 1.0, seed: int = 0) -> tuple[list[int], GenerationStats]:
     """transformers' own generate (greedy, or temperature + top-p sampling with top-k off), timed."""

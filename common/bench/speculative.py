@@ -13,7 +13,7 @@ from common.bench.decoding import GenerationStats, append_until_stop, as_input_i
 from common.bench.sampling import Sampler, make_generator, rejection_sample
 from common.bench.verifier_runner import VerifierRunner
 from common.verifier.capture import LayerInputCapture, decoder_layers, whole
-from common.verifier.loading import inference_attention
+from common.model.kernels import sdpa_without_cudnn
 
 
 def resolve_draft_shape(num_steps: int, topk: int, num_draft_tokens: int | None) -> int:
@@ -111,7 +111,7 @@ class SpeculativeDecoder:
 
     # --- the loop ------------------------------------------------------------------------------------
     @torch.inference_mode()
-    @inference_attention()
+    @sdpa_without_cudnn()
     def generate(self, input_ids, max_new_tokens: int, eos_token_ids: Iterable[int] = ()
                  ) -> tuple[list[int], GenerationStats]:
         ids = as_input_ids(input_ids, self.device)

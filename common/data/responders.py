@@ -19,7 +19,7 @@ from common.cli.errors import UsageError
 from common.cli.stage import get_logger
 from common.data.regenerate import ENDPOINT_FAILED
 from common.data.static_cache import StaticCachePool, generate_cache_keyword, static_batches, static_width
-from common.verifier.loading import inference_attention
+from common.model.kernels import sdpa_without_cudnn
 
 
 # --- the transformers responder ----------------------------------------------------------------------
@@ -159,7 +159,7 @@ class HFResponder:
                 free.put(model)
 
         # sdpa_kernel's backend choice is process-wide: set it once around all the threads.
-        with inference_attention(), ThreadPoolExecutor(len(models), thread_name_prefix="regenerate") as pool:
+        with sdpa_without_cudnn(), ThreadPoolExecutor(len(models), thread_name_prefix="regenerate") as pool:
             return list(pool.map(run, batches))
 
     def _config(self):
@@ -200,9 +200,9 @@ class HFResponder:
         if self.engine == "continuous":
             # not under inference_mode: the library's own thread updates tensors made here (it turns off
             # gradients itself)
-            with on_gpu, inference_attention():
+            with on_gpu, sdpa_without_cudnn():
                 return self._generate_continuous(model, prompts, device)
-        with on_gpu, torch.inference_mode(), inference_attention():
+        with on_gpu, torch.inference_mode(), sdpa_without_cudnn():
             if self.engine == "loop":
                 return self._generate_loop(model, prompts, device, width, cache_width)
             return self._generate_padded(model, prompts, device, width, cache_width)

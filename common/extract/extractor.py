@@ -20,7 +20,7 @@ from common.extract.writer import _SAVE_CONFIG, STAGING_BUFFERS, StagingBuffers,
 from common.formats.storage import StorageFormat, encode
 from common.formats.prepared_data import Sample
 from common.verifier.capture import LayerInputCapture, TextModel, run_base
-from common.verifier.loading import inference_attention
+from common.model.kernels import sdpa_without_cudnn
 
 # Test-only: kill this process (SIGKILL, like the OOM killer) once this many samples are written, to prove
 # that a rerun after a hard crash gives the same files as an uninterrupted run.
@@ -362,7 +362,7 @@ class Extractor:
                     if index not in complete:
                         writes.append((index, offset))
                     offset += self.samples[index].num_tokens
-                with torch.inference_mode(), inference_attention():
+                with torch.inference_mode(), sdpa_without_cudnn():
                     final = run_base(text, ids_cpu.to(device, non_blocking=True))
                     packed = capture.take() + [select(final)]
                     finite = self._finite_flag(packed) if writes else None  # NaN/inf: checked before writing
@@ -414,7 +414,7 @@ def forward_only(text: TextModel, samples: Sequence[Sample], batches: Sequence[l
     device = text.input_device
     on_gpu = device.type == "cuda"
     started = time.perf_counter()
-    with torch.inference_mode(), inference_attention():
+    with torch.inference_mode(), sdpa_without_cudnn():
         for batch in batches:
             ids, _ = batch_inputs(samples, batch, pin=on_gpu)
             run_base(text, ids.to(device, non_blocking=True))

@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import os
 import warnings
+from contextlib import contextmanager
+
 import torch
 import torch.nn.functional as F
 from torch import Tensor
@@ -222,3 +224,24 @@ def fuse_elementwise() -> bool:
 def upcast(x: Tensor) -> Tensor:
     """fp16/bf16 -> fp32 for accumulation; fp32/fp64 unchanged (tests run the math in fp64)."""
     return x if x.dtype in (torch.float32, torch.float64) else x.float()
+
+
+@contextmanager
+def sdpa_without_cudnn():
+    """Run SDPA (the verifier's attention, the drafter's causal step) without cuDNN's kernel; usable as a
+    decorator too.
+
+    PyTorch tries cuDNN's attention first on Hopper and Blackwell GPUs with a recent cuDNN (torch 2.11 with
+    CUDA 13 does), and cuDNN builds an execution graph for every new input shape: decoding changes the key
+    length at every token, regeneration, extraction and training the shape at every batch. On an H200 that
+    cost SmolLM2's bf16 decoding up to 7x in tokens/s, and stage 04's step 150 of its 197 ms (docs/model.md).
+    Flash and memory-efficient attention need no such build. EAGLE3_CUDNN_ATTENTION=1 keeps PyTorch's choice,
+    to measure the difference.
+    """
+    if os.environ.get("EAGLE3_CUDNN_ATTENTION") == "1":
+        yield
+        return
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    with sdpa_kernel([SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]):
+        yield

@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from common.model.kernels import CompiledOnCuda, fuse_elementwise, upcast
+from common.model.kernels import CompiledOnCuda, fuse_elementwise, sdpa_without_cudnn, upcast
 
 
 def expand_heads(x: Tensor, rep: int) -> Tensor:
@@ -24,9 +24,11 @@ def expand_heads(x: Tensor, rep: int) -> Tensor:
 
 
 def causal_attention(q: Tensor, k: Tensor, v: Tensor, scale: float) -> Tensor:
-    """Plain causal attention; q/k/v [B,S,nh,D] -> [B,S,nh,D] (flash / memory-efficient SDPA)."""
-    out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
-                                         is_causal=True, scale=scale)
+    """Plain causal attention; q/k/v [B,S,nh,D] -> [B,S,nh,D] (flash / memory-efficient SDPA: cuDNN's would
+    build a graph for every new sequence length, most of a training step)."""
+    with sdpa_without_cudnn():
+        out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
+                                             is_causal=True, scale=scale)
     return out.transpose(1, 2)
 
 

@@ -156,12 +156,12 @@ def sample_states(text: TextModel, aux_layers: Sequence[int], input_ids: Sequenc
     the CPU (a caller may keep many): aux [1, S, 3H] (inputs of `aux_layers`), final [1, S, H], input_ids
     and a loss mask set from position `loss_from` on. Stage 05 uses it to score a drafter teacher-forced on
     the text it just decoded, through the same capture and forward as extraction."""
-    from common.verifier.loading import inference_attention
+    from common.model.kernels import sdpa_without_cudnn
 
     capture = LayerInputCapture(text.layers, aux_layers)
     ids = torch.tensor([list(input_ids)], dtype=torch.long, device=text.input_device)
     try:
-        with torch.inference_mode(), inference_attention():
+        with torch.inference_mode(), sdpa_without_cudnn():
             capture.arm(lambda hidden: hidden)
             final = run_base(text, ids)
             aux = torch.cat(capture.take(), dim=-1)

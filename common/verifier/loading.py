@@ -11,7 +11,6 @@ import importlib.util
 import json
 import os
 import shutil
-from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -436,24 +435,3 @@ def load_verifier_model(model_path: str, device: str = "auto", dtype: str = "bfl
         model = model.to(device)
     model.eval()
     return model
-
-
-@contextmanager
-def inference_attention():
-    """Run the verifier's attention (SDPA) without cuDNN's kernel; usable as a decorator too.
-
-    PyTorch tries cuDNN's attention first on Hopper and Blackwell GPUs with a recent cuDNN (torch 2.11 with
-    CUDA 13 does), and cuDNN builds an execution graph for every new input shape. Decoding changes the key
-    length at every token, regeneration and extraction the batch shape at every batch: each would build
-    graphs over and over. Decoding SmolLM2 on an H200 in bf16 (where cuDNN's kernel applies) ran at 18 to
-    141 tokens/s from prompt to prompt at the same acceptance, in fp32 (where it does not) at 100 to 131.
-    Flash and memory-efficient attention need no such build. EAGLE3_CUDNN_ATTENTION=1 keeps PyTorch's
-    choice, to measure the difference.
-    """
-    if os.environ.get("EAGLE3_CUDNN_ATTENTION") == "1":
-        yield
-        return
-    from torch.nn.attention import SDPBackend, sdpa_kernel
-
-    with sdpa_kernel([SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]):
-        yield
