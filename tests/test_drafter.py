@@ -451,6 +451,34 @@ def test_bf16_training_step_runs_and_embedding_stays_frozen():
     assert optimizer.state[model.fc.weight]["exp_avg"].dtype == torch.float32
 
 
+class SdpaBackendsSeen(torch.overrides.TorchFunctionMode):
+    """Records, at every F.scaled_dot_product_attention call, whether PyTorch may pick cuDNN's kernel."""
+
+    def __init__(self):
+        super().__init__()
+        self.cudnn_allowed: list[bool] = []
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        if func is F.scaled_dot_product_attention:
+            self.cudnn_allowed.append(torch.backends.cuda.cudnn_sdp_enabled())
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("opt_out", [False, True])
+def test_training_attention_never_lets_pytorch_pick_cudnn(opt_out, monkeypatch):
+    # On an H200 cuDNN's SDPA built a graph for every new sequence length: 150 of a 197 ms training step.
+    if opt_out:
+        monkeypatch.setenv("EAGLE3_CUDNN_ATTENTION", "1")
+    model, lm_head = tiny_model(dtype=torch.float32)
+    seen = SdpaBackendsSeen()
+    with seen:
+        loss, _ = ttt_loss(model, random_batch(B=2, S=12), lm_head, 3)
+        loss.backward()
+    assert seen.cudnn_allowed, "the TTT forward made no SDPA call: the check saw nothing"
+    assert all(allowed == opt_out for allowed in seen.cudnn_allowed)
+    assert torch.backends.cuda.cudnn_sdp_enabled()  # the process-wide choice is restored afterwards
+
+
 def test_stochastic_rounding_keeps_updates_smaller_than_half_a_bf16_ulp():
     """100 steps of +2e-4 on a weight of 1.0 (bf16 ulp 2^-7): round-to-nearest never moves; stochastic
     rounding tracks the fp32 sum in expectation."""

@@ -246,7 +246,7 @@ def log_turn(log, record: dict, args, max_positions: int) -> None:
     check = record.get("greedy_check")
     if check and check["first_divergence"] is not None:
         log.warning("prompt %s turn %d: speculative output leaves the verifier's greedy output (%s) at token %d "
-                    "of %d, logit margin %s (near 0: a tie, bf16 numerics; large: a bug)", record["prompt_id"],
+                    "of %d, logit margin %s (near 0: a tie the numerics can break; large: a bug)", record["prompt_id"],
                     record["turn"], check["reference"], check["first_divergence"], len(record["spec"]["tokens"]),
                     fmt(check["logit_margin"], 4))
 

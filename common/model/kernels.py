@@ -233,8 +233,10 @@ def sdpa_without_cudnn():
 
     PyTorch tries cuDNN's attention first on Hopper and Blackwell GPUs with a recent cuDNN (torch 2.11 with
     CUDA 13 does), and cuDNN builds an execution graph for every new input shape: decoding changes the key
-    length at every token, regeneration, extraction and training the shape at every batch. On an H200 that
-    cost SmolLM2's bf16 decoding up to 7x in tokens/s, and stage 04's step 150 of its 197 ms (docs/model.md).
+    length at every token, regeneration, extraction and training the shape at every batch. On an H200,
+    SmolLM2's bf16 decoding ran at 18 to 141 tokens/s from prompt to prompt with it (fp32, where it does not
+    apply: 100 to 131), and it took 150 of stage 04's 197 ms step
+    (docs/results/2026-12-02-h200-lossless-loop-cudnn.md).
     Flash and memory-efficient attention need no such build. EAGLE3_CUDNN_ATTENTION=1 keeps PyTorch's choice,
     to measure the difference.
     """

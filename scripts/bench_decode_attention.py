@@ -1,0 +1,140 @@
+#!/usr/bin/env python3
+"""One decoding step's attention over a left-padded static KV cache, three ways, on the same tensors.
+
+Stage 01's "loop" engine decodes one token per row against a StaticCache of the batch's full width, with a
+padding mask. transformers' SDPA attention then repeats every key/value head for its query group
+(repeat_kv: SDPA's own GQA support is used only without a mask), so a SmolLM2 step reads 3x the cache:
+
+  repeat   what transformers does with a mask: K/V repeated to the query heads, then SDPA
+  gqa      SDPA with enable_gqa=True on the unrepeated K/V
+  folded   the query heads of a group folded into the query length ([B, kv, group, D]): every K/V head
+           is read once, by a query block of `group` rows that share one position and one mask row
+  matmul   the same folding as two batched matmuls and a softmax (no attention kernel: cuBLAS reads the
+           cache as a batched matrix-vector product)
+
+Each is timed with CUDA events over --iters calls, after a warm-up, under common.model.kernels.sdpa_without_cudnn
+(as the engine runs), and checked against `repeat` (max abs difference). The lower bound printed beside them is
+one read of K and V at --bandwidth GB/s.
+
+  python scripts/bench_decode_attention.py [--shapes 1024x384,624x512,180x1280] [--heads 9 --kv-heads 3 --head-dim 64]
+
+The defaults are SmolLM2-135M's heads and the batch shapes (rows x cache width) of bench_regenerate's warm
+loop call on 2026-12-02; --heads 32 --kv-heads 8 --head-dim 128 is Llama-3.1-8B's.
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from common.model.kernels import sdpa_without_cudnn  # noqa: E402
+
+
+def attention_repeat(q, k, v, mask):
+    group = q.shape[1] // k.shape[1]
+    k = k.repeat_interleave(group, dim=1)
+    v = v.repeat_interleave(group, dim=1)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+
+
+def attention_gqa(q, k, v, mask):
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
+
+
+def attention_folded(q, k, v, mask):
+    rows, heads, _, dim = q.shape
+    kv_heads = k.shape[1]
+    folded = q.reshape(rows, kv_heads, heads // kv_heads, dim)  # heads h*group..h*group+group-1 share K/V head h
+    out = F.scaled_dot_product_attention(folded, k, v, attn_mask=mask)
+    return out.reshape(rows, heads, 1, dim)
+
+
+def attention_matmul(q, k, v, mask):
+    rows, heads, _, dim = q.shape
+    kv_heads = k.shape[1]
+    folded = q.reshape(rows, kv_heads, heads // kv_heads, dim)
+    scores = (folded @ k.transpose(-1, -2)).float() * dim ** -0.5
+    probabilities = scores.masked_fill(~mask, float("-inf")).softmax(dim=-1).to(v.dtype)
+    return (probabilities @ v).reshape(rows, heads, 1, dim)
+
+
+WAYS = {"repeat": attention_repeat, "gqa": attention_gqa, "folded": attention_folded, "matmul": attention_matmul}
+
+
+def inputs(rows: int, width: int, heads: int, kv_heads: int, dim: int, device, dtype, generator):
+    q = torch.randn(rows, heads, 1, dim, device=device, dtype=dtype, generator=generator)
+    k = torch.randn(rows, kv_heads, width, dim, device=device, dtype=dtype, generator=generator)
+    v = torch.randn(rows, kv_heads, width, dim, device=device, dtype=dtype, generator=generator)
+    # Left padding of up to half the width, and the unwritten tail of the cache hidden too.
+    pads = torch.randint(0, width // 2, (rows,), device=device, generator=generator)
+    filled = width - width // 4
+    columns = torch.arange(width, device=device)
+    mask = (columns[None] >= pads[:, None]) & (columns[None] < filled)
+    return q, k, v, mask[:, None, None, :]
+
+
+def time_call(fn, args, iters: int, device) -> float:
+    """Seconds per call (CUDA events on a GPU, wall clock elsewhere)."""
+    for _ in range(3):
+        fn(*args)
+    if device.type == "cuda":
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        torch.cuda.synchronize()
+        start.record()
+        for _ in range(iters):
+            fn(*args)
+        end.record()
+        torch.cuda.synchronize()
+        return start.elapsed_time(end) / 1000 / iters
+    import time
+    began = time.perf_counter()
+    for _ in range(iters):
+        fn(*args)
+    return (time.perf_counter() - began) / iters
+
+
+def main(argv=None) -> list[dict]:
+    """Prints the table; returns its rows."""
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0], epilog=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--shapes", default="1024x384,624x512,180x1280", help="rows x cache width, comma-separated")
+    p.add_argument("--heads", type=int, default=9)
+    p.add_argument("--kv-heads", type=int, default=3)
+    p.add_argument("--head-dim", type=int, default=64)
+    p.add_argument("--layers", type=int, default=30, help="layers a decoding step runs (SmolLM2-135M: 30)")
+    p.add_argument("--iters", type=int, default=50)
+    p.add_argument("--bandwidth", type=float, default=4800.0, help="GB/s, for the bound (H200: 4,800)")
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--dtype", default="bfloat16")
+    args = p.parse_args(argv)
+    device, dtype = torch.device(args.device), getattr(torch, args.dtype)
+    generator = torch.Generator(device=device).manual_seed(0)
+    name = torch.cuda.get_device_name() if device.type == "cuda" else "cpu"
+    print(f"# Decoding attention, one layer, {name}, {args.dtype}, heads {args.heads}/{args.kv_heads}x{args.head_dim};"
+          f" ms a step = one layer x {args.layers}\n")
+    print("| rows x width | way | us a call | ms a step | vs repeat | max abs diff | K/V read bound, ms a step |")
+    print("| --- | --- | --- | --- | --- | --- | --- |")
+    results = []
+    with torch.inference_mode(), sdpa_without_cudnn():
+        for shape in args.shapes.split(","):
+            rows, width = (int(x) for x in shape.split("x"))
+            q, k, v, mask = inputs(rows, width, args.heads, args.kv_heads, args.head_dim, device, dtype, generator)
+            reference = attention_repeat(q, k, v, mask).float()
+            bound = 2 * k.numel() * k.element_size() / (args.bandwidth * 1e9) * args.layers * 1e3
+            base = None
+            for way, fn in WAYS.items():
+                seconds = time_call(fn, (q, k, v, mask), args.iters, device)
+                base = base or seconds
+                diff = (fn(q, k, v, mask).float() - reference).abs().max().item()
+                print(f"| {rows}x{width} | {way} | {seconds * 1e6:.1f} | {seconds * args.layers * 1e3:.2f} | "
+                      f"{base / seconds:.2f}x | {diff:.1e} | {bound:.2f} |", flush=True)
+                results.append({"shape": shape, "way": way, "seconds": seconds, "max_abs_diff": diff})
+    return results
+
+
+if __name__ == "__main__":
+    main()

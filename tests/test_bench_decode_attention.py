@@ -1,0 +1,27 @@
+"""scripts/bench_decode_attention.py on a CPU: every way of computing a decoding step's attention over a
+left-padded cache (folded GQA heads, plain matmuls) gives the result of transformers' repeat-the-heads way."""
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+import pytest
+
+SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "bench_decode_attention.py"
+
+
+def load_script():
+    spec = importlib.util.spec_from_file_location("bench_decode_attention", SCRIPT)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.mark.parametrize("heads", ["--heads 9 --kv-heads 3 --head-dim 64", "--heads 8 --kv-heads 8 --head-dim 32"])
+def test_every_way_equals_repeating_the_heads(heads, capsys):
+    rows = load_script().main(["--shapes", "5x40,3x72", "--iters", "1", "--device", "cpu", "--dtype", "float32",
+                               *heads.split()])
+    assert {row["way"] for row in rows} == {"repeat", "gqa", "folded", "matmul"}
+    assert len(rows) == 8
+    assert all(row["max_abs_diff"] < 1e-5 for row in rows), rows
+    assert "| 3x72 | matmul |" in capsys.readouterr().out
