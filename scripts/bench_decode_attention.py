@@ -11,6 +11,8 @@ padding mask. transformers' SDPA attention then repeats every key/value head for
            is read once, by a query block of `group` rows that share one position and one mask row
   matmul   the same folding as two batched matmuls and a softmax (no attention kernel: cuBLAS reads the
            cache as a batched matrix-vector product)
+  flex     torch's FlexAttention, compiled, with the padding as a block mask and enable_gqa: at one query a
+           row it runs its split-KV decoding kernel (the block mask is built once per shape, outside the timing)
 
 Each is timed with CUDA events over --iters calls, after a warm-up, under common.model.kernels.sdpa_without_cudnn
 (as the engine runs), and checked against `repeat` (max abs difference). The lower bound printed beside them is
@@ -62,7 +64,24 @@ def attention_matmul(q, k, v, mask):
     return (probabilities @ v).reshape(rows, heads, 1, dim)
 
 
-WAYS = {"repeat": attention_repeat, "gqa": attention_gqa, "folded": attention_folded, "matmul": attention_matmul}
+_BLOCK_MASKS: dict = {}
+
+
+def attention_flex(q, k, v, mask):
+    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+
+    key = (mask.data_ptr(), tuple(mask.shape))
+    if key not in _BLOCK_MASKS:
+        allowed = mask[:, 0, 0, :]
+        _BLOCK_MASKS[key] = create_block_mask(lambda b, h, q_idx, kv_idx: allowed[b, kv_idx], mask.shape[0], None,
+                                              1, mask.shape[-1], device=str(mask.device))
+    if "flex" not in _BLOCK_MASKS:
+        _BLOCK_MASKS["flex"] = torch.compile(flex_attention, dynamic=False)
+    return _BLOCK_MASKS["flex"](q, k, v, block_mask=_BLOCK_MASKS[key], enable_gqa=True)
+
+
+WAYS = {"repeat": attention_repeat, "gqa": attention_gqa, "folded": attention_folded, "matmul": attention_matmul,
+        "flex": attention_flex}
 
 
 def inputs(rows: int, width: int, heads: int, kv_heads: int, dim: int, device, dtype, generator):
@@ -110,7 +129,10 @@ def main(argv=None) -> list[dict]:
     p.add_argument("--bandwidth", type=float, default=4800.0, help="GB/s, for the bound (H200: 4,800)")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--dtype", default="bfloat16")
+    p.add_argument("--ways", default=",".join(WAYS), help="comma-separated, of " + ",".join(WAYS)
+                   + " (repeat, the reference, always runs first)")
     args = p.parse_args(argv)
+    ways = ["repeat"] + [way for way in args.ways.split(",") if way != "repeat"]
     device, dtype = torch.device(args.device), getattr(torch, args.dtype)
     generator = torch.Generator(device=device).manual_seed(0)
     name = torch.cuda.get_device_name() if device.type == "cuda" else "cpu"
@@ -126,7 +148,8 @@ def main(argv=None) -> list[dict]:
             reference = attention_repeat(q, k, v, mask).float()
             bound = 2 * k.numel() * k.element_size() / (args.bandwidth * 1e9) * args.layers * 1e3
             base = None
-            for way, fn in WAYS.items():
+            for way in ways:
+                fn = WAYS[way]
                 seconds = time_call(fn, (q, k, v, mask), args.iters, device)
                 base = base or seconds
                 diff = (fn(q, k, v, mask).float() - reference).abs().max().item()

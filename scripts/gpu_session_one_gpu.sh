@@ -9,19 +9,27 @@
 #                (float32 and float64, chain and tree, all of MT-bench) run beside it, so SpecForge's wall time
 #                here is not its own (its steps/s in specforge.log show by how much)
 #
-#   scripts/gpu_session_one_gpu.sh VERIFIER DATA_DIR WORK_DIR
+#   scripts/gpu_session_one_gpu.sh VERIFIER DATA_DIR WORK_DIR [snapshot]
 #     VERIFIER, DATA_DIR  as gpu_drafter_quality.sh's (DATA_DIR also holds REGEN_CACHE's smollm2_sharegpt_greedy_10k.tgz
 #                         and SpecForge's wheel, specforge-0.2.0-py3-none-any.whl)
 #     WORK_DIR            runs go to WORK_DIR/q-small, the checks to WORK_DIR/checks
 # Environment: SMALL [600], ENGINES [generate,loop], SPECFORGE_ARGS ["--lr 1e-4 --ttt-steps 7 --time-limit 660"],
 #   PYTHON [python3]; OUT: pack everything small into $OUT/quality.tgz and $OUT/checks.tgz at the end.
-# Progress: WORK_DIR/session.log.
+# Progress: WORK_DIR/session.log. With "snapshot" it only packs what exists so far (no weights, no hidden states)
+# into $OUT/snapshot.tgz: run it in every polling call, since a lent machine can be taken back mid-session with
+# everything on it (it was on 2026-12-02, 17 minutes in).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 VERIFIER=$1; DATA=$2; WORK=$3
 SMALL=${SMALL:-600}; ENGINES=${ENGINES:-generate,loop}; PY=${PYTHON:-python3}
 SPECFORGE_ARGS=${SPECFORGE_ARGS:-"--lr 1e-4 --ttt-steps 7 --time-limit 660"}
 RUN=$WORK/q; CHECKS=$WORK/checks
+if [ "${4:-}" = snapshot ]; then
+  tar czf "$OUT/snapshot.tgz" --exclude='*.safetensors' --exclude='*.pt' --exclude='hidden_states' \
+    --exclude='*.jsonl.gz' -C "$WORK" . && exit 0
+  exit 1
+fi
+FINAL_OUT=${OUT:-}; unset OUT  # the scripts below pack into OUT on every exit: only this one, at the end
 mkdir -p "$WORK" "$RUN/logs"
 say() { echo "$(date +%T) $*" | tee -a "$WORK/session.log"; }
 quality() {  # $1 phases of gpu_drafter_quality.sh: the comparison alone (LANES=""), on RUN-small
@@ -44,7 +52,7 @@ done
 say "lossless checks"; checks lossless
 wait "$compare"
 say "session done"
-if [ -n "${OUT:-}" ]; then
-  OUT=$OUT PHASES=pack bash scripts/gpu_drafter_quality.sh "$VERIFIER" "$DATA" "$RUN"
-  tar czf "$OUT/checks.tgz" --exclude='*.safetensors' --exclude='*.pt' -C "$WORK" checks session.log
+if [ -n "$FINAL_OUT" ]; then
+  OUT=$FINAL_OUT PHASES=pack bash scripts/gpu_drafter_quality.sh "$VERIFIER" "$DATA" "$RUN"
+  tar czf "$FINAL_OUT/checks.tgz" --exclude='*.safetensors' --exclude='*.pt' -C "$WORK" checks session.log
 fi

@@ -237,6 +237,11 @@ def decode_prompt(session: DecodingSession, index: int, prompt, on_turn: Callabl
     return entry, states
 
 
+def margin_text(margin: float | None) -> str:
+    """A logit margin as the log shows it: a tie's 2e-05 stays visible (four decimals made it -0.0000)."""
+    return "-" if margin is None else f"{margin:.2e}"
+
+
 def log_turn(log, record: dict, args, max_positions: int) -> None:
     """The warnings a decoded turn may call for."""
     max_new_tokens = args.max_new_tokens
@@ -248,7 +253,7 @@ def log_turn(log, record: dict, args, max_positions: int) -> None:
         log.warning("prompt %s turn %d: speculative output leaves the verifier's greedy output (%s) at token %d "
                     "of %d, logit margin %s (near 0: a tie the numerics can break; large: a bug)", record["prompt_id"],
                     record["turn"], check["reference"], check["first_divergence"], len(record["spec"]["tokens"]),
-                    fmt(check["logit_margin"], 4))
+                    margin_text(check["logit_margin"]))
 
 
 def run_offline(args, log, begin, prompt_spec, prompts, overlap) -> dict:
