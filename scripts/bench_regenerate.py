@@ -9,7 +9,8 @@ One run, the same prompts (the first user turns of a ShareGPT JSON / JSONL file)
      (the decoding step compiled) and warm (the rate a long stage 01 run sees, its pooled caches reused):
      "static" (transformers' generate over a StaticCache, the default on a GPU) and "loop" (our own
      decoding loop over the same caches, common.data.decode_loop); their replies are compared with
-     "generate"'s. Batches are packed by the token budget (--batch-size rows at the shortest width, fewer
+     "generate"'s (where differing ones part, and how far apart the model's logits of the two tokens are
+     there: a bf16 tie, or a bug). Batches are packed by the token budget (--batch-size rows at the shortest width, fewer
      when wider), each with a cache of its own width; the warm call's batches (rows, padded width, cache
      width, seconds, decoding steps, seconds per step) are written out, to show where the time goes;
    - with --profile, torch.profiler over the last batch of each warm call, run again: the top ops by
@@ -38,6 +39,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import statistics
 import sys
@@ -65,6 +67,8 @@ ENGINES = ("generate", *STATIC_CACHE_ENGINES, "continuous")
 # Rows of the report's engine table, in order.
 RUN_KEYS = ("generate", "static_cold", "static", "loop_cold", "loop", "continuous")
 TOP_OPS = 15
+# Differing reply pairs whose parting token is checked (spread over the set): one forward each.
+PARTING_SAMPLE = 200
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -205,12 +209,53 @@ def same_replies(a: list, b: list) -> dict:
     return found
 
 
+def parting_margins(model, tokenizer, prompts: list, a: list, b: list, device: str, limit: int = PARTING_SAMPLE) -> dict:
+    """Where two engines' greedy replies part, how close the choice was: for up to `limit` differing pairs
+    (spread over the set), each reply re-tokenized after its prompt text, one forward of `model` over the
+    prompt and the replies' common tokens, and the gap between its logits of the two tokens that follow. Two
+    bf16 numerics flip a choice where that gap is within bf16's spacing at the logits' size (2**-7 of the
+    top logit's power of two); a wrong cache or mask parts replies at wide gaps. `prompts`: each
+    conversation's prompt text (HFResponder.render), None where it has none."""
+    import torch
+
+    from common.model.kernels import sdpa_without_cudnn
+
+    def reply_tokens(prompt_ids: list, prompt: str, reply: str) -> list | None:
+        ids = list(tokenizer(prompt + reply, add_special_tokens=False)["input_ids"])
+        return ids[len(prompt_ids):] if ids[:len(prompt_ids)] == prompt_ids else None
+
+    pairs = [(p, x, y) for p, x, y in zip(prompts, a, b) if p and x is not None and y is not None and x != y]
+    margins, within, skipped = [], 0, 0
+    for prompt, x, y in pairs[::max(1, len(pairs) // limit)][:limit]:
+        prompt_ids = list(tokenizer(prompt, add_special_tokens=False)["input_ids"])
+        tx, ty = reply_tokens(prompt_ids, prompt, x), reply_tokens(prompt_ids, prompt, y)
+        i = len(os.path.commonprefix([tx, ty])) if tx and ty else 0
+        if not tx or not ty or i >= min(len(tx), len(ty)):  # one stops where the other goes on, or the text
+            skipped += 1                                      # does not re-tokenize after its prompt
+            continue
+        ids = torch.tensor([prompt_ids + tx[:i]], device=device)
+        with torch.inference_mode(), sdpa_without_cudnn():
+            logits = model(input_ids=ids, use_cache=False, logits_to_keep=1).logits[0, -1].float()
+        margin = abs(logits[tx[i]] - logits[ty[i]]).item()
+        margins.append(margin)
+        within += margin <= 2.0 ** (math.floor(math.log2(max(logits.abs().max().item(), 1e-30))) - 7)
+    if not margins:
+        return {"parting_checked": 0, "parting_skipped": skipped} if skipped else {}
+    return {"parting_checked": len(margins), "parting_skipped": skipped,
+            "parting_margin_median": round(statistics.median(margins), 4), "parting_margin_max": round(max(margins), 4),
+            "parting_within_bf16_spacing": within}
+
+
 def agreement_text(engine: str, counts: dict) -> str:
     """One engine's reply comparison in words."""
     text = f"{engine} {counts['equal']} of {counts['compared']}"
     if "differing_shared_prefix_median" in counts:
         text += (f" (the others share a median {100 * counts['differing_shared_prefix_median']:.0f} % of their "
                  f"text before they part; {counts['differing_within_first_5_percent']} part within the first 5 %)")
+    if counts.get("parting_checked"):
+        text += (f"; where {counts['parting_checked']} of them part, the two tokens' logits are a median "
+                 f"{counts['parting_margin_median']} apart (max {counts['parting_margin_max']}), "
+                 f"{counts['parting_within_bf16_spacing']} within bf16's spacing at that size")
     return text
 
 
@@ -286,7 +331,10 @@ def bench_verifier(model, tokenizer, stop_ids, conversations, args, device, batc
         run(f"{engine}_cold", engine, conversations, responder)
         warm = run(engine, engine, conversations, responder)
         if old:
-            result[f"{engine}_vs_generate_replies"] = same_replies(old["replies"], warm["replies"])
+            counts = same_replies(old["replies"], warm["replies"])
+            counts.update(parting_margins(model, tokenizer, [responder.render(c) for c in conversations],
+                                          old["replies"], warm["replies"], device))
+            result[f"{engine}_vs_generate_replies"] = counts
         if args.profile and responder.batch_log:
             result[f"{engine}_profile"] = profile_last_batch(responder, conversations, device)
             save()

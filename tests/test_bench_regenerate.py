@@ -85,3 +85,38 @@ def test_differing_replies_say_where_they_part():
     assert module.agreement_text("loop", found) == ("loop 1 of 3 (the others share a median 25 % of their text "
                                                    "before they part; 1 part within the first 5 %)")
     assert module.same_replies(["a"], ["a"]) == {"compared": 1, "equal": 1}
+
+
+
+def test_parting_margin_is_the_models_logit_gap_at_the_first_differing_token(stories260k):
+    """Two replies that part at a token: the margin is the gap between the model's logits of the two tokens
+    after the prompt and the common tokens, as a full forward over the first reply gives it; the model's
+    second choice is closer than its tenth, and a pair that does not differ is not counted."""
+    import importlib.util
+
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    spec = importlib.util.spec_from_file_location("bench_regenerate", ASSETS.parents[1] / "scripts" / "bench_regenerate.py")
+    bench_module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench_module)
+    tokenizer = AutoTokenizer.from_pretrained(stories260k)
+    model = AutoModelForCausalLM.from_pretrained(stories260k, dtype=torch.float32).eval()
+    prompt = "Once upon a time"
+    ids = list(tokenizer(prompt, add_special_tokens=False)["input_ids"])
+    with torch.inference_mode():
+        greedy = model.generate(torch.tensor([ids]), max_new_tokens=12, do_sample=False)[0].tolist()
+        logits = model(torch.tensor([greedy])).logits[0].float()
+    part = len(ids) + 4  # the replies share their first 4 tokens, then take the model's first and k-th choice
+    row = logits[part - 1]
+    text = lambda tokens: tokenizer.decode(tokens)[len(tokenizer.decode(ids)):]  # noqa: E731
+    gaps = {}
+    for k in (1, 9):
+        other = row.argsort(descending=True)[k].item()
+        first, second = text(greedy), text(greedy[:part] + [other])
+        assert list(tokenizer(prompt + second, add_special_tokens=False)["input_ids"]) == greedy[:part] + [other]
+        found = bench_module.parting_margins(model, tokenizer, [prompt, prompt], [first, first], [second, first], "cpu")
+        assert found["parting_checked"] == 1 and found["parting_skipped"] == 0
+        assert abs(found["parting_margin_median"] - (row[greedy[part]] - row[other]).item()) < 1e-3
+        gaps[k] = found["parting_margin_max"]
+    assert 0 < gaps[1] < gaps[9]

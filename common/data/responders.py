@@ -109,7 +109,8 @@ class HFResponder:
             torch.manual_seed(self.seed)
         return self.models
 
-    def _render(self, conversation: list[dict]) -> str | None:
+    def render(self, conversation: list[dict]) -> str | None:
+        """The prompt text the verifier continues: the chat template with the assistant's turn opened."""
         try:
             return self.tokenizer.apply_chat_template(conversation, tokenize=False, add_generation_prompt=True)
         except Exception:  # noqa: BLE001 - an unrenderable conversation gets no reply
@@ -126,7 +127,7 @@ class HFResponder:
     def plan(self, conversations: list[list[dict]]) -> tuple[list[list[int] | None], list[list[int]]]:
         """The conversations' prompt tokens (None: not renderable) and the batches a call runs, as lists of
         indices into `conversations`: the prompts within the length budget, shortest first."""
-        texts = [self._render(c) for c in conversations]
+        texts = [self.render(c) for c in conversations]
         encoded = [None if t is None else list(self.tokenizer(t, add_special_tokens=False)["input_ids"])
                    for t in texts]
         usable = [i for i, ids in enumerate(encoded) if ids is not None and 0 < len(ids) < self.max_prompt_tokens]
