@@ -5,7 +5,9 @@
 #                2,000 ShareGPT prompts, the float32 equality check, the Llama-8B-shaped verifier, and where a
 #                warm batch's time goes (issue 18)
 #   2. profile   stage 04 --profile-steps on RUN's hidden states (2,048-token steps, TTT 3, one epoch at most):
-#                the real loop's wall time a step against the device's busy time, and the top operations
+#                the real loop's wall time a step (with and without the profiler) against the device's busy
+#                time, and the top operations; once for each of PROFILE_PADS, the batch-length multiple
+#                (EAGLE3_PAD_TO: 1 is today's loop, 64 the candidate whose batch shapes repeat)
 #   3. lossless  stage 05 --tau-only on all of MT-bench with DRAFTER: chain 3-1-4 and tree 3-8 at T=0, in
 #                float32 and in float64, every turn checked against the verifier's greedy choice in the same
 #                precision (issue 17, item 3)
@@ -16,7 +18,8 @@
 #     VERIFIER  dense SmolLM2 folder; DATA_DIR holds sharegpt.json and mt_bench.jsonl
 #               (scripts/prepare_device_data.py); RUN_DIR a run with stage 02's hidden states (e.g.
 #               gpu_drafter_quality.sh's RUN-small); DRAFTER a drafter checkpoint folder
-# Environment: PHASES ["regen profile lossless"], DECODE_WORKERS [4], PROFILE_STEPS [20], WAIT_S [1200],
+# Environment: PHASES ["regen profile lossless"], DECODE_WORKERS [4], PROFILE_STEPS [20], PROFILE_PADS ["1 64"],
+#   WAIT_S [1200],
 #   PYTHON [python3] the interpreter with the project's requirements,
 #   REGEN_ARGS [""] more flags for bench_regenerate.py (e.g. "--llama-prompts 0" to leave the 8B shape out).
 # Progress: OUT_DIR/checks.log; each step's own log beside it.
@@ -24,7 +27,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 VERIFIER=$1; DATA=$2; RUN=$3; DRAFTER=$4; OUT=$5
 PHASES=${PHASES:-"regen profile lossless"}; DECODE_WORKERS=${DECODE_WORKERS:-4}; PROFILE_STEPS=${PROFILE_STEPS:-20}
-WAIT_S=${WAIT_S:-1200}; REGEN_ARGS=${REGEN_ARGS:-}; PY=${PYTHON:-python3}
+WAIT_S=${WAIT_S:-1200}; REGEN_ARGS=${REGEN_ARGS:-}; PY=${PYTHON:-python3}; PROFILE_PADS=${PROFILE_PADS:-"1 64"}
 export PYTHONUNBUFFERED=1
 mkdir -p "$OUT"
 LOG=$OUT/checks.log
@@ -45,14 +48,17 @@ if has regen; then
     --profile --continuous-prompts 0 $REGEN_ARGS > "$OUT/regen.log" 2>&1 || say "FAILED: regen (see regen.log)"
 fi
 if has profile && wait_for "$RUN/hidden_states/manifest.json"; then
-  say "stage 04 profile on $RUN"
-  # RUN's folders named one by one, not --run-dir: RUN's logs and recorded flags belong to the job making it
-  "$PY" 04_train.py --data-dir "$RUN/hidden_states" --vocab-mapping-dir "$RUN/vocab" --model-path "$VERIFIER" \
-    --output-dir "$OUT/train_profile" --epochs 1 \
-    --max-seq-len 2048 --max-tokens-per-batch 2048 --lr 1e-3 --num-workers 8 --profile-steps "$PROFILE_STEPS" \
-    --eval-interval 100000 --save-interval 100000 --overwrite > "$OUT/train_profile.log" 2>&1 \
-    || say "FAILED: stage 04 profile (see train_profile.log)"
-  grep -h "profile-steps" "$OUT/train_profile.log" | tee -a "$LOG" || true
+  for pad in $PROFILE_PADS; do
+    name=train_profile$([ "$pad" = 1 ] || echo "_pad$pad")
+    say "stage 04 profile on $RUN, EAGLE3_PAD_TO=$pad"
+    # RUN's folders named one by one, not --run-dir: RUN's logs and recorded flags belong to the job making it
+    EAGLE3_PAD_TO=$pad "$PY" 04_train.py --data-dir "$RUN/hidden_states" --vocab-mapping-dir "$RUN/vocab" \
+      --model-path "$VERIFIER" --output-dir "$OUT/$name" --epochs 1 \
+      --max-seq-len 2048 --max-tokens-per-batch 2048 --lr 1e-3 --num-workers 8 --profile-steps "$PROFILE_STEPS" \
+      --eval-interval 100000 --save-interval 100000 --overwrite > "$OUT/$name.log" 2>&1 \
+      || say "FAILED: stage 04 profile (see $name.log)"
+    grep -h "profile-steps\|04_train finished" "$OUT/$name.log" | tee -a "$LOG" || true
+  done
 fi
 if has lossless && wait_for "$DRAFTER/config.json"; then
   pids=()

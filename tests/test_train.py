@@ -12,6 +12,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+import re
 import shutil
 import sys
 from pathlib import Path
@@ -670,8 +671,30 @@ def test_profile_steps_writes_where_the_steps_spend_their_time(run_a, stories260
     assert text.startswith("2 steps profiled (steps ") and "(CPU: no device time)" in text
     assert "By host time:" in text and "aten::mm" in text and "By device time:" not in text
     assert "--profile-steps: 2 steps profiled" in log_text(profiled)
+    # with room for both, the 2 steps before the profiled ones are timed without the profiler
+    assert re.search(r"the 2 steps before, without the profiler: [0-9.]+ ms a step", text.splitlines()[0])
     assert not (plain / "profile_steps.txt").exists()
     assert [r["loss"] for r in records(profiled, "train")] == [r["loss"] for r in records(plain, "train")]
+
+
+def test_padding_batches_to_a_multiple_changes_shapes_not_training(run_a, stories260k, stage04, tmp_path,
+                                                                   monkeypatch):
+    """EAGLE3_PAD_TO=64 (the candidate that makes batch shapes repeat): every batch's length is a multiple of
+    64 (FP8's alignment kept), and the padded tokens change neither the losses nor the validation."""
+    from common.train.data import batch_length_multiple, collate
+
+    plain, padded = tmp_path / "plain", tmp_path / "padded"
+    assert stage04.main(train_argv(run_a, plain, stories260k, epochs=1)) == 0
+    monkeypatch.setenv("EAGLE3_PAD_TO", "64")
+    assert (batch_length_multiple(False), batch_length_multiple(True)) == (64, 64)
+    sample = {"input_ids": torch.arange(70), "loss_mask": torch.ones(70), "final": torch.zeros(70, 4)}
+    assert collate([sample], pad_to=batch_length_multiple(False))["input_ids"].shape == (1, 128)
+    assert stage04.main(train_argv(run_a, padded, stories260k, epochs=1)) == 0
+    for kind in ("train", "eval"):
+        ours, theirs = records(padded, kind), records(plain, kind)
+        assert len(ours) == len(theirs) > 0
+        for a, b in zip(ours, theirs):
+            assert a["loss"] == pytest.approx(b["loss"], rel=1e-4) and a["tokens"] == b["tokens"]
 
 
 def test_a_checkpoint_failing_its_check_stops_the_run(stories260k, tmp_path):

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import functools
 import math
+import os
 from pathlib import Path
 from typing import Sequence
 
@@ -12,6 +13,7 @@ import torch
 from torch.utils.data import DataLoader, Dataset
 
 from common.batching import pack_by_length
+from common.model.kernels import FP8_ALIGN
 
 VAL_SPLIT_FILE = "val_split.json"
 # Samples sorted by length together: large enough for little padding, small enough that the batches
@@ -100,6 +102,14 @@ class HiddenStateDataset(Dataset):
         sample = load_sample(self.data_dir, self.entries[position])
         # aux and final, or FP8 aux with aux_scale, or top-k targets (common.formats.storage)
         return {key: value[: self.max_seq_len] for key, value in sample.items()}
+
+
+def batch_length_multiple(fp8: bool) -> int:
+    """What a batch's length is rounded up to: FP8 GEMMs need multiples of FP8_ALIGN. EAGLE3_PAD_TO=N, a
+    candidate (off until measured), rounds to N as well, so that batch shapes repeat and the host's per-shape
+    work (cuBLAS's kernel choice, compiled kernels' guards) is done once per shape, not once per step."""
+    multiple = int(os.environ.get("EAGLE3_PAD_TO", "1"))
+    return math.lcm(multiple, FP8_ALIGN) if fp8 else multiple
 
 
 def collate(samples: Sequence[dict[str, torch.Tensor]], pad_to: int = 1) -> dict[str, torch.Tensor]:

@@ -5,7 +5,8 @@ data loader, host-to-device copies, metrics and progress; on a small drafter the
 the benchmark's step time (SmolLM2 on an H200, 2026-12-02), so the gap is looked for here. torch.profiler runs
 over N steps after a warm-up; the tables (by operation: device time first, then host time) go to
 OUTPUT_DIR/profile_steps.txt, and the log gives the wall time a step against the time the device was busy: a
-device busy for a small share of the step means the host bounds it.
+device busy for a small share of the step means the host bounds it. The profiler adds its own host time to every
+operation, so the N steps before it (when the run has room) are timed without it: the figure a run sees.
 """
 from __future__ import annotations
 
@@ -19,48 +20,68 @@ WARMUP_STEPS = 10  # compiled kernels, allocator and loader workers settle first
 
 
 class StepProfiler:
-    """A trainer hook (called after every optimizer step) that profiles the N steps after the warm-up."""
+    """A trainer hook (called after every optimizer step): after the warm-up, N steps timed alone (when the run
+    has room for them), then N steps profiled."""
 
     def __init__(self, steps: int, output_dir: Path, device: str, log):
         self.steps, self.output_dir, self.device, self.log = steps, Path(output_dir), device, log
-        self.start_step = None
-        self.profiler = None
+        self.phase = "waiting"  # then "timing" (when there is room), "profiling", "done"
+        self.phase_step = 0  # the step the current phase began after
         self.started_at = 0.0
+        self.unprofiled_ms: float | None = None
+        self.profiler = None
 
     def __call__(self, trainer) -> None:
         step = trainer.state.step
-        # after the warm-up, or earlier when the run is too short for both
-        warmup = min(WARMUP_STEPS, max(1, trainer.total_steps - self.steps))
-        if self.profiler is None and self.start_step is None and step >= warmup:
-            self._start(step)
-        elif self.profiler is not None and step >= self.start_step + self.steps:
+        # after the warm-up, or earlier when the run is too short for it and the steps measured
+        warmup = min(WARMUP_STEPS, max(1, trainer.total_steps - 2 * self.steps))
+        if self.phase == "waiting" and step >= warmup:
+            if trainer.total_steps - warmup >= 2 * self.steps:
+                self._begin("timing", step)
+            else:
+                self._start_profiler(step)
+        elif self.phase == "timing" and step >= self.phase_step + self.steps:
+            self.unprofiled_ms = 1000 * self._elapsed() / self.steps
+            self._start_profiler(step)
+        elif self.phase == "profiling" and step >= self.phase_step + self.steps:
             self._finish(step)
 
-    def _start(self, step: int) -> None:
+    def _begin(self, phase: str, step: int) -> None:
+        self._synchronize()
+        self.phase, self.phase_step, self.started_at = phase, step, time.perf_counter()
+
+    def _elapsed(self) -> float:
+        self._synchronize()
+        return time.perf_counter() - self.started_at
+
+    def _synchronize(self) -> None:
+        if self.device.startswith("cuda"):
+            import torch
+
+            torch.cuda.synchronize(self.device)
+
+    def _start_profiler(self, step: int) -> None:
         from torch.profiler import ProfilerActivity, profile
 
         activities = [ProfilerActivity.CPU]
         if self.device.startswith("cuda"):
             activities.append(ProfilerActivity.CUDA)
-        self.start_step = step
         self.profiler = profile(activities=activities)
         self.profiler.start()
-        self.started_at = time.perf_counter()
+        self._begin("profiling", step)
 
     def _finish(self, step: int) -> None:
-        import torch
-
         on_device = self.device.startswith("cuda")
-        if on_device:
-            torch.cuda.synchronize(self.device)
-        wall = time.perf_counter() - self.started_at
+        wall = self._elapsed()
         self.profiler.stop()
-        steps = step - self.start_step
+        steps = step - self.phase_step
         averages = self.profiler.key_averages()
         device_s = device_busy_seconds(self.profiler.events())
-        summary = (f"{steps} steps profiled (steps {self.start_step + 1}-{step}): {1000 * wall / steps:.1f} ms a step"
+        summary = (f"{steps} steps profiled (steps {self.phase_step + 1}-{step}): {1000 * wall / steps:.1f} ms a step"
                    + (f", the device busy {1000 * device_s / steps:.1f} ms of it "
-                      f"({100 * device_s / wall:.0f} %)" if on_device else " (CPU: no device time)"))
+                      f"({100 * device_s / wall:.0f} %)" if on_device else " (CPU: no device time)")
+                   + (f"; the {steps} steps before, without the profiler: {self.unprofiled_ms:.1f} ms a step"
+                      if self.unprofiled_ms is not None else ""))
         tables = [summary, ""]
         if on_device:
             tables += ["By device time:", averages.table(sort_by="self_device_time_total", row_limit=25), ""]
@@ -68,7 +89,7 @@ class StepProfiler:
         path = self.output_dir / PROFILE_FILE
         write_text_atomic(path, "\n".join(tables) + "\n")
         self.log.info("--profile-steps: %s; tables in %s", summary, path)
-        self.profiler = None
+        self.profiler, self.phase = None, "done"
 
 
 def device_busy_seconds(events) -> float:

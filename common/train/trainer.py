@@ -11,10 +11,10 @@ from typing import Any, Callable, Sequence
 import torch
 
 from common.cli.stage import Progress, get_logger
-from common.model.kernels import FP8_ALIGN
 from common.train.checkpoints import (BEST, TRAINING_STATE, CheckpointManager, capture_rng_state, checkpoint_name,
     load_optimizer_state, load_weights_exactly, restore_rng_state)
-from common.train.data import HiddenStateDataset, make_loader, plan_batches, step_shares, steps_in_epoch
+from common.train.data import (HiddenStateDataset, batch_length_multiple, make_loader, plan_batches, step_shares,
+                               steps_in_epoch)
 from common.train.metrics import MetricsWindow, MetricsWriter
 from common.train.parameters import model_device
 from common.train.step import TrainConfig, evaluate, train_step
@@ -146,7 +146,7 @@ class Trainer:
                 steps = step_shares(len(plan), start, self.micro_per_step, self.world_size, self.rank)
                 loader = make_loader(self.train_set, [plan[i] for _, share in steps for i, _ in share],
                                      loop.num_workers, cfg.device, loop.seed * 1000 + epoch,
-                                     pad_to=FP8_ALIGN if cfg.fp8 else 1)
+                                     pad_to=batch_length_multiple(cfg.fp8))
                 batches = iter(loader)
                 for end, share in steps:
                     waited = time.time()
@@ -244,7 +244,8 @@ class Trainer:
         if not self.val_batches:
             return None
         mine = self.val_batches[self.rank::self.world_size]
-        loader = make_loader(self.val_set, mine, self.loop.num_workers, self.cfg.device, self.loop.seed)
+        loader = make_loader(self.val_set, mine, self.loop.num_workers, self.cfg.device, self.loop.seed,
+                             pad_to=batch_length_multiple(False))
         started = time.time()
         with self.parallel.full_parameters() if self.parallel is not None else nullcontext():
             result = evaluate(self.model, loader, self.verifier_lm_head, self.cfg.ttt_steps, decay=self.cfg.ttt_decay,
