@@ -1,14 +1,16 @@
 #!/usr/bin/env python3
 """One decoding step's attention over a left-padded static KV cache, three ways, on the same tensors.
 
-Stage 01's "loop" engine decodes one token per row against a StaticCache of the batch's full width, with a
-padding mask. transformers' SDPA attention then repeats every key/value head for its query group
-(repeat_kv: SDPA's own GQA support is used only without a mask), so a SmolLM2 step reads 3x the cache:
+Stage 01's "static" and "loop" engines decode one token per row against a StaticCache of the batch's full
+width, with a padding mask. transformers' SDPA attention would repeat every key/value head for its query
+group (repeat_kv: SDPA's own GQA support is used only without a mask); the engines instead fold the groups
+(common.verifier.decode_attention). The ways, on the same tensors:
 
   repeat   what transformers does with a mask: K/V repeated to the query heads, then SDPA
   gqa      SDPA with enable_gqa=True on the unrepeated K/V
   folded   the query heads of a group folded into the query length ([B, kv, group, D]): every K/V head
-           is read once, by a query block of `group` rows that share one position and one mask row
+           is read once, by a query block of `group` rows that share one position and one mask row (the
+           engines' way today)
   matmul   the same folding as two batched matmuls and a softmax (no attention kernel: cuBLAS reads the
            cache as a batched matrix-vector product)
   flex     torch's FlexAttention, compiled, with the padding as a block mask and enable_gqa: at one query a

@@ -1,11 +1,12 @@
 #!/usr/bin/env bash
-# The GPU measurements of issues 17 and 18 on ONE GPU in about 25 minutes, ordered so that no timed part shares the
+# The GPU measurements of issues 17 and 18 on ONE GPU in about 28 minutes, ordered so that no timed part shares the
 # GPU with anything else:
 #   1. data      gpu_drafter_quality.sh's data phase: RUN-small (SMALL prompts, the SpecForge comparison's data)
 #   2. profile   gpu_checks.sh: stage 04 --profile-steps on RUN-small's hidden states        (timed, alone)
 #   3. regen     gpu_checks.sh: bench_regenerate.py, engines ENGINES, no 8B shape            (timed, alone)
 #   3b. attention  bench_decode_attention.py at SmolLM2's and Llama-8B's heads: the decoding attention the
-#                regeneration loop could run                                                  (timed, alone)
+#                regeneration loop could run, then the loop engine alone with the EAGLE3_DECODE_ATTENTION=matmul
+#                candidate (bench_regenerate.py --static-only, into WORK_DIR/checks/regen_matmul)  (timed, alone)
 #   4. compare   gpu_drafter_quality.sh: our stage 04, then SpecForge's recipe, then both drafters benchmarked;
 #                our training runs alone (timed); once SpecForge's starts, gpu_checks.sh's lossless checks
 #                (float32 and float64, chain and tree, all of MT-bench) run beside it, so SpecForge's wall time
@@ -51,6 +52,8 @@ say "decoding attention"
 { timeout 300 "$PY" scripts/bench_decode_attention.py
   timeout 300 "$PY" scripts/bench_decode_attention.py --heads 32 --kv-heads 8 --head-dim 128 --layers 32 \
     --shapes 128x1280,64x2304; } > "$CHECKS/decode_attention.md" 2> "$CHECKS/decode_attention.log"
+EAGLE3_DECODE_ATTENTION=matmul timeout 420 "$PY" scripts/bench_regenerate.py --model-path "$VERIFIER" \
+  --data "$DATA/sharegpt.json" --out "$CHECKS/regen_matmul" --static-only --engines loop > "$CHECKS/regen_matmul.log" 2>&1
 say "comparison"; quality "compare lanes" & compare=$!
 until grep -q "SpecForge's recipe on" "$RUN/logs/quality.log" 2> /dev/null || ! kill -0 "$compare" 2> /dev/null; do
   sleep 5

@@ -7,8 +7,14 @@ query heads of a group can stand in the query-length dimension of one K/V head, 
 the same mask gives the same result. Measured on an H200 with SmolLM2-135M (3 K/V heads for 9 query heads),
 a batch of 1024, 256 new tokens and a compiled static cache: 11 ms a step against 30 ms with `sdpa`.
 Prefill (several query tokens) and models without grouped heads use transformers' `sdpa` unchanged.
+
+SDPA's memory-efficient kernel still runs such a step about 5x slower than one read of the cache
+(scripts/bench_decode_attention.py). EAGLE3_DECODE_ATTENTION=matmul, a candidate (off until measured), computes
+the same step as two batched matmuls around a float32 softmax, which the compiled decoding step can fuse.
 """
 from __future__ import annotations
+
+import os
 
 NAME = "sdpa_gqa_decode"
 
@@ -27,9 +33,24 @@ def gqa_decode_attention(module, query, key, value, attention_mask, dropout: flo
     batch, heads, _, dim = query.shape
     # Query head h belongs to K/V head h // groups (the order repeat_kv gives), so a view groups them.
     grouped = query.view(batch, key.shape[1], groups, dim)
-    output = F.scaled_dot_product_attention(grouped, key, value, attn_mask=attention_mask, dropout_p=dropout,
-                                            scale=scaling)
+    if os.environ.get("EAGLE3_DECODE_ATTENTION") == "matmul" and dropout == 0.0:
+        output = matmul_attention(grouped, key, value, attention_mask, scaling)
+    else:
+        output = F.scaled_dot_product_attention(grouped, key, value, attn_mask=attention_mask, dropout_p=dropout,
+                                                scale=scaling)
     return output.reshape(batch, 1, heads, value.shape[-1]), None
+
+
+def matmul_attention(query, key, value, mask, scaling=None):
+    """softmax(q k^T * scale + mask) v with the scores in float32: query (batch, kv_heads, rows, dim), key and
+    value (batch, kv_heads, kv_len, dim); `mask` boolean (True: attend) or additive, broadcast over rows."""
+    import torch
+
+    scale = scaling if scaling is not None else query.shape[-1] ** -0.5
+    scores = torch.matmul(query, key.transpose(-1, -2)).float() * scale
+    if mask is not None:
+        scores = scores.masked_fill(~mask, float("-inf")) if mask.dtype == torch.bool else scores + mask
+    return torch.matmul(scores.softmax(dim=-1).to(value.dtype), value)
 
 
 def use_gqa_decode_attention(model) -> None:
