@@ -16,7 +16,7 @@
 #     VERIFIER, DATA_DIR  as gpu_drafter_quality.sh's (DATA_DIR also holds REGEN_CACHE's smollm2_sharegpt_greedy_10k.tgz
 #                         and SpecForge's wheel, specforge-0.2.0-py3-none-any.whl)
 #     WORK_DIR            runs go to WORK_DIR/q-small, the checks to WORK_DIR/checks
-# Environment: SMALL [600], ENGINES [generate,loop], SPECFORGE_ARGS ["--lr 1e-4 --ttt-steps 7 --time-limit 660"],
+# Environment: SMALL [500] (SpecForge then trains about 7 minutes beside the lossless checks), ENGINES [generate,loop], SPECFORGE_ARGS ["--lr 1e-4 --ttt-steps 7 --time-limit 660"],
 #   PYTHON [python3]; OUT: pack everything small into $OUT/quality.tgz and $OUT/checks.tgz at the end.
 # Progress: WORK_DIR/session.log. With "snapshot" it only packs what exists so far (no weights, no hidden states)
 # into $OUT/snapshot.tgz: run it in every polling call, since a lent machine can be taken back mid-session with
@@ -24,7 +24,7 @@
 set -uo pipefail
 cd "$(dirname "$0")/.."
 VERIFIER=$1; DATA=$2; WORK=$3
-SMALL=${SMALL:-600}; ENGINES=${ENGINES:-generate,loop}; PY=${PYTHON:-python3}
+SMALL=${SMALL:-500}; ENGINES=${ENGINES:-generate,loop}; PY=${PYTHON:-python3}
 SPECFORGE_ARGS=${SPECFORGE_ARGS:-"--lr 1e-4 --ttt-steps 7 --time-limit 660"}
 RUN=$WORK/q; CHECKS=$WORK/checks
 if [ "${4:-}" = snapshot ]; then
