@@ -17,7 +17,8 @@
 #                         and SpecForge's wheel, specforge-0.2.0-py3-none-any.whl)
 #     WORK_DIR            runs go to WORK_DIR/q-small, the checks to WORK_DIR/checks
 # Environment: SMALL [500] (SpecForge then trains about 7 minutes beside the lossless checks),
-#   ENGINES [generate,loop], SPECFORGE_ARGS ["--lr 1e-4 --ttt-steps 7 --time-limit 660"], PYTHON [python3]; OUT: pack everything small into $OUT/quality.tgz and $OUT/checks.tgz at the end.
+#   ENGINES [generate,loop], SPECFORGE_ARGS ["--lr 1e-4 --ttt-steps 7 --time-limit 660"], PYTHON [python3];
+#   OUT: pack everything small into $OUT/quality.tgz and $OUT/checks.tgz at the end.
 # Progress: WORK_DIR/session.log. With "snapshot" it only packs what exists so far (no weights, no hidden states)
 # into $OUT/snapshot.tgz: run it in every polling call, since a lent machine can be taken back mid-session with
 # everything on it (it was on 2026-12-02, 17 minutes in).
