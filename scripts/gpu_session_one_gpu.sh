@@ -54,7 +54,8 @@ say "decoding attention"
   timeout 300 "$PY" scripts/bench_decode_attention.py --heads 32 --kv-heads 8 --head-dim 128 --layers 32 \
     --shapes 128x1280,64x2304; } > "$CHECKS/decode_attention.md" 2> "$CHECKS/decode_attention.log"
 EAGLE3_DECODE_ATTENTION=matmul timeout 420 "$PY" scripts/bench_regenerate.py --model-path "$VERIFIER" \
-  --data "$DATA/sharegpt.json" --out "$CHECKS/regen_matmul" --static-only --engines loop > "$CHECKS/regen_matmul.log" 2>&1
+  --data "$DATA/sharegpt.json" --out "$CHECKS/regen_matmul" --static-only --engines loop \
+  > "$CHECKS/regen_matmul.log" 2>&1
 say "comparison"; quality "compare lanes" & compare=$!
 until grep -q "SpecForge's recipe on" "$RUN/logs/quality.log" 2> /dev/null || ! kill -0 "$compare" 2> /dev/null; do
   sleep 5
