@@ -10,9 +10,9 @@ group (repeat_kv: SDPA's own GQA support is used only without a mask); the engin
   gqa      SDPA with enable_gqa=True on the unrepeated K/V
   folded   the query heads of a group folded into the query length ([B, kv, group, D]): every K/V head
            is read once, by a query block of `group` rows that share one position and one mask row (the
-           engines' way today)
+           engines' way today: common.verifier.decode_attention.folded_decode_attention)
   matmul   the same folding as two batched matmuls and a softmax (no attention kernel: cuBLAS reads the
-           cache as a batched matrix-vector product)
+           cache as a batched matrix-vector product; the engines' EAGLE3_DECODE_ATTENTION=matmul candidate)
   flex     torch's FlexAttention, compiled, with the padding as a block mask and enable_gqa: at one query a
            row it runs its split-KV decoding kernel (the block mask is built once per shape, outside the timing)
 
@@ -37,6 +37,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from common.model.kernels import sdpa_without_cudnn  # noqa: E402
+from common.verifier.decode_attention import folded_decode_attention  # noqa: E402
 
 
 def attention_repeat(q, k, v, mask):
@@ -51,20 +52,11 @@ def attention_gqa(q, k, v, mask):
 
 
 def attention_folded(q, k, v, mask):
-    rows, heads, _, dim = q.shape
-    kv_heads = k.shape[1]
-    folded = q.reshape(rows, kv_heads, heads // kv_heads, dim)  # heads h*group..h*group+group-1 share K/V head h
-    out = F.scaled_dot_product_attention(folded, k, v, attn_mask=mask)
-    return out.reshape(rows, heads, 1, dim)
+    return folded_decode_attention(q, k, v, mask)
 
 
 def attention_matmul(q, k, v, mask):
-    rows, heads, _, dim = q.shape
-    kv_heads = k.shape[1]
-    folded = q.reshape(rows, kv_heads, heads // kv_heads, dim)
-    scores = (folded @ k.transpose(-1, -2)).float() * dim ** -0.5
-    probabilities = scores.masked_fill(~mask, float("-inf")).softmax(dim=-1).to(v.dtype)
-    return (probabilities @ v).reshape(rows, heads, 1, dim)
+    return folded_decode_attention(q, k, v, mask, way="matmul")
 
 
 @functools.cache

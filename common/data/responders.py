@@ -29,7 +29,8 @@ from common.model.kernels import sdpa_without_cudnn
 # "continuous" = transformers' continuous batching (`generate_batch`, a paged cache); "generate" = plain
 # batched `generate` with a dynamic cache (the first engine, kept as the reference and the fallback);
 # "loop" = our own decoding loop over the same pooled static caches, without `generate`
-# (common.data.decode_loop; not measured on a GPU yet, so "auto" does not pick it).
+# (common.data.decode_loop; measured once on an H200, not yet side by side with "static", so "auto" does not
+# pick it).
 ENGINES = ("static", "loop", "continuous", "generate")
 DEFAULT_ENGINE = "auto"  # static on a GPU; generate on a CPU, where the static cache is slower (docs/data.md)
 

@@ -23,22 +23,32 @@ def gqa_decode_attention(module, query, key, value, attention_mask, dropout: flo
                          is_causal=None, **kwargs):
     """transformers' attention-function signature: query (batch, heads, q_len, dim), key/value (batch,
     kv_heads, kv_len, dim); returns (batch, q_len, heads, dim) and no weights."""
-    import torch.nn.functional as F
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
     groups = getattr(module, "num_key_value_groups", 1)
     if query.shape[2] != 1 or groups == 1 or kwargs.get("position_bias") is not None:
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
                                       is_causal=is_causal, **kwargs)
+    way = "matmul" if os.environ.get("EAGLE3_DECODE_ATTENTION") == "matmul" and dropout == 0.0 else "sdpa"
+    output = folded_decode_attention(query, key, value, attention_mask, scaling, way, dropout)
+    batch, heads, _, value_dim = output.shape
+    return output.reshape(batch, 1, heads, value_dim), None  # one query: the same memory as (batch, heads, 1)
+
+
+def folded_decode_attention(query, key, value, mask, scaling=None, way: str = "sdpa", dropout: float = 0.0):
+    """One decoding step with each group's query heads folded onto their K/V head: query (batch, heads, 1,
+    dim), key/value (batch, kv_heads, kv_len, dim) -> (batch, heads, 1, value dim). `way`: one SDPA call, or
+    "matmul" (matmul_attention)."""
+    import torch.nn.functional as F
+
     batch, heads, _, dim = query.shape
     # Query head h belongs to K/V head h // groups (the order repeat_kv gives), so a view groups them.
-    grouped = query.view(batch, key.shape[1], groups, dim)
-    if os.environ.get("EAGLE3_DECODE_ATTENTION") == "matmul" and dropout == 0.0:
-        output = matmul_attention(grouped, key, value, attention_mask, scaling)
+    grouped = query.view(batch, key.shape[1], heads // key.shape[1], dim)
+    if way == "matmul":
+        output = matmul_attention(grouped, key, value, mask, scaling)
     else:
-        output = F.scaled_dot_product_attention(grouped, key, value, attn_mask=attention_mask, dropout_p=dropout,
-                                                scale=scaling)
-    return output.reshape(batch, 1, heads, value.shape[-1]), None
+        output = F.scaled_dot_product_attention(grouped, key, value, attn_mask=mask, dropout_p=dropout, scale=scaling)
+    return output.reshape(batch, heads, 1, value.shape[-1])
 
 
 def matmul_attention(query, key, value, mask, scaling=None):
