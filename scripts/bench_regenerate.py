@@ -1,7 +1,8 @@
 #!/usr/bin/env python3
 """Speed of stage 01's regeneration engines (common.data.responders.HFResponder, --regenerate-engine).
 
-One run, the same prompts (the first user turns of a ShareGPT JSON / JSONL file), greedy:
+One run, the same prompts (the first user turns of --num-prompts conversations of a ShareGPT JSON / JSONL
+file, a seeded sample spread over it), greedy:
 
 1. the verifier at --model-path (e.g. SmolLM2-135M-Instruct, a dense HF folder) in --dtype:
    - "generate" (the first engine, the reference) on every prompt;
@@ -44,7 +45,6 @@ import os
 import statistics
 import sys
 import time
-from itertools import islice
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
@@ -112,12 +112,11 @@ def engine_list(text: str) -> tuple[str, ...]:
 
 
 def first_turns(data: str, count: int) -> list[list[dict]]:
-    from common.data.records import BadRecords
-    from common.data.sources import read_records, resolve_source
+    """The first user turns of `count` conversations of the file: a seeded sample spread over the whole file
+    (common.bench.prompts.load_prompts, as stage 05's --num-prompts), not its first lines."""
+    from common.bench.prompts import load_prompts
 
-    records = read_records([resolve_source(data)], BadRecords())
-    chats = [r for r in records if r.is_chat and any(m["role"] == "user" for m in r.messages)]
-    return [[next(m for m in r.messages if m["role"] == "user")] for r in islice(chats, count)]
+    return [[{"role": "user", "content": prompt.turns[0]}] for prompt in load_prompts(data, count)]
 
 
 def prompt_lengths(tokenizer, conversations: list) -> list[int]:

@@ -120,3 +120,22 @@ def test_parting_margin_is_the_models_logit_gap_at_the_first_differing_token(sto
         assert abs(found["parting_margin_median"] - (row[greedy[part]] - row[other]).item()) < 1e-3
         gaps[k] = found["parting_margin_max"]
     assert 0 < gaps[1] < gaps[9]
+
+
+def test_bench_prompts_are_a_seeded_sample_spread_over_the_file(tmp_path):
+    """--num-prompts below the file's size takes a sample from the whole file, the same every run, not its
+    first lines."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("bench_regenerate", ASSETS.parents[1] / "scripts" / "bench_regenerate.py")
+    bench_module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench_module)
+    rows = [{"id": f"c{i}", "conversations": [{"from": "human", "value": f"question {i}"}, {"from": "gpt", "value": "ok"}]}
+            for i in range(40)]
+    data = tmp_path / "sharegpt.json"
+    data.write_text(json.dumps(rows))
+    chosen = bench_module.first_turns(str(data), 8)
+    assert chosen == bench_module.first_turns(str(data), 8) and len(chosen) == 8
+    numbers = sorted(int(turns[0]["content"].split()[1]) for turns in chosen)
+    assert len(set(numbers)) == 8 and numbers != list(range(8)) and numbers[-1] >= 20
+    assert all(turns[0]["role"] == "user" for turns in chosen)
