@@ -80,6 +80,8 @@
 #   SPECFORGE_ARGS []        more flags for its recipe, e.g. "--lr 1e-4 --ttt-steps 7 --time-limit 720": SpecForge's own
 #                            learning rate and TTT depth (without them it takes our run's, 1e-3 and 3); at 800
 #                            prompts it needs about 600 s alone on an H200 (5 steps/s on 2026-12-02)
+#   SPECFORGE_BESIDE [0]     1: SpecForge trains beside the lanes (after our small run, which trains alone), so
+#                            its wall time is not its own: its steps/s in specforge.log say by how much
 #   PHASES ["data compare lanes table"]; "pack" alone packs what exists
 #   MPS, EXTRAS [1], OUT     OUT: pack logs, manifests, metrics and reports into $OUT/quality.tgz, and the replies
 #                            the data and sampled lanes regenerated into $OUT/regenerated_<lane>.tgz (a REGEN_CACHE:
@@ -279,21 +281,31 @@ if [ -n "$SPECFORGE" ]; then
   fi
   export PYTHONPATH=$SPECFORGE${PYTHONPATH:+:$PYTHONPATH}
 fi
-if has compare && [ -n "$SPECFORGE" ]; then
-  train04 "$SMALL_RUN" "$SMALL_RUN/checkpoints" "$SMALL_STEP_TOKENS" 8 || true
+specforge_train() {  # SpecForge's recipe on RUN-small's samples and epochs
   say "SpecForge's recipe on $SMALL_RUN"
   python3 scripts/compare_recipes.py --run-dir "$SMALL_RUN" --model-path "$VERIFIER" --parts train \
     --recipe-args "$SPECFORGE_ARGS" > "$SMALL_RUN/logs/specforge.log" 2>&1 || say "FAILED: SpecForge's recipe"
   say "SpecForge done"
+}
+compare_bench() {  # both small drafters through the same stage-05 runs, and their table
+  [ -d "$SMALL_RUN/specforge/best" ] || return 0
+  python3 scripts/compare_recipes.py --run-dir "$SMALL_RUN" --model-path "$VERIFIER" --parts bench table \
+    --mt-bench "$DATA/mt_bench.jsonl" --max-new-tokens "$NEW_TOKENS" --jobs 6 --decode-workers "$DECODE_WORKERS" \
+    > "$SMALL_RUN/logs/compare.log" 2>&1 || say "FAILED: compare bench"
+}
+beside=""  # with SPECFORGE_BESIDE=1, SpecForge trains (then both drafters are benchmarked) beside the lanes
+if has compare && [ -n "$SPECFORGE" ]; then
+  train04 "$SMALL_RUN" "$SMALL_RUN/checkpoints" "$SMALL_STEP_TOKENS" 8 || true
+  if [ "${SPECFORGE_BESIDE:-0}" = 1 ] && has lanes; then
+    (specforge_train; compare_bench) & beside=$!
+  else
+    specforge_train
+  fi
 fi
 if has lanes; then
   pids=()
   for name in $LANES; do start_lane "$name" & pids+=($!); done
-  if [ -d "$SMALL_RUN/specforge/best" ]; then
-    (python3 scripts/compare_recipes.py --run-dir "$SMALL_RUN" --model-path "$VERIFIER" --parts bench table \
-       --mt-bench "$DATA/mt_bench.jsonl" --max-new-tokens "$NEW_TOKENS" --jobs 6 --decode-workers "$DECODE_WORKERS" \
-       > "$SMALL_RUN/logs/compare.log" 2>&1 || say "FAILED: compare bench") & pids+=($!)
-  fi
+  if [ -n "$beside" ]; then pids+=("$beside"); else compare_bench & pids+=($!); fi
   for pid in "${pids[@]}"; do wait "$pid" || true; done
   say "lanes done"
 fi

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# The GPU measurements of issues 17 and 18 on ONE GPU in about 28 minutes, ordered so that no timed part shares the
-# GPU with anything else:
+# The GPU measurements of issues 17 and 18 on ONE GPU in about 28 minutes (all five parts), ordered so that no timed
+# part shares the GPU with anything else:
 #   1. data      gpu_drafter_quality.sh's data phase: RUN-small (SMALL prompts, the SpecForge comparison's data)
 #   2. profile   gpu_checks.sh: stage 04 --profile-steps on RUN-small's hidden states        (timed, alone)
 #   3. regen     gpu_checks.sh: bench_regenerate.py, engines ENGINES, no 8B shape            (timed, alone)
@@ -16,7 +16,11 @@
 #     VERIFIER, DATA_DIR  as gpu_drafter_quality.sh's (DATA_DIR also holds REGEN_CACHE's smollm2_sharegpt_greedy_10k.tgz
 #                         and SpecForge's wheel, specforge-0.2.0-py3-none-any.whl)
 #     WORK_DIR            runs go to WORK_DIR/q-small, the checks to WORK_DIR/checks
-# Environment: SMALL [500] (SpecForge then trains about 7 minutes beside the lossless checks),
+# Environment: PARTS ["data profile regen attention compare"]: the parts above to run, in this order;
+#   LANES [""]: recipe lanes (gpu_drafter_quality.sh's) to train and benchmark in the compare part, with SpecForge
+#   beside them instead of the lossless checks (its wall time then shared with the lanes' trainings; LANES'
+#   own settings, e.g. DATA_SAMPLES, DATA_EXTRA, DATA_EPOCHS, pass through the environment);
+#   SMALL [500] (SpecForge then trains about 7 minutes beside the lossless checks),
 #   ENGINES [generate,loop], SPECFORGE_ARGS ["--lr 1e-4 --ttt-steps 7 --time-limit 660"], PYTHON [python3];
 #   OUT: pack everything small into $OUT/quality.tgz and $OUT/checks.tgz at the end.
 # Progress: WORK_DIR/session.log. With "snapshot" it only packs what exists so far (no weights, no hidden states)
@@ -25,19 +29,20 @@
 set -uo pipefail
 cd "$(dirname "$0")/.."
 VERIFIER=$1; DATA=$2; WORK=$3
+PARTS=${PARTS:-"data profile regen attention compare"}; LANES=${LANES:-}
 SMALL=${SMALL:-500}; ENGINES=${ENGINES:-generate,loop}; PY=${PYTHON:-python3}
 SPECFORGE_ARGS=${SPECFORGE_ARGS:-"--lr 1e-4 --ttt-steps 7 --time-limit 660"}
 RUN=$WORK/q; CHECKS=$WORK/checks
 if [ "${4:-}" = snapshot ]; then
   tar czf "$OUT/snapshot.tgz" --exclude='*.safetensors' --exclude='*.pt' --exclude='hidden_states' \
-    --exclude='*.jsonl.gz' -C "$WORK" . && exit 0
+    --exclude='*.jsonl.gz' --exclude='*/data/*.jsonl' -C "$WORK" . && exit 0
   exit 1
 fi
 FINAL_OUT=${OUT:-}; unset OUT  # the scripts below pack into OUT on every exit: only this one, at the end
 mkdir -p "$WORK" "$RUN/logs"
 say() { echo "$(date +%T) $*" | tee -a "$WORK/session.log"; }
-quality() {  # $1 phases of gpu_drafter_quality.sh: the comparison alone (LANES=""), on RUN-small
-  MPS=1 EXTRAS=0 LANES="" SMALL=$SMALL REGEN_CACHE=$DATA/smollm2_sharegpt_greedy_10k.tgz \
+quality() {  # $1 phases of gpu_drafter_quality.sh: the comparison on RUN-small, and LANES on RUN
+  MPS=1 EXTRAS=0 LANES=$LANES SPECFORGE_BESIDE=1 SMALL=$SMALL REGEN_CACHE=$DATA/smollm2_sharegpt_greedy_10k.tgz \
     SPECFORGE=$DATA/specforge-0.2.0-py3-none-any.whl SPECFORGE_ARGS=$SPECFORGE_ARGS PHASES=$1 \
     bash scripts/gpu_drafter_quality.sh "$VERIFIER" "$DATA" "$RUN"
 }
@@ -46,22 +51,34 @@ checks() {  # $1 phases of gpu_checks.sh
     bash scripts/gpu_checks.sh "$VERIFIER" "$DATA" "$RUN-small" "$RUN-small/checkpoints/best" "$CHECKS"
 }
 
-say "data"; quality data
-say "stage 04 profile"; checks profile
-say "regeneration engines"; checks regen
-say "decoding attention"
-{ timeout 300 "$PY" scripts/bench_decode_attention.py
-  timeout 300 "$PY" scripts/bench_decode_attention.py --heads 32 --kv-heads 8 --head-dim 128 --layers 32 \
-    --shapes 128x1280,64x2304; } > "$CHECKS/decode_attention.md" 2> "$CHECKS/decode_attention.log"
-EAGLE3_DECODE_ATTENTION=matmul timeout 420 "$PY" scripts/bench_regenerate.py --model-path "$VERIFIER" \
-  --data "$DATA/sharegpt.json" --out "$CHECKS/regen_matmul" --static-only --engines loop \
-  > "$CHECKS/regen_matmul.log" 2>&1
-say "comparison"; quality "compare lanes" & compare=$!
-until grep -q "SpecForge's recipe on" "$RUN/logs/quality.log" 2> /dev/null || ! kill -0 "$compare" 2> /dev/null; do
-  sleep 5
+part_data() { say "data"; quality data; }
+part_profile() { say "stage 04 profile"; checks profile; }
+part_regen() { say "regeneration engines"; checks regen; }
+part_attention() {
+  say "decoding attention"
+  { timeout 300 "$PY" scripts/bench_decode_attention.py
+    timeout 300 "$PY" scripts/bench_decode_attention.py --heads 32 --kv-heads 8 --head-dim 128 --layers 32 \
+      --shapes 128x1280,64x2304; } > "$CHECKS/decode_attention.md" 2> "$CHECKS/decode_attention.log"
+  EAGLE3_DECODE_ATTENTION=matmul timeout 420 "$PY" scripts/bench_regenerate.py --model-path "$VERIFIER" \
+    --data "$DATA/sharegpt.json" --out "$CHECKS/regen_matmul" --static-only --engines loop \
+    > "$CHECKS/regen_matmul.log" 2>&1
+}
+part_compare() {
+  if [ -n "$LANES" ]; then  # SpecForge beside the lanes; their benchmarks after
+    say "comparison beside lanes: $LANES"; quality "compare lanes table"; return
+  fi
+  say "comparison"; quality "compare lanes" & local compare=$!
+  until grep -q "SpecForge's recipe on" "$RUN/logs/quality.log" 2> /dev/null || ! kill -0 "$compare" 2> /dev/null; do
+    sleep 5
+  done
+  say "lossless checks"; checks lossless
+  wait "$compare"
+}
+mkdir -p "$CHECKS"
+for part in $PARTS; do
+  declare -F "part_$part" > /dev/null || { say "no part called $part (PARTS: data profile regen attention compare)"; exit 2; }
 done
-say "lossless checks"; checks lossless
-wait "$compare"
+for part in $PARTS; do "part_$part"; done
 say "session done"
 if [ -n "$FINAL_OUT" ]; then
   OUT=$FINAL_OUT PHASES=pack bash scripts/gpu_drafter_quality.sh "$VERIFIER" "$DATA" "$RUN"
