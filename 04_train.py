@@ -12,8 +12,8 @@ import sys
 
 from common.cli.flags import parse_stage_args
 from common.cli.stage import run_stage
-from common.train.inputs import (STAGE, check_disk, check_fp8, check_inputs, check_output, rank_device,
-    run_config_of)
+from common.train.inputs import (STAGE, apply_min_steps, check_disk, check_fp8, check_inputs, check_output,
+    rank_device, run_config_of)
 
 
 def parse(argv):
@@ -28,6 +28,7 @@ def work(args, log, hooks=()):
     rank = distributed.rank_info()
     # Every rank checks everything (read-only), so a bad input stops all of them with exit code 2.
     inputs = check_inputs(args, log)
+    apply_min_steps(args, inputs, rank.world_size, log)
     run_config = run_config_of(args, inputs, rank.world_size)
     resume_from, clear_first = check_output(args, run_config, log)
     check_disk(args, count_parameters(inputs), log)

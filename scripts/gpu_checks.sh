@@ -7,7 +7,7 @@
 #   2. profile   stage 04 --profile-steps on RUN's hidden states (2,048-token steps, TTT 3, one epoch at most):
 #                the real loop's wall time a step (with and without the profiler) against the device's busy
 #                time, and the top operations; once for each of PROFILE_PADS, the batch-length multiple
-#                (EAGLE3_PAD_TO: 1 is today's loop, 64 the candidate whose batch shapes repeat)
+#                (--pad-batches-to: 1 is the loop before 2026-12-02, 64 the default since, whose batch shapes repeat)
 #   3. lossless  stage 05 --tau-only on all of MT-bench with DRAFTER: chain 3-1-4 and tree 3-8 at T=0, in
 #                float32 and in float64, every turn checked against the verifier's greedy choice in the same
 #                precision (issue 17, item 3)
@@ -50,9 +50,9 @@ fi
 if has profile && wait_for "$RUN/hidden_states/manifest.json"; then
   for pad in $PROFILE_PADS; do
     name=train_profile$([ "$pad" = 1 ] || echo "_pad$pad")
-    say "stage 04 profile on $RUN, EAGLE3_PAD_TO=$pad"
+    say "stage 04 profile on $RUN, --pad-batches-to $pad"
     # RUN's folders named one by one, not --run-dir: RUN's logs and recorded flags belong to the job making it
-    EAGLE3_PAD_TO=$pad "$PY" 04_train.py --data-dir "$RUN/hidden_states" --vocab-mapping-dir "$RUN/vocab" \
+    "$PY" 04_train.py --pad-batches-to "$pad" --data-dir "$RUN/hidden_states" --vocab-mapping-dir "$RUN/vocab" \
       --model-path "$VERIFIER" --output-dir "$OUT/$name" --epochs 1 \
       --max-seq-len 2048 --max-tokens-per-batch 2048 --lr 1e-3 --num-workers 8 --profile-steps "$PROFILE_STEPS" \
       --eval-interval 100000 --save-interval 100000 --overwrite > "$OUT/$name.log" 2>&1 \

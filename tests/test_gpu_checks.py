@@ -31,9 +31,9 @@ def test_checks_profile_the_loop_and_find_every_turn_lossless(tmp_path, stories2
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     log = (out / "checks.log").read_text()
     assert "FAILED" not in log and "--profile-steps: 2 steps profiled" in log and "checks done" in log
-    for name in ("train_profile", "train_profile_pad64"):  # today's loop, then batch lengths padded to 64
+    for name in ("train_profile", "train_profile_pad64"):  # unpadded, then batch lengths padded to 64
         assert (out / name / "profile_steps.txt").read_text().startswith("2 steps profiled")
-    assert "EAGLE3_PAD_TO=64" in log and log.count("--profile-steps: 2 steps profiled") == 2
+    assert "--pad-batches-to 64" in log and log.count("--profile-steps: 2 steps profiled") == 2
     for drafting in ("chain", "tree"):
         for dtype in ("float32", "float64"):
             (path,) = (out / f"lossless_{drafting}_{dtype}").glob("bench_offline_*.json")

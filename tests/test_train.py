@@ -677,24 +677,57 @@ def test_profile_steps_writes_where_the_steps_spend_their_time(run_a, stories260
     assert [r["loss"] for r in records(profiled, "train")] == [r["loss"] for r in records(plain, "train")]
 
 
-def test_padding_batches_to_a_multiple_changes_shapes_not_training(run_a, stories260k, stage04, tmp_path,
-                                                                   monkeypatch):
-    """EAGLE3_PAD_TO=64 (the candidate that makes batch shapes repeat): every batch's length is a multiple of
-    64 (FP8's alignment kept), and the padded tokens change neither the losses nor the validation."""
-    from common.train.data import batch_length_multiple, collate
+def test_padding_batches_to_a_multiple_changes_shapes_not_training(run_a, stories260k, stage04, tmp_path):
+    """--pad-batches-to (64 by default on a GPU, so that batch shapes repeat; 1 on a CPU): batch lengths are
+    multiples of it (FP8's alignment kept), a padded batch stays within --max-tokens-per-batch, and the padded
+    tokens change neither the losses nor the validation where the plan is the same (decided by --batch-size)."""
+    from common.train.data import batch_length_multiple, collate, plan_batches, round_up
+    from common.train.inputs import default_pad_batches_to
 
-    plain, padded = tmp_path / "plain", tmp_path / "padded"
-    assert stage04.main(train_argv(run_a, plain, stories260k, epochs=1)) == 0
-    monkeypatch.setenv("EAGLE3_PAD_TO", "64")
-    assert (batch_length_multiple(False), batch_length_multiple(True)) == (64, 64)
+    assert (default_pad_batches_to("cuda:0"), default_pad_batches_to("cpu")) == (64, 1)
+    assert [batch_length_multiple(*case) for case in ((64, False), (64, True), (1, True), (1, False))] == [64, 64, 16, 1]
+    lengths = [70, 130, 5, 64, 200, 199, 1, 65, 120, 3]
+    plan = plan_batches(lengths, 384, 8, seed=0, epoch=0, pad_to=64)
+    assert sorted(i for batch in plan for i in batch) == list(range(len(lengths)))
+    assert all(len(batch) * max(round_up(lengths[i], 64) for i in batch) <= 384 for batch in plan)
+    unaware = plan_batches(lengths, 384, 8, seed=0, epoch=0)  # the plan that does not count the padding
+    assert any(len(batch) * max(round_up(lengths[i], 64) for i in batch) > 384 for batch in unaware)
     sample = {"input_ids": torch.arange(70), "loss_mask": torch.ones(70), "final": torch.zeros(70, 4)}
-    assert collate([sample], pad_to=batch_length_multiple(False))["input_ids"].shape == (1, 128)
-    assert stage04.main(train_argv(run_a, padded, stories260k, epochs=1)) == 0
+    assert collate([sample], pad_to=64)["input_ids"].shape == (1, 128)
+
+    runs = {pad: tmp_path / f"pad{pad}" for pad in (None, 64)}  # None: the CPU's default, unpadded
+    for pad, out in runs.items():
+        assert stage04.main(train_argv(run_a, out, stories260k, epochs=1, pad_batches_to=pad,
+                                       max_tokens_per_batch=100_000)) == 0
+    recorded = [read_json(out / read_json(out / "latest.json")["checkpoint"] / "trainer_state.json") for out in runs.values()]
+    assert [state["run_config"]["pad_batches_to"] for state in recorded] == [1, 64]
     for kind in ("train", "eval"):
-        ours, theirs = records(padded, kind), records(plain, kind)
+        ours, theirs = records(runs[64], kind), records(runs[None], kind)
         assert len(ours) == len(theirs) > 0
         for a, b in zip(ours, theirs):
             assert a["loss"] == pytest.approx(b["loss"], rel=1e-4) and a["tokens"] == b["tokens"]
+
+
+def test_min_steps_puts_fewer_sequences_in_a_step_until_the_plan_gives_enough(run_a, stories260k, stage04, tmp_path):
+    """--min-steps (a candidate, off by default): a plan that gives fewer optimizer steps puts fewer sequences in
+    each micro-batch (one at least) and records the cap, so that a resume plans the same; enough steps: no change."""
+    from common.train.data import sequences_for_min_steps
+
+    lengths, unlimited = [100] * 40, 1 << 30  # ten sequences fill a 1,000-token batch: 4 batches an epoch
+    assert sequences_for_min_steps(lengths, 1000, unlimited, 2, 1, 8, seed=0) == unlimited  # 8 steps already
+    assert sequences_for_min_steps(lengths, 1000, unlimited, 2, 1, 20, seed=0) == 4  # 10 batches an epoch
+    assert sequences_for_min_steps(lengths, 1000, unlimited, 2, 2, 20, seed=0) == 2  # two micro-batches a step
+    assert sequences_for_min_steps(lengths, 1000, unlimited, 2, 1, 10_000, seed=0) == 1
+    assert sequences_for_min_steps(lengths, 1000, unlimited, 2, 1, 0, seed=0) == unlimited
+
+    plain, capped = tmp_path / "plain", tmp_path / "capped"
+    assert stage04.main(train_argv(run_a, plain, stories260k, epochs=1)) == 0
+    planned = read_json(plain / "latest.json")["total_steps"]
+    assert stage04.main(train_argv(run_a, capped, stories260k, epochs=1, min_steps=2 * planned)) == 0
+    assert read_json(capped / "latest.json")["total_steps"] >= 2 * planned
+    state = read_json(capped / read_json(capped / "latest.json")["checkpoint"] / "trainer_state.json")
+    assert state["run_config"]["min_steps"] == 2 * planned and state["run_config"]["max_sequences"] < 8
+    assert f"--min-steps {2 * planned}: the batch plan gives fewer optimizer steps" in log_text(capped)
 
 
 def test_a_checkpoint_failing_its_check_stops_the_run(stories260k, tmp_path):

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import functools
 import math
-import os
 from pathlib import Path
 from typing import Sequence
 
@@ -38,14 +37,16 @@ def split_train_val(ids: Sequence[str], val_ratio: float, seed: int) -> tuple[li
 
 
 def plan_batches(lengths: Sequence[int], max_tokens: int, max_sequences: int, seed: int, epoch: int,
-                 shuffle: bool = True) -> list[list[int]]:
+                 shuffle: bool = True, pad_to: int = 1) -> list[list[int]]:
     """The batches of one epoch as lists of positions into `lengths`, deterministic from (seed, epoch).
 
     Samples are shuffled, sorted by length inside windows of BUCKET_WINDOW (similar lengths share a batch,
     so little padding), packed to at most `max_tokens` padded tokens and `max_sequences` sequences, and
-    the batches shuffled. Without `shuffle` (validation) the whole set is sorted once.
+    the batches shuffled. Without `shuffle` (validation) the whole set is sorted once. Packing counts each
+    length rounded up to `pad_to`, as collate pads it, so the bound holds for the padded batch.
     """
     lengths = np.asarray(lengths, dtype=np.int64)
+    padded = round_up(lengths, pad_to)
     rng = np.random.default_rng([seed, epoch])
     order = rng.permutation(len(lengths)) if shuffle else np.arange(len(lengths))
     window = BUCKET_WINDOW if shuffle else max(len(lengths), 1)
@@ -53,7 +54,7 @@ def plan_batches(lengths: Sequence[int], max_tokens: int, max_sequences: int, se
     for start in range(0, len(order), window):
         chunk = order[start:start + window]
         chunk = chunk[np.argsort(-lengths[chunk], kind="stable")]
-        batches.extend(pack_by_length(chunk.tolist(), lengths, max_tokens, max_sequences))
+        batches.extend(pack_by_length(chunk.tolist(), padded, max_tokens, max_sequences))
     if shuffle:
         batches = [batches[i] for i in rng.permutation(len(batches))]
     return batches
@@ -104,19 +105,34 @@ class HiddenStateDataset(Dataset):
         return {key: value[: self.max_seq_len] for key, value in sample.items()}
 
 
-def batch_length_multiple(fp8: bool) -> int:
-    """What a batch's length is rounded up to: FP8 GEMMs need multiples of FP8_ALIGN. EAGLE3_PAD_TO=N, a
-    candidate (off until measured), rounds to N as well, so that batch shapes repeat and the host's per-shape
-    work (cuBLAS's kernel choice, compiled kernels' guards) is done once per shape, not once per step."""
-    multiple = int(os.environ.get("EAGLE3_PAD_TO", "1"))
-    return math.lcm(multiple, FP8_ALIGN) if fp8 else multiple
+def sequences_for_min_steps(lengths: Sequence[int], max_tokens: int, max_sequences: int, epochs: int,
+                            micro_per_step: int, min_steps: int, seed: int, pad_to: int = 1) -> int:
+    """The most sequences a micro-batch may hold so that `epochs` of the plan give about `min_steps` optimizer
+    steps or more: `max_sequences` when its plan already does, else fewer (one at least, whatever that gives)."""
+    if min_steps <= 0 or not lengths:
+        return max_sequences
+    plan = plan_batches(lengths, max_tokens, max_sequences, seed, 0, pad_to=pad_to)
+    if epochs * steps_in_epoch(len(plan), micro_per_step) >= min_steps:
+        return max_sequences
+    return max(1, min(max_sequences, len(lengths) * epochs // (min_steps * micro_per_step)))
+
+
+def round_up(length, multiple: int):
+    """`length` (an int or an array of them) rounded up to a multiple of `multiple`."""
+    return -(-length // multiple) * multiple
+
+
+def batch_length_multiple(pad_batches_to: int, fp8: bool) -> int:
+    """What a batch's length is rounded up to: --pad-batches-to, so that batch shapes repeat and the host's
+    per-shape work (cuBLAS's kernel choice) is done once per shape, not once per step; FP8 GEMMs also need
+    multiples of FP8_ALIGN."""
+    return math.lcm(pad_batches_to, FP8_ALIGN) if fp8 else pad_batches_to
 
 
 def collate(samples: Sequence[dict[str, torch.Tensor]], pad_to: int = 1) -> dict[str, torch.Tensor]:
     """Right-pad a list of samples into the batch ttt_loss takes; attention_mask is 1 on real tokens.
     The length is rounded up to a multiple of `pad_to` (FP8 GEMMs need multiples of 16)."""
-    longest = max(int(s["input_ids"].shape[0]) for s in samples)
-    longest = -(-longest // pad_to) * pad_to
+    longest = round_up(max(int(s["input_ids"].shape[0]) for s in samples), pad_to)
     count = len(samples)
     first = samples[0]
     batch = {

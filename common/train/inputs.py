@@ -25,7 +25,7 @@ UNLIMITED_SEQUENCES = 1 << 30
 # The global batch counts, not --grad-accum: micro_batches_per_step = --grad-accum x ranks.
 RESUME_KEYS = ("seed", "epochs", "lr", "scheduler", "warmup_ratio", "micro_batches_per_step", "max_grad_norm",
                "max_seq_len", "ttt_steps", "ttt_decay", "ttt_positions", "loss", "noise_std", "val_ratio", "max_tokens",
-               "max_sequences", "finetune_from", "drafter_config", "init_from_verifier_layer", "compute_dtype",
+               "max_sequences", "pad_batches_to", "min_steps", "finetune_from", "drafter_config", "init_from_verifier_layer", "compute_dtype",
                "hidden_states_index_sha256", "vocab_mapping_sha256")
 
 
@@ -214,19 +214,30 @@ def check_layer_init(args, info: VerifierInfo, mapping, aux_layers: list[int], o
                          f"({'; '.join(problems)}); drop the flag or the --drafter-config that changes the shape")
 
 
+def default_pad_batches_to(device: str) -> int:
+    """--pad-batches-to when not given: on a GPU, repeating shapes spare the host per-shape work; a CPU has none."""
+    return 64 if str(device).startswith("cuda") else 1
+
+
 def resolve_batching(args, entries: list[dict]) -> tuple[int, int]:
-    """(max padded tokens, max sequences) per micro-batch, from --max-tokens-per-batch and --batch-size."""
+    """(max padded tokens, max sequences) per micro-batch, from --max-tokens-per-batch and --batch-size; a
+    sample counts as its length rounded up to --pad-batches-to (and FP8's alignment), as it is padded."""
+    from common.train.data import batch_length_multiple, round_up
+
+    multiple = batch_length_multiple(args.pad_batches_to, args.fp8)
+    padded_seq_len = round_up(args.max_seq_len, multiple)
     max_sequences = args.batch_size or UNLIMITED_SEQUENCES
     if args.max_tokens_per_batch:
         max_tokens = args.max_tokens_per_batch
     elif args.batch_size:
-        max_tokens = args.batch_size * args.max_seq_len
+        max_tokens = args.batch_size * padded_seq_len
     else:
-        max_tokens = max(DEFAULT_TOKENS_PER_BATCH, args.max_seq_len)
+        max_tokens = max(DEFAULT_TOKENS_PER_BATCH, padded_seq_len)
     longest = max(min(int(e["num_tokens"]), args.max_seq_len) for e in entries)
-    if longest > max_tokens:
-        raise UsageError(f"--max-tokens-per-batch {max_tokens} is below the longest sample ({longest} tokens "
-                         f"after --max-seq-len {args.max_seq_len}): raise it or lower --max-seq-len")
+    if round_up(longest, multiple) > max_tokens:
+        raise UsageError(f"--max-tokens-per-batch {max_tokens} is below the longest sample ({longest} tokens after "
+                         f"--max-seq-len {args.max_seq_len}, {round_up(longest, multiple)} padded to a multiple of "
+                         f"{multiple} by --pad-batches-to): raise it, or lower --max-seq-len or --pad-batches-to")
     return max_tokens, max_sequences
 
 
@@ -239,8 +250,9 @@ def check_inputs(args, log) -> Inputs:
     overrides = check_drafter_config(args, info, mapping, aux_layers)
     check_finetune(args, data_manifest, info, mapping, overrides)
     check_layer_init(args, info, mapping, aux_layers, overrides)
-    max_tokens, max_sequences = resolve_batching(args, entries)
     device = pick_device(args.device)  # a missing GPU is an input error, found now
+    args.pad_batches_to = args.pad_batches_to or default_pad_batches_to(device)
+    max_tokens, max_sequences = resolve_batching(args, entries)
     if device.startswith("cuda") and args.dtype == "float16":
         raise UsageError("--dtype float16: stage 04 trains in bfloat16 (or float32); float16 would need loss "
                          "scaling. Use --dtype bfloat16")
@@ -250,11 +262,28 @@ def check_inputs(args, log) -> Inputs:
                   max_tokens, max_sequences, overrides)
 
 
+def apply_min_steps(args, inputs: Inputs, world_size: int, log) -> None:
+    """--min-steps: cap the sequences of a micro-batch (inputs.max_sequences) when the plan gives too few steps."""
+    from common.train.data import batch_length_multiple, sequences_for_min_steps, split_train_val
+
+    if not args.min_steps:
+        return
+    train_positions, _ = split_train_val([str(e["id"]) for e in inputs.entries], args.val_ratio, args.seed)
+    lengths = [min(int(inputs.entries[i]["num_tokens"]), args.max_seq_len) for i in train_positions]
+    capped = sequences_for_min_steps(lengths, inputs.max_tokens, inputs.max_sequences, args.epochs,
+                                     args.grad_accum * world_size, args.min_steps, args.seed,
+                                     batch_length_multiple(args.pad_batches_to, args.fp8))
+    if capped != inputs.max_sequences:
+        log.info("--min-steps %d: the batch plan gives fewer optimizer steps, so a micro-batch holds at most %d "
+                 "sequence(s)", args.min_steps, capped)
+        inputs.max_sequences = capped
+
+
 def run_config_of(args, inputs: Inputs, world_size: int = 1) -> dict:
     from common.train.parameters import compute_dtype_for
 
     flags = ("seed", "epochs", "lr", "scheduler", "warmup_ratio", "grad_accum", "max_grad_norm", "max_seq_len",
-             "ttt_steps", "ttt_decay", "ttt_positions", "loss", "noise_std", "val_ratio")
+             "ttt_steps", "ttt_decay", "ttt_positions", "loss", "noise_std", "val_ratio", "pad_batches_to", "min_steps")
     return {
         **{key: getattr(args, key) for key in flags},
         "world_size": world_size, "micro_batches_per_step": args.grad_accum * world_size,
@@ -300,6 +329,10 @@ def check_output(args, run_config: dict, log) -> tuple[Path | None, bool]:
         previous = {**previous, "ttt_positions": "fixed"}
     if "ttt_steps" in previous and "loss" not in previous:  # saved before --loss: the soft-CE
         previous = {**previous, "loss": "kl"}
+    if "ttt_steps" in previous and "pad_batches_to" not in previous:  # saved before --pad-batches-to: unpadded
+        previous = {**previous, "pad_batches_to": 1}
+    if "ttt_steps" in previous and "min_steps" not in previous:  # saved before --min-steps: none
+        previous = {**previous, "min_steps": 0}
     changed = setting_differences(previous, run_config, [key for key in RESUME_KEYS if key in previous])
     if any(line.startswith("micro_batches_per_step") for line in changed):
         changed.append(f"(micro_batches_per_step = --grad-accum x ranks; the run being resumed had --grad-accum "

@@ -13,7 +13,7 @@ import torch
 from common.cli.stage import Progress, get_logger
 from common.train.checkpoints import (BEST, TRAINING_STATE, CheckpointManager, capture_rng_state, checkpoint_name,
     load_optimizer_state, load_weights_exactly, restore_rng_state)
-from common.train.data import (HiddenStateDataset, batch_length_multiple, make_loader, plan_batches, step_shares,
+from common.train.data import (HiddenStateDataset, make_loader, plan_batches, step_shares,
                                steps_in_epoch)
 from common.train.metrics import MetricsWindow, MetricsWriter
 from common.train.parameters import model_device
@@ -32,6 +32,7 @@ class LoopConfig:
     epochs: int
     max_tokens: int
     max_sequences: int
+    pad_to: int = 1            # batch lengths rounded up to a multiple of this (common.train.data)
     num_workers: int = 0
     seed: int = 0
     eval_interval: int = 500
@@ -80,11 +81,11 @@ class Trainer:
             parallel.wrap(model)
         self.micro_per_step = cfg.grad_accum * self.world_size
         self.train_lengths = train_set.lengths()
-        self.epoch_plans = [plan_batches(self.train_lengths, loop.max_tokens, loop.max_sequences, loop.seed, e)
-                            for e in range(loop.epochs)]
+        self.epoch_plans = [plan_batches(self.train_lengths, loop.max_tokens, loop.max_sequences, loop.seed, e,
+                                         pad_to=loop.pad_to) for e in range(loop.epochs)]
         self.total_steps = sum(steps_in_epoch(len(plan), self.micro_per_step) for plan in self.epoch_plans)
         self.val_batches = (plan_batches(val_set.lengths(), loop.max_tokens, loop.max_sequences, loop.seed, 0,
-                                         shuffle=False) if val_set is not None and len(val_set) else [])
+                                         shuffle=False, pad_to=loop.pad_to) if val_set is not None and len(val_set) else [])
         self.optimizer = make_optimizer(model, cfg.lr) if parallel is None else parallel.make_optimizer(cfg.lr)
         self.scheduler = make_scheduler(self.optimizer, self.total_steps, cfg.warmup_ratio, cfg.scheduler)
         self.state = LoopState()
@@ -146,7 +147,7 @@ class Trainer:
                 steps = step_shares(len(plan), start, self.micro_per_step, self.world_size, self.rank)
                 loader = make_loader(self.train_set, [plan[i] for _, share in steps for i, _ in share],
                                      loop.num_workers, cfg.device, loop.seed * 1000 + epoch,
-                                     pad_to=batch_length_multiple(cfg.fp8))
+                                     pad_to=loop.pad_to)
                 batches = iter(loader)
                 for end, share in steps:
                     waited = time.time()
@@ -245,7 +246,7 @@ class Trainer:
             return None
         mine = self.val_batches[self.rank::self.world_size]
         loader = make_loader(self.val_set, mine, self.loop.num_workers, self.cfg.device, self.loop.seed,
-                             pad_to=batch_length_multiple(False))
+                             pad_to=self.loop.pad_to)
         started = time.time()
         with self.parallel.full_parameters() if self.parallel is not None else nullcontext():
             result = evaluate(self.model, loader, self.verifier_lm_head, self.cfg.ttt_steps, decay=self.cfg.ttt_decay,
