@@ -46,6 +46,8 @@ def parse(argv=None) -> argparse.Namespace:
     p.add_argument("--mt-bench", type=Path, default=REPO.parent / "shared" / "bench" / "mt_bench.jsonl",
                    help="MT-bench prompts (default ../shared/bench/mt_bench.jsonl)")
     p.add_argument("--heldout", type=Path, help="held-out prompts (default RUN_DIR/data/eval_data.jsonl)")
+    p.add_argument("--ours", type=Path, help="our stage 04 output folder, another recipe's on the same run "
+                   "(default RUN_DIR/checkpoints; SpecForge's recipe takes its epochs, lr and TTT steps from there)")
     p.add_argument("--output-dir", type=Path, help="default RUN_DIR/compare")
     p.add_argument("--parts", nargs="+", choices=PARTS, default=list(PARTS))
     p.add_argument("--redo", action="store_true", help="redo parts whose output exists")
@@ -60,11 +62,12 @@ def parse(argv=None) -> argparse.Namespace:
     args = p.parse_args(argv)
     args.output_dir = args.output_dir or args.run_dir / "compare"
     args.heldout = args.heldout or args.run_dir / "data" / "eval_data.jsonl"
+    args.ours = args.ours or args.run_dir / "checkpoints"
     return args
 
 
 def drafters(args) -> dict[str, Path]:
-    return {"ours": args.run_dir / "checkpoints" / "best", "specforge": args.run_dir / "specforge" / "best"}
+    return {"ours": args.ours / "best", "specforge": args.run_dir / "specforge" / "best"}
 
 
 def prompt_sets(args) -> dict[str, Path]:
@@ -168,7 +171,7 @@ def table(args) -> dict:
     if not (args.run_dir / "specforge" / "specforge_results.json").exists():
         die(f"no {args.run_dir / 'specforge' / 'specforge_results.json'}: run the train part first", 2)
     sf = read_json(args.run_dir / "specforge" / "specforge_results.json")
-    ours_manifest = read_json(args.run_dir / "checkpoints" / "manifest.json")
+    ours_manifest = read_json(args.ours / "manifest.json")
     rows = []
     for prompt_set in prompt_sets(args):
         taus = {}
@@ -216,7 +219,7 @@ def table(args) -> dict:
 
 def main(argv=None) -> int:
     args = parse(argv)
-    for path, what in ((args.run_dir / "checkpoints" / "best" / "config.json", "our drafter (stage 04)"),
+    for path, what in ((args.ours / "best" / "config.json", "our drafter (stage 04)"),
                        (args.mt_bench, "--mt-bench"), (args.heldout, "--heldout")):
         if "bench" in args.parts and not Path(path).exists():
             die(f"{what} not found at {path}", 2)

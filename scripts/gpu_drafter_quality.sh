@@ -59,6 +59,9 @@
 #                            04 refuses a step shorter than the longest sample): 664 steps in 76 s at 800
 #                            prompts on 2026-12-02, each a fraction of the time of SpecForge's 2,980
 #                            one-sequence steps
+#   SMALL_CANDIDATE_FLAGS [] stage-04 flags of a candidate recipe for the comparison, e.g. "--min-steps 2000": then a
+#                            second drafter of ours trains on RUN-small (alone, after the first) and goes through
+#                            the same benchmarks against SpecForge's (RUN-small/compare_candidate)
 #   DATA_SAMPLES [17000]     prompts of the data lane (about every first turn of the device data)
 #   DATA_EPOCHS [2]          epochs of the data lane
 #   DATA_EXTRA []            more chat files in DATA_DIR for the data lane, beside sharegpt.json, e.g. gsm8k_train.jsonl
@@ -96,12 +99,15 @@
 # 17.5 min (ttt3_epochs2 trained 9.9 min); results in docs/results/2026-12-02-smollm2-h200-ttt.md. Fourth (2026-12-02,
 # LANES="", SAMPLES=1000, the comparison alone): data 2 min, ours 1.5 min, SpecForge 8.4 min (stopped by a 480 s
 # limit at 80 %), its benchmarks over 7 min (the MT-bench runs, 0.3 turns/s each, did not finish in the session):
-# docs/results/2026-12-02-h200-regen-specforge.md.
+# docs/results/2026-12-02-h200-regen-specforge.md. Fifth (2026-12-02, LANES="default steps mlp", SMALL=500,
+# SPECFORGE_BESIDE=1): data 1.9 min, our small run 40 s alone, then SpecForge (395 s, 4.3 steps/s) beside the three
+# lanes (4-epoch trainings 157 s, the 2,048-token one 391 s) and all the benchmarks: 11.3 min from the end of our
+# small run to the last benchmark: docs/results/2026-12-02-h200-specforge-mlp-steps-pad.md.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 VERIFIER=$1; DATA=$2; RUN=$3; SMALL_RUN=$RUN-small
 SAMPLES=${SAMPLES:-10000}; SMALL=${SMALL:-800}; EPOCHS=${EPOCHS:-4}; LR=${LR:-1e-3}; DATA_SAMPLES=${DATA_SAMPLES:-17000}; DATA_EPOCHS=${DATA_EPOCHS:-2}; DATA_EXTRA=${DATA_EXTRA:-}; SMALL_STEP_TOKENS=${SMALL_STEP_TOKENS:-2048}
-SMALL_EVAL_RATIO=${SMALL_EVAL_RATIO:-0.1}
+SMALL_EVAL_RATIO=${SMALL_EVAL_RATIO:-0.1}; SMALL_CANDIDATE_FLAGS=${SMALL_CANDIDATE_FLAGS:-}
 TRAIN_FLAGS=${TRAIN_FLAGS:-}
 STEP_TOKENS=${STEP_TOKENS:-4096}; LEVER_STEP_TOKENS=${LEVER_STEP_TOKENS:-2048}; TOPK=${TOPK:-64}
 FORMAT_STEP_TOKENS=${FORMAT_STEP_TOKENS:-16384}; LANES=${LANES-"default epochs2 ttt7"}; EXTRAS=${EXTRAS:-1}
@@ -117,7 +123,7 @@ pack() {  # the small files of every run: logs, manifests, metrics, curves, repo
   [ -n "${OUT:-}" ] || return 0
   local parent; parent=$(dirname "$RUN")
   (cd "$parent" && find "$(basename "$RUN")" "$(basename "$RUN")"-* -maxdepth 4 \
-     -type f \( -path '*/logs/*' -o -path '*/bench_*' -o -path '*/compare/*' -o -name quality.md \
+     -type f \( -path '*/logs/*' -o -path '*/bench_*' -o -path '*/compare/*' -o -path '*/compare_*/*' -o -name quality.md \
      -o -name manifest.json -o -name metrics.jsonl -o -name '*.png' -o -name 'specforge_results.json' \) \
      -not -path '*/hidden_states/*/*' 2>/dev/null | tar czf "$OUT/quality.tgz" -C "$parent" -T - ) || true
   local lane
@@ -287,15 +293,24 @@ specforge_train() {  # SpecForge's recipe on RUN-small's samples and epochs
     --recipe-args "$SPECFORGE_ARGS" > "$SMALL_RUN/logs/specforge.log" 2>&1 || say "FAILED: SpecForge's recipe"
   say "SpecForge done"
 }
-compare_bench() {  # both small drafters through the same stage-05 runs, and their table
+compare_bench() {  # both small drafters through the same stage-05 runs, and their table (and the candidate's)
   [ -d "$SMALL_RUN/specforge/best" ] || return 0
-  python3 scripts/compare_recipes.py --run-dir "$SMALL_RUN" --model-path "$VERIFIER" --parts bench table \
-    --mt-bench "$DATA/mt_bench.jsonl" --max-new-tokens "$NEW_TOKENS" --jobs 6 --decode-workers "$DECODE_WORKERS" \
-    > "$SMALL_RUN/logs/compare.log" 2>&1 || say "FAILED: compare bench"
+  local ours=checkpoints pids=()
+  [ -n "$SMALL_CANDIDATE_FLAGS" ] && ours="checkpoints checkpoints_candidate"
+  for ours in $ours; do
+    python3 scripts/compare_recipes.py --run-dir "$SMALL_RUN" --model-path "$VERIFIER" --parts bench table \
+      --ours "$SMALL_RUN/$ours" --output-dir "$SMALL_RUN/compare${ours#checkpoints}" --mt-bench "$DATA/mt_bench.jsonl" \
+      --max-new-tokens "$NEW_TOKENS" --jobs 6 --decode-workers "$DECODE_WORKERS" \
+      > "$SMALL_RUN/logs/compare${ours#checkpoints}.log" 2>&1 || say "FAILED: compare bench ($ours)" & pids+=($!)
+  done
+  for pid in "${pids[@]}"; do wait "$pid" || true; done
 }
 beside=""  # with SPECFORGE_BESIDE=1, SpecForge trains (then both drafters are benchmarked) beside the lanes
 if has compare && [ -n "$SPECFORGE" ]; then
   train04 "$SMALL_RUN" "$SMALL_RUN/checkpoints" "$SMALL_STEP_TOKENS" 8 || true
+  # shellcheck disable=SC2086
+  [ -n "$SMALL_CANDIDATE_FLAGS" ] && { train04 "$SMALL_RUN" "$SMALL_RUN/checkpoints_candidate" "$SMALL_STEP_TOKENS" 8 \
+    $SMALL_CANDIDATE_FLAGS || true; }
   if [ "${SPECFORGE_BESIDE:-0}" = 1 ] && has lanes; then
     (specforge_train; compare_bench) & beside=$!
   else
@@ -311,6 +326,8 @@ if has lanes; then
 fi
 if has table; then
   python3 scripts/quality_table.py "$RUN" > "$RUN/quality.md"
-  [ -f "$SMALL_RUN/compare/compare.md" ] && cat "$SMALL_RUN/compare/compare.md" >> "$RUN/quality.md"
+  for compared in "$SMALL_RUN"/compare/compare.md "$SMALL_RUN"/compare_candidate/compare.md; do
+    [ -f "$compared" ] && { echo; echo "$compared:"; cat "$compared"; } >> "$RUN/quality.md"
+  done
   say "all done"; cat "$RUN/quality.md"
 fi

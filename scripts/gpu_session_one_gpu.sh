@@ -24,8 +24,9 @@
 #   ENGINES [generate,loop], SPECFORGE_ARGS ["--lr 1e-4 --ttt-steps 7 --time-limit 660"], PYTHON [python3];
 #   OUT: pack everything small into $OUT/quality.tgz and $OUT/checks.tgz at the end.
 # Progress: WORK_DIR/session.log. With "snapshot" it only packs what exists so far (no weights, no hidden states)
-# into $OUT/snapshot.tgz: run it in every polling call, since a lent machine can be taken back mid-session with
-# everything on it (it was on 2026-12-02, 17 minutes in).
+# into $OUT/snapshot.tgz, and the replies each data lane has regenerated so far into $OUT/regenerated_<lane>.tgz (a
+# REGEN_CACHE for the next machine): run it in every polling call, since a lent machine can be taken back
+# mid-session with everything on it (it was on 2026-12-02, 17 minutes in, and again 8 minutes in).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 VERIFIER=$1; DATA=$2; WORK=$3
@@ -34,6 +35,10 @@ SMALL=${SMALL:-500}; ENGINES=${ENGINES:-generate,loop}; PY=${PYTHON:-python3}
 SPECFORGE_ARGS=${SPECFORGE_ARGS:-"--lr 1e-4 --ttt-steps 7 --time-limit 660"}
 RUN=$WORK/q; CHECKS=$WORK/checks
 if [ "${4:-}" = snapshot ]; then
+  for lane in data sampled; do  # what a data lane regenerated so far: a REGEN_CACHE for the next machine
+    [ -f "$RUN-$lane/data/regenerated.jsonl" ] || continue
+    tar czf "$OUT/regenerated_$lane.tgz" -C "$RUN-$lane/data" regenerated.jsonl regenerated.settings.json
+  done
   tar czf "$OUT/snapshot.tgz" --exclude='*.safetensors' --exclude='*.pt' --exclude='hidden_states' \
     --exclude='*.jsonl.gz' --exclude='*/data/*.jsonl' -C "$WORK" . && exit 0
   exit 1

@@ -4,6 +4,7 @@
 #   default, specforge, steps   no flag (specforge: its own trainer; steps: gpu_drafter_quality.sh's token count)
 #   lrX       X times LR
 #   stepsX    STEP_TOKENS / X tokens a step (X times the optimizer steps)
+#   bsN       at most N sequences a step (bs1: one, as SpecForge's recipe steps)
 #   epochs    twice EPOCHS; epochsX: X times
 #   tttN      --ttt-steps N
 #   lk, init, fixed, mlp   --loss lk, --init-from-verifier-layer, --ttt-positions fixed, twice the MLP width
@@ -20,6 +21,7 @@ recipe_flags() {  # $1 lane name: its flags on stdout; fails for a part it does 
         "$PY" -c "import json; print(json.load(open('$MODEL/config.json'))['intermediate_size'])")))}" ;;
       lr[0-9]*) [[ $number =~ ^[0-9]+(\.[0-9]+)?$ ]] && flags+=" --lr $("$PY" -c "print($number * $LR)")" ;;
       steps[0-9]*) [[ $number =~ ^[0-9]+$ ]] && flags+=" --max-tokens-per-batch $((STEP_TOKENS / number))" ;;
+      bs[0-9]*) [[ $number =~ ^[0-9]+$ ]] && flags+=" --batch-size $number" ;;
       epochs) flags+=" --epochs $((2 * EPOCHS))" ;;
       epochs[0-9]*) [[ $number =~ ^[0-9]+$ ]] && flags+=" --epochs $((EPOCHS * number))" ;;
       ttt[0-9]*) [[ $number =~ ^[0-9]+$ ]] && flags+=" --ttt-steps $number" ;;

@@ -19,19 +19,20 @@ def _run(run_dir, lanes: str) -> subprocess.CompletedProcess:
 
 def test_lanes_train_what_their_names_say_and_every_benchmark_lands_in_the_table(tmp_path):
     run = tmp_path / "levers"
-    done = _run(run, "default lr3_steps2_ttt7 epochs2x")
+    done = _run(run, "default lr3_steps2_ttt7_bs2 epochs2x")
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     flags = {name: json.loads((run / f"checkpoints_{name}" / "manifest.json").read_text())["flags"]
-             for name in ("default", "lr3_steps2_ttt7")}
+             for name in ("default", "lr3_steps2_ttt7_bs2")}
     assert (flags["default"]["lr"], flags["default"]["max_tokens_per_batch"]) == (1e-3, 4096)
-    assert (flags["lr3_steps2_ttt7"]["lr"], flags["lr3_steps2_ttt7"]["max_tokens_per_batch"]) == (3e-3, 2048)
+    assert (flags["lr3_steps2_ttt7_bs2"]["lr"], flags["lr3_steps2_ttt7_bs2"]["max_tokens_per_batch"]) == (3e-3, 2048)
     # stage 04's default, then the lane's
-    assert (flags["default"]["ttt_steps"], flags["lr3_steps2_ttt7"]["ttt_steps"]) == (3, 7)
-    assert flags["lr3_steps2_ttt7"]["epochs"] == flags["default"]["epochs"] == 1
+    assert (flags["default"]["ttt_steps"], flags["lr3_steps2_ttt7_bs2"]["ttt_steps"]) == (3, 7)
+    assert flags["lr3_steps2_ttt7_bs2"]["epochs"] == flags["default"]["epochs"] == 1
+    assert (flags["default"]["batch_size"], flags["lr3_steps2_ttt7_bs2"]["batch_size"]) == (None, 2)
     assert "FAILED: no lane called epochs2x" in (run / "logs" / "levers.log").read_text()
     assert not (run / "checkpoints_epochs2x").exists()
     table = (run / "levers.md").read_text()
-    for name in ("default", "lr3_steps2_ttt7"):
+    for name in ("default", "lr3_steps2_ttt7_bs2"):
         assert f"| {name}_heldout | " in table and f"| {name}_heldout_t1 | " in table and f"| {name}_eval | " in table
     assert "simulated chain tau (3 drafts, walked)" in table and "2 of " in table
 

@@ -216,6 +216,19 @@ def test_compare_recipes_prints_the_side_by_side_table(run_dir, trained, stories
         assert f"| {row['ours']:.2f} |" in ours
     assert sum("_validation |" in row for row in rows) == 2
 
+    # --ours: another of our recipes on the same run (gpu_drafter_quality.sh's candidate): its manifest's time.
+    other = tmp_path / "other_recipe"
+    shutil.copytree(run_dir / "checkpoints", other)
+    manifest = json.loads((other / "manifest.json").read_text())
+    (other / "manifest.json").write_text(json.dumps({**manifest, "wall_time_s": 2 * manifest["wall_time_s"]}))
+    done = run_script("scripts/compare_recipes.py", "--run-dir", str(run_dir), "--model-path", str(stories260k),
+                      "--ours", str(other), "--output-dir", str(out), "--parts", "table", env=ONE_THREAD)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    assert json.loads((out / "compare.json").read_text())["training"]["ours_s"] == 2 * manifest["wall_time_s"]
+    missing = run_script("scripts/compare_recipes.py", "--run-dir", str(run_dir), "--model-path", str(stories260k),
+                         "--ours", str(tmp_path / "nowhere"), "--mt-bench", str(prompts), "--parts", "bench")
+    assert missing.returncode == 2 and f"our drafter (stage 04) not found at {tmp_path / 'nowhere'}" in missing.stderr
+
 
 def test_a_run_directory_without_hidden_states_is_a_usage_error(tmp_path):
     _need_specforge()
