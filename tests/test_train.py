@@ -532,6 +532,20 @@ def _refused(stage04, argv, out: Path, *needles: str) -> str:
     return last_error
 
 
+def test_a_batch_bound_below_the_longest_padded_sample_is_refused(run_a, stories260k, stage04, tmp_path):
+    """--max-tokens-per-batch must hold the longest sample as it is padded: the error names the flags to change."""
+    longest = max(int(json.loads(line)["num_tokens"])
+                  for line in (run_a / "hidden_states" / "index.jsonl").read_text().splitlines())
+    out = tmp_path / "out"
+    _refused(stage04, train_argv(run_a, out, stories260k, max_tokens_per_batch=longest - 1), out,
+             f"--max-tokens-per-batch {longest - 1} is below the longest sample ({longest} tokens",
+             "raise it, or lower --max-seq-len")
+    pad = longest + 1  # the longest sample padded to one token more than the bound holds
+    error = _refused(stage04, train_argv(run_a, out, stories260k, max_tokens_per_batch=longest, pad_batches_to=pad),
+                     out, f"{pad} padded to a multiple of {pad} (--pad-batches-to)", "or --pad-batches-to")
+    assert stage04.main(train_argv(run_a, out, stories260k, max_tokens_per_batch=longest, epochs=1)) == 0, error
+
+
 def test_stale_vocab_map_from_other_prepared_data_is_refused(run_a, stories260k, stage04, tmp_path):
     other = tmp_path / "other_run"
     write_prepared_data(stories260k, other, seed=1, count=12)

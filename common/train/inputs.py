@@ -235,9 +235,11 @@ def resolve_batching(args, entries: list[dict]) -> tuple[int, int]:
         max_tokens = max(DEFAULT_TOKENS_PER_BATCH, padded_seq_len)
     longest = max(min(int(e["num_tokens"]), args.max_seq_len) for e in entries)
     if round_up(longest, multiple) > max_tokens:
+        padded = (f", {round_up(longest, multiple)} padded to a multiple of {multiple} (--pad-batches-to"
+                  f"{', --fp8' if args.fp8 else ''})" if multiple > 1 else "")
         raise UsageError(f"--max-tokens-per-batch {max_tokens} is below the longest sample ({longest} tokens after "
-                         f"--max-seq-len {args.max_seq_len}, {round_up(longest, multiple)} padded to a multiple of "
-                         f"{multiple} by --pad-batches-to): raise it, or lower --max-seq-len or --pad-batches-to")
+                         f"--max-seq-len {args.max_seq_len}{padded}): raise it, or lower --max-seq-len"
+                         f"{' or --pad-batches-to' if multiple > 1 else ''}")
     return max_tokens, max_sequences
 
 
