@@ -36,6 +36,11 @@ def split_train_val(ids: Sequence[str], val_ratio: float, seed: int) -> tuple[li
     return sorted(shuffled[n_val:]), sorted(shuffled[:n_val])
 
 
+def round_up(length, multiple: int):
+    """`length` (an int or an array of them) rounded up to a multiple of `multiple`."""
+    return -(-length // multiple) * multiple
+
+
 def plan_batches(lengths: Sequence[int], max_tokens: int, max_sequences: int, seed: int, epoch: int,
                  shuffle: bool = True, pad_to: int = 1) -> list[list[int]]:
     """The batches of one epoch as lists of positions into `lengths`, deterministic from (seed, epoch).
@@ -115,11 +120,6 @@ def sequences_for_min_steps(lengths: Sequence[int], max_tokens: int, max_sequenc
     if epochs * steps_in_epoch(len(plan), micro_per_step) >= min_steps:
         return max_sequences
     return max(1, min(max_sequences, len(lengths) * epochs // (min_steps * micro_per_step)))
-
-
-def round_up(length, multiple: int):
-    """`length` (an int or an array of them) rounded up to a multiple of `multiple`."""
-    return -(-length // multiple) * multiple
 
 
 def batch_length_multiple(pad_batches_to: int, fp8: bool) -> int:

@@ -25,8 +25,8 @@ UNLIMITED_SEQUENCES = 1 << 30
 # The global batch counts, not --grad-accum: micro_batches_per_step = --grad-accum x ranks.
 RESUME_KEYS = ("seed", "epochs", "lr", "scheduler", "warmup_ratio", "micro_batches_per_step", "max_grad_norm",
                "max_seq_len", "ttt_steps", "ttt_decay", "ttt_positions", "loss", "noise_std", "val_ratio", "max_tokens",
-               "max_sequences", "pad_batches_to", "min_steps", "finetune_from", "drafter_config", "init_from_verifier_layer", "compute_dtype",
-               "hidden_states_index_sha256", "vocab_mapping_sha256")
+               "max_sequences", "pad_batches_to", "min_steps", "finetune_from", "drafter_config",
+               "init_from_verifier_layer", "compute_dtype", "hidden_states_index_sha256", "vocab_mapping_sha256")
 
 
 @dataclass
@@ -42,6 +42,7 @@ class Inputs:
     max_tokens: int
     max_sequences: int
     drafter_overrides: dict  # --drafter-config's DrafterConfig fields ({} when unset)
+    pad_to: int  # batch lengths are rounded up to a multiple of this: --pad-batches-to, and FP8's alignment
 
     def drafter_config(self):
         """The shape of a new drafter: the verifier's, with --drafter-config's overrides."""
@@ -219,12 +220,11 @@ def default_pad_batches_to(device: str) -> int:
     return 64 if str(device).startswith("cuda") else 1
 
 
-def resolve_batching(args, entries: list[dict]) -> tuple[int, int]:
+def resolve_batching(args, entries: list[dict], multiple: int) -> tuple[int, int]:
     """(max padded tokens, max sequences) per micro-batch, from --max-tokens-per-batch and --batch-size; a
-    sample counts as its length rounded up to --pad-batches-to (and FP8's alignment), as it is padded."""
-    from common.train.data import batch_length_multiple, round_up
+    sample counts as its length rounded up to `multiple`, as it is padded."""
+    from common.train.data import round_up
 
-    multiple = batch_length_multiple(args.pad_batches_to, args.fp8)
     padded_seq_len = round_up(args.max_seq_len, multiple)
     max_sequences = args.batch_size or UNLIMITED_SEQUENCES
     if args.max_tokens_per_batch:
@@ -234,8 +234,9 @@ def resolve_batching(args, entries: list[dict]) -> tuple[int, int]:
     else:
         max_tokens = max(DEFAULT_TOKENS_PER_BATCH, padded_seq_len)
     longest = max(min(int(e["num_tokens"]), args.max_seq_len) for e in entries)
-    if round_up(longest, multiple) > max_tokens:
-        padded = (f", {round_up(longest, multiple)} padded to a multiple of {multiple} (--pad-batches-to"
+    padded_longest = round_up(longest, multiple)
+    if padded_longest > max_tokens:
+        padded = (f", {padded_longest} padded to a multiple of {multiple} (--pad-batches-to"
                   f"{', --fp8' if args.fp8 else ''})" if multiple > 1 else "")
         raise UsageError(f"--max-tokens-per-batch {max_tokens} is below the longest sample ({longest} tokens after "
                          f"--max-seq-len {args.max_seq_len}{padded}): raise it, or lower --max-seq-len"
@@ -252,29 +253,31 @@ def check_inputs(args, log) -> Inputs:
     overrides = check_drafter_config(args, info, mapping, aux_layers)
     check_finetune(args, data_manifest, info, mapping, overrides)
     check_layer_init(args, info, mapping, aux_layers, overrides)
+    from common.train.data import batch_length_multiple
+
     device = pick_device(args.device)  # a missing GPU is an input error, found now
-    args.pad_batches_to = args.pad_batches_to or default_pad_batches_to(device)
-    max_tokens, max_sequences = resolve_batching(args, entries)
+    args.pad_batches_to = args.pad_batches_to or default_pad_batches_to(device)  # recorded with the run
+    pad_to = batch_length_multiple(args.pad_batches_to, args.fp8)
+    max_tokens, max_sequences = resolve_batching(args, entries, pad_to)
     if device.startswith("cuda") and args.dtype == "float16":
         raise UsageError("--dtype float16: stage 04 trains in bfloat16 (or float32); float16 would need loss "
                          "scaling. Use --dtype bfloat16")
     log.info("inputs: %d hidden-state samples (%s, aux layers %s), draft vocabulary %d of %d, verifier %s",
              len(entries), data_dir, aux_layers, len(mapping.d2t), len(mapping.t2d), info.path)
     return Inputs(data_dir, data_manifest, entries, vocab_dir, vocab_manifest, mapping, info, aux_layers,
-                  max_tokens, max_sequences, overrides)
+                  max_tokens, max_sequences, overrides, pad_to)
 
 
 def apply_min_steps(args, inputs: Inputs, world_size: int, log) -> None:
     """--min-steps: cap the sequences of a micro-batch (inputs.max_sequences) when the plan gives too few steps."""
-    from common.train.data import batch_length_multiple, sequences_for_min_steps, split_train_val
+    from common.train.data import sequences_for_min_steps, split_train_val
 
     if not args.min_steps:
         return
     train_positions, _ = split_train_val([str(e["id"]) for e in inputs.entries], args.val_ratio, args.seed)
     lengths = [min(int(inputs.entries[i]["num_tokens"]), args.max_seq_len) for i in train_positions]
     capped = sequences_for_min_steps(lengths, inputs.max_tokens, inputs.max_sequences, args.epochs,
-                                     args.grad_accum * world_size, args.min_steps, args.seed,
-                                     batch_length_multiple(args.pad_batches_to, args.fp8))
+                                     args.grad_accum * world_size, args.min_steps, args.seed, inputs.pad_to)
     if capped != inputs.max_sequences:
         log.info("--min-steps %d: the batch plan gives fewer optimizer steps, so a micro-batch holds at most %d "
                  "sequence(s)", args.min_steps, capped)
@@ -285,7 +288,8 @@ def run_config_of(args, inputs: Inputs, world_size: int = 1) -> dict:
     from common.train.parameters import compute_dtype_for
 
     flags = ("seed", "epochs", "lr", "scheduler", "warmup_ratio", "grad_accum", "max_grad_norm", "max_seq_len",
-             "ttt_steps", "ttt_decay", "ttt_positions", "loss", "noise_std", "val_ratio", "pad_batches_to", "min_steps")
+             "ttt_steps", "ttt_decay", "ttt_positions", "loss", "noise_std", "val_ratio", "pad_batches_to",
+             "min_steps")
     return {
         **{key: getattr(args, key) for key in flags},
         "world_size": world_size, "micro_batches_per_step": args.grad_accum * world_size,

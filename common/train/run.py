@@ -10,7 +10,7 @@ from common.formats.manifest import MANIFEST, Manifest
 from common.formats.files import write_json_atomic
 from common.model.drafter import Eagle3Drafter
 from common.formats.checkpoint import check_drafter_dir, load_drafter
-from common.train.data import VAL_SPLIT_FILE, HiddenStateDataset, batch_length_multiple, split_train_val
+from common.train.data import VAL_SPLIT_FILE, HiddenStateDataset, split_train_val
 from common.train.checkpoints import seed_everything
 from common.train.data_parallel import make_data_parallel
 from common.train.inputs import STAGE, Inputs
@@ -141,7 +141,7 @@ def train_drafter(args, log, inputs: Inputs, run_config: dict, resume_from: Path
                       ttt_decay=args.ttt_decay, noise_std=args.noise_std, loss=args.loss, device=device,
                       dtype=compute_dtype, fp8=args.fp8)
     loop = LoopConfig(epochs=args.epochs, max_tokens=inputs.max_tokens, max_sequences=inputs.max_sequences,
-                      pad_to=batch_length_multiple(args.pad_batches_to, args.fp8),
+                      pad_to=inputs.pad_to,
                       num_workers=args.num_workers, seed=args.seed, eval_interval=args.eval_interval,
                       save_interval=args.save_interval, log_interval=args.log_interval)
     parallel = None

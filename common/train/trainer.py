@@ -13,8 +13,7 @@ import torch
 from common.cli.stage import Progress, get_logger
 from common.train.checkpoints import (BEST, TRAINING_STATE, CheckpointManager, capture_rng_state, checkpoint_name,
     load_optimizer_state, load_weights_exactly, restore_rng_state)
-from common.train.data import (HiddenStateDataset, make_loader, plan_batches, step_shares,
-                               steps_in_epoch)
+from common.train.data import HiddenStateDataset, make_loader, plan_batches, step_shares, steps_in_epoch
 from common.train.metrics import MetricsWindow, MetricsWriter
 from common.train.parameters import model_device
 from common.train.step import TrainConfig, evaluate, train_step
@@ -85,7 +84,8 @@ class Trainer:
                                          pad_to=loop.pad_to) for e in range(loop.epochs)]
         self.total_steps = sum(steps_in_epoch(len(plan), self.micro_per_step) for plan in self.epoch_plans)
         self.val_batches = (plan_batches(val_set.lengths(), loop.max_tokens, loop.max_sequences, loop.seed, 0,
-                                         shuffle=False, pad_to=loop.pad_to) if val_set is not None and len(val_set) else [])
+                                         shuffle=False, pad_to=loop.pad_to)
+                            if val_set is not None and len(val_set) else [])
         self.optimizer = make_optimizer(model, cfg.lr) if parallel is None else parallel.make_optimizer(cfg.lr)
         self.scheduler = make_scheduler(self.optimizer, self.total_steps, cfg.warmup_ratio, cfg.scheduler)
         self.state = LoopState()
