@@ -12,7 +12,8 @@ output is already there (so a stopped comparison resumes; --redo to redo them):
          -> OUTPUT_DIR/{ours,specforge}_{mt_bench,heldout}/
          and 05_benchmark.py --mode eval --num-steps 3 for both: teacher-forced simulated acceptance length on
          our stage 04's validation split (seconds; informative, not part of the target)
-  table  tau per set, ours/SpecForge, training wall time and its ratio, against the target (ours >= 1.05x
+  table  tau per set, ours/SpecForge with its 95 % paired bootstrap interval over prompts and the prompts where
+         ours is higher / lower, training wall time and its ratio, against the target (ours >= 1.05x
          SpecForge's tau on every set in <= 0.7x its training time) -> OUTPUT_DIR/compare.{json,md}, printed
 --parts picks some of them (e.g. --parts bench table). Settings of stage 05 (--max-new-tokens, --num-prompts,
 --device, --dtype) and of the recipe (--recipe-args "--time-limit 500") pass through; --jobs N runs N benchmarks
@@ -165,6 +166,42 @@ def ratio(a, b):
     return round(a / b, 3) if a is not None and b else None
 
 
+def paired_prompts(results: list[dict], folders: list[Path]) -> tuple[list, list]:
+    """Both drafters' per-prompt (tokens, verify steps), paired by prompt id."""
+    from common.bench.metrics import tau_parts
+
+    ours, theirs = ({p["id"]: tau_parts(p["summary"]) for p in r["prompts"]} for r in results)
+    if ours.keys() != theirs.keys():
+        die(f"{folders[0]} and {folders[1]} hold results for different prompts ({len(ours.keys() - theirs.keys())} "
+            f"only in the first, {len(theirs.keys() - ours.keys())} only in the second): --redo the bench part", 2)
+    ids = sorted(ours)
+    return [ours[i] for i in ids], [theirs[i] for i in ids]
+
+
+def set_row(args, prompt_set: str) -> dict:
+    """One prompt set's taus, their ratio and, when both drafters have a result, its spread over prompts."""
+    from common.bench.metrics import higher_lower_equal, paired_ratio_interval
+
+    folders = [bench_output(args, name, prompt_set) for name in drafters(args)]
+    results = [bench_result(folder) for folder in folders]
+    ours, sf = (r["overall"]["tau"] if r else None for r in results)
+    row = {"set": prompt_set, "ours": ours, "specforge": sf, "ratio": ratio(ours, sf),
+           "ratio_interval_95": None, "prompts_higher_lower_equal": None}
+    if all(results):
+        pairs = paired_prompts(results, folders)
+        row["ratio_interval_95"] = [round(x, 3) for x in paired_ratio_interval(*pairs, level=0.95)]
+        row["prompts_higher_lower_equal"] = list(higher_lower_equal(*pairs))
+    return row
+
+
+def interval_cell(interval: list | None) -> str:
+    return "-" if interval is None else f"{interval[0]:.3f} - {interval[1]:.3f}"
+
+
+def counts_cell(counts: list | None) -> str:
+    return "-" if counts is None else f"{counts[0]} / {counts[1]}" + (f" ({counts[2]} equal)" if counts[2] else "")
+
+
 def table(args) -> dict:
     from common.formats.files import read_json, write_json_atomic, write_text_atomic
 
@@ -172,14 +209,7 @@ def table(args) -> dict:
         die(f"no {args.run_dir / 'specforge' / 'specforge_results.json'}: run the train part first", 2)
     sf = read_json(args.run_dir / "specforge" / "specforge_results.json")
     ours_manifest = read_json(args.ours / "manifest.json")
-    rows = []
-    for prompt_set in prompt_sets(args):
-        taus = {}
-        for name in drafters(args):
-            result = bench_result(bench_output(args, name, prompt_set))
-            taus[name] = result["overall"]["tau"] if result else None
-        rows.append({"set": prompt_set, "ours": taus["ours"], "specforge": taus["specforge"],
-                     "ratio": ratio(taus["ours"], taus["specforge"])})
+    rows = [set_row(args, prompt_set) for prompt_set in prompt_sets(args)]
     validation = {}
     for name in drafters(args):
         result = eval_result(bench_output(args, name, "validation"))
@@ -187,6 +217,7 @@ def table(args) -> dict:
     ours_s, sf_s = ours_manifest.get("wall_time_s"), sf.get("total_s")
     time_ratio = ratio(ours_s, sf_s)
     tau_ok = all(r["ratio"] is not None and r["ratio"] >= TAU_TARGET for r in rows)
+    interval_ok = all(r["ratio_interval_95"] is not None and r["ratio_interval_95"][0] >= TAU_TARGET for r in rows)
     report = {"sets": rows, "validation_sim_accept_len": {**validation, "ratio": ratio(validation["ours"],
                                                                                        validation["specforge"])},
               "training": {"ours_s": ours_s, "specforge_s": sf_s, "specforge_loop_s": sf.get("wall_time_s"),
@@ -194,17 +225,23 @@ def table(args) -> dict:
                                          "specforge_tokens_per_s": sf.get("tokens_per_s"),
                                          "specforge_stopped_early": sf.get("stopped_early")},
               "target": {"tau_ratio_min": TAU_TARGET, "time_ratio_max": TIME_TARGET, "tau_holds": tau_ok,
+                         "tau_interval_holds": interval_ok,
                          "time_holds": time_ratio is not None and time_ratio <= TIME_TARGET},
               "specforge_settings": sf.get("settings"), "specforge_setting_sources": sf.get("setting_sources")}
     fmt = lambda x: "-" if x is None else f"{x:.3f}"  # noqa: E731
-    lines = ["| set | tau ours | tau SpecForge | ours / SpecForge |", "|---|---|---|---|"]
-    lines += [f"| {r['set']} | {fmt(r['ours'])} | {fmt(r['specforge'])} | {fmt(r['ratio'])} |" for r in rows]
+    holds = lambda ok: "holds" if ok else "does not hold"  # noqa: E731
+    lines = ["| set | tau ours | tau SpecForge | ours / SpecForge | 95 % interval (paired bootstrap over prompts) | "
+             "prompts: ours higher / lower |", "|---|---|---|---|---|---|"]
+    lines += [f"| {r['set']} | {fmt(r['ours'])} | {fmt(r['specforge'])} | {fmt(r['ratio'])} | "
+              f"{interval_cell(r['ratio_interval_95'])} | {counts_cell(r['prompts_higher_lower_equal'])} |"
+              for r in rows]
     lines.append(f"| validation split, teacher-forced simulated acceptance length (k=3) | {fmt(validation['ours'])} | "
-                 f"{fmt(validation['specforge'])} | {fmt(report['validation_sim_accept_len']['ratio'])} |")
-    lines.append(f"| training wall time (s) | {fmt(ours_s)} | {fmt(sf_s)} | {fmt(time_ratio)} |")
+                 f"{fmt(validation['specforge'])} | {fmt(report['validation_sim_accept_len']['ratio'])} | - | - |")
+    lines.append(f"| training wall time (s) | {fmt(ours_s)} | {fmt(sf_s)} | {fmt(time_ratio)} | - | - |")
     lines.append("")
-    lines.append(f"Target: ours >= {TAU_TARGET}x SpecForge's tau on every set ({'holds' if tau_ok else 'does not hold'}) "
-                 f"in <= {TIME_TARGET}x its training time ({'holds' if report['target']['time_holds'] else 'does not hold'}). "
+    lines.append(f"Target: ours >= {TAU_TARGET}x SpecForge's tau on every set ({holds(tau_ok)}; 95 % interval's low "
+                 f"end >= {TAU_TARGET} on every set: {holds(interval_ok)}) "
+                 f"in <= {TIME_TARGET}x its training time ({holds(report['target']['time_holds'])}). "
                  f"Chain k=3 (3-1-4), T=0, stage 05 --tau-only. SpecForge: {sf.get('steps')} steps of one sequence, "
                  f"settings {json.dumps(sf.get('settings'))}.")
     if sf.get("stopped_early"):

@@ -441,6 +441,58 @@ def test_report_helpers():
     assert assert_valid_png(path) == (840, 300)
 
 
+def _chain_runs(rng, prompts: int, accept: float) -> list[list[int]]:
+    """Per prompt, one turn's tokens per verify step of a chain k=3 drafter: each draft accepted with a
+    probability around `accept` (varying by prompt), until the first rejection."""
+    runs = []
+    for _ in range(prompts):
+        p = min(0.95, max(0.05, accept + rng.normal(0, 0.1)))
+        runs.append([1 + min(3, int(rng.geometric(1 - p)) - 1) for _ in range(int(rng.integers(20, 60)))])
+    return runs
+
+
+def _tau_pairs(runs: list[list[int]]) -> tuple[list, dict]:
+    """Each prompt's (tokens, verify steps) from its summary, as compare_recipes reads them, and the overall
+    summary, both pooled by stage 05's summarize_generations."""
+    from common.bench.metrics import summarize_generations, tau_parts
+
+    turns = [{"spec": {"accept_lengths": lengths, "new_tokens": sum(lengths), "wall_s": 1.0,
+                       "tokens": list(range(sum(lengths)))}} for lengths in runs]
+    return [tau_parts(summarize_generations([turn], 3)) for turn in turns], summarize_generations(turns, 3)
+
+
+def _one_more_draft(lengths: list[int]) -> list[int]:
+    i = next(i for i, length in enumerate(lengths) if length < 4)
+    return lengths[:i] + [lengths[i] + 1] + lengths[i + 1:]
+
+
+def test_paired_ratio_interval_of_two_drafters_taus():
+    from common.bench.metrics import higher_lower_equal, paired_ratio_interval
+
+    rng = np.random.default_rng(7)
+    theirs_runs = _chain_runs(rng, 40, 0.3)
+    theirs, theirs_overall = _tau_pairs(theirs_runs)
+    assert theirs == [(sum(lengths), len(lengths)) for lengths in theirs_runs]
+    # The same drafter twice: every resample's ratio is exactly 1, every prompt a tie.
+    assert paired_ratio_interval(theirs, theirs) == (1.0, 1.0)
+    assert higher_lower_equal(theirs, theirs) == (0, 0, 40)
+    # One more accepted draft in one verify step of every prompt: higher everywhere, so every resample is above 1.
+    better, _ = _tau_pairs([_one_more_draft(lengths) for lengths in theirs_runs])
+    assert higher_lower_equal(better, theirs) == (40, 0, 0) and higher_lower_equal(theirs, better) == (0, 40, 0)
+    assert paired_ratio_interval(better, theirs)[0] > 1
+    # Two noisy drafters: the full sample pools as the reports' overall tau, and lies inside its interval.
+    ours, ours_overall = _tau_pairs(_chain_runs(rng, 40, 0.4))
+    full = (sum(t for t, _ in ours) / sum(s for _, s in ours)) / (sum(t for t, _ in theirs) / sum(s for _, s in theirs))
+    assert full == pytest.approx(ours_overall["tau"] / theirs_overall["tau"], rel=1e-12)
+    low, high = paired_ratio_interval(ours, theirs)
+    assert low < full < high
+    assert paired_ratio_interval(ours, theirs, seed=0) == (low, high) != paired_ratio_interval(ours, theirs, seed=1)
+    narrow = paired_ratio_interval(ours, theirs, level=0.5)
+    assert low < narrow[0] < narrow[1] < high
+    with pytest.raises(ValueError, match="same prompts"):
+        paired_ratio_interval(ours, theirs[1:])
+
+
 def write_jsonl(path: Path, rows: list) -> Path:
     path.write_text("".join(json.dumps(row) + "\n" for row in rows))
     return path

@@ -174,17 +174,29 @@ def test_compare_recipes_prints_the_side_by_side_table(run_dir, trained, stories
     assert done.stdout.count(" 05_benchmark.py --mode ") == 6
     report = json.loads((out / "compare.json").read_text())
     for row in report["sets"]:
-        taus = {name: json.loads(next((out / f"{name}_{row['set']}").glob("bench_offline_k3_t0_tau_*.json"))
-                                 .read_text())["overall"]["tau"] for name in ("ours", "specforge")}
+        results = {name: json.loads(next((out / f"{name}_{row['set']}").glob("bench_offline_k3_t0_tau_*.json"))
+                                    .read_text()) for name in ("ours", "specforge")}
+        taus = {name: result["overall"]["tau"] for name, result in results.items()}
         assert (row["ours"], row["specforge"]) == (taus["ours"], taus["specforge"])
         assert row["ratio"] == pytest.approx(taus["ours"] / taus["specforge"], abs=1e-3)
+        # The paired bootstrap over the set's prompts: around the ratio, and every prompt counted once.
+        low, high = row["ratio_interval_95"]
+        assert low <= row["ratio"] <= high
+        assert sum(row["prompts_higher_lower_equal"]) == len(results["ours"]["prompts"]) == 2
     sf = json.loads((run_dir / "specforge" / "specforge_results.json").read_text())
     ours = json.loads((run_dir / "checkpoints" / "manifest.json").read_text())
     training = report["training"]
     assert (training["ours_s"], training["specforge_s"]) == (ours["wall_time_s"], sf["total_s"])
     assert report["target"]["tau_holds"] == all(r["ratio"] >= 1.05 for r in report["sets"])
+    interval_holds = all(r["ratio_interval_95"][0] >= 1.05 for r in report["sets"])
+    assert report["target"]["tau_interval_holds"] == interval_holds
     table = (out / "compare.md").read_text()
     assert table in done.stdout and "| mt_bench |" in table and "| training wall time (s) |" in table
+    assert "| 95 % interval (paired bootstrap over prompts) | prompts: ours higher / lower |" in table
+    for row in report["sets"]:
+        (low, high), (higher, lower, _) = row["ratio_interval_95"], row["prompts_higher_lower_equal"]
+        assert f"| {row['ratio']:.3f} | {low:.3f} - {high:.3f} | {higher} / {lower}" in table
+    assert f"95 % interval's low end >= 1.05 on every set: {'holds' if interval_holds else 'does not hold'}" in table
     assert "stopped early (max_steps)" in table  # the fixture's few steps are no like-for-like comparison
     # Stage 05 ran with the chain setting on every (drafter, set): four result folders.
     settings = [json.loads(next(p.glob("bench_offline_*tau*.json")).read_text())["settings"]

@@ -1,8 +1,11 @@
-"""Benchmark metrics: acceptance by draft position, pooled tokens/s and speedups, repetition, percentiles."""
+"""Benchmark metrics: acceptance by draft position, pooled tokens/s and speedups, repetition, percentiles, and
+two drafters' tau ratio with its paired bootstrap interval over prompts."""
 from __future__ import annotations
 
 import math
 from typing import Any, Sequence
+
+import numpy as np
 
 REPETITION_NGRAM = 4
 
@@ -141,3 +144,33 @@ def by_category(runs: Sequence[dict[str, Any]], num_positions: int) -> dict[str,
         if run.get("category"):
             categories.setdefault(run["category"], []).append(run)
     return {name: summarize_generations(group, num_positions) for name, group in sorted(categories.items())}
+
+
+def tau_parts(summary: dict[str, Any]) -> tuple[int, int]:
+    """(tokens, verify steps) of a summarize_generations summary: tau pools as sum(tokens) / sum(steps)."""
+    steps = summary["verify_steps"]
+    return (round(summary["tau"] * steps) if steps else 0), steps
+
+
+def paired_ratio_interval(ours: Sequence[tuple[int, int]], theirs: Sequence[tuple[int, int]],
+                          resamples: int = 10_000, seed: int = 0, level: float = 0.95) -> tuple[float, float]:
+    """Percentile bootstrap interval of pooled tau(ours) / pooled tau(theirs) over prompts.
+
+    ours[i] and theirs[i] are prompt i's (tokens, verify steps) (tau_parts) for each drafter. Prompts are drawn
+    with replacement as pairs, since a prompt's difficulty is shared by both drafters, and each resample pools
+    as the report's overall tau does, so the full sample gives the report's ratio.
+    """
+    a, b = np.asarray(ours, dtype=float), np.asarray(theirs, dtype=float)
+    if a.shape != b.shape or a.ndim != 2 or a.shape[1] != 2 or not len(a):
+        raise ValueError(f"need the same prompts' (tokens, steps) for both drafters, got shapes {a.shape}, {b.shape}")
+    picks = np.random.default_rng(seed).integers(0, len(a), size=(resamples, len(a)))
+    (tokens_a, steps_a), (tokens_b, steps_b) = a[picks].sum(axis=1).T, b[picks].sum(axis=1).T
+    ratios = (tokens_a / steps_a) / (tokens_b / steps_b)
+    low, high = np.quantile(ratios, [(1 - level) / 2, (1 + level) / 2])
+    return float(low), float(high)
+
+
+def higher_lower_equal(ours: Sequence[tuple[int, int]], theirs: Sequence[tuple[int, int]]) -> tuple[int, int, int]:
+    """How many prompts have ours' tau above / below / equal to theirs (cross-multiplied: exact on the counts)."""
+    signs = [(ta * sb > tb * sa) - (ta * sb < tb * sa) for (ta, sa), (tb, sb) in zip(ours, theirs, strict=True)]
+    return signs.count(1), signs.count(-1), signs.count(0)
