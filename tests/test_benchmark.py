@@ -863,7 +863,7 @@ def pipeline_run(stories260k, tmp_path_factory):
     stage04 = _load_module("stage04_train", "04_train.py")
     assert stage04.main(model + ["--epochs", "4", "--ttt-steps", "3", "--batch-size", "8", "--lr", "5e-3",
                                  "--val-ratio", "0.15", "--num-workers", "0", "--device", "cpu",
-                                 "--dtype", "float32"]) == 0
+                                 "--dtype", "float32", "--min-steps", "0"]) == 0
     return {"run": run, "template": template, "rows": rows, "model": model}
 
 

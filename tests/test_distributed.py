@@ -148,7 +148,8 @@ STAGE04 = "04_train.py"
 # validation batch (the second rank validates nothing and still takes part in the sums).
 TRAIN_FLAGS = {"--ttt-steps": 2, "--max-tokens-per-batch": 352, "--batch-size": 8, "--lr": 5e-3,
                "--warmup-ratio": 0.05, "--val-ratio": 0.05, "--num-workers": 0, "--device": "cpu", "--seed": 0,
-               "--epochs": 2, "--save-interval": 3, "--eval-interval": 2, "--log-interval": 1, "--keep-last": 10}
+               "--epochs": 2, "--save-interval": 3, "--eval-interval": 2, "--log-interval": 1, "--keep-last": 10,
+               "--min-steps": 0}  # the plan above, as it is (stage 04's default would cap the batches)
 
 
 @pytest.fixture(scope="module")

@@ -225,11 +225,12 @@ ONE_THREAD = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
 
 
 def train_argv(run: Path, out: Path, model_path: Path, **flags) -> list[str]:
-    """Flags of a small, fast run; no --run-dir, so the log is OUT/logs/04_train.log."""
+    """Flags of a small, fast run; no --run-dir, so the log is OUT/logs/04_train.log. --min-steps 0: the tests plan
+    their own steps (the default's cap has its own test); min_steps=None leaves the default."""
     values = {"--data-dir": run / "hidden_states", "--vocab-mapping-dir": run / "vocab", "--output-dir": out,
               "--model-path": model_path, "--ttt-steps": TTT, "--max-tokens-per-batch": 384, "--batch-size": 8,
               "--lr": 5e-3, "--warmup-ratio": 0.05, "--val-ratio": 0.15, "--num-workers": 0, "--device": "cpu",
-              "--seed": 0}
+              "--seed": 0, "--min-steps": 0}
     values.update({f"--{k.replace('_', '-')}": v for k, v in flags.items()})
     argv = []
     for name, value in values.items():
@@ -723,8 +724,9 @@ def test_padding_batches_to_a_multiple_changes_shapes_not_training(run_a, storie
 
 
 def test_min_steps_puts_fewer_sequences_in_a_step_until_the_plan_gives_enough(run_a, stories260k, stage04, tmp_path):
-    """--min-steps (a candidate, off by default): a plan that gives fewer optimizer steps puts fewer sequences in
-    each micro-batch (one at least) and records the cap, so that a resume plans the same; enough steps: no change."""
+    """--min-steps (default 2000): a plan that gives fewer optimizer steps puts fewer sequences in each micro-batch
+    (one at least) and records the cap, so that a resume plans the same; enough steps: no change. A resume whose
+    --min-steps gives another cap is refused, naming the run's value."""
     from common.train.data import sequences_for_min_steps
 
     lengths, unlimited = [100] * 40, 1 << 30  # ten sequences fill a 1,000-token batch: 4 batches an epoch
@@ -742,6 +744,15 @@ def test_min_steps_puts_fewer_sequences_in_a_step_until_the_plan_gives_enough(ru
     state = read_json(capped / read_json(capped / "latest.json")["checkpoint"] / "trainer_state.json")
     assert state["run_config"]["min_steps"] == 2 * planned and state["run_config"]["max_sequences"] < 8
     assert f"--min-steps {2 * planned}: the batch plan gives fewer optimizer steps" in log_text(capped)
+
+    # the default: this small run's plan is far below 2,000 steps, so one sequence a micro-batch
+    default = tmp_path / "default"
+    assert stage04.main(train_argv(run_a, default, stories260k, epochs=1, min_steps=None, save_interval=2)) == 0
+    config = read_json(default / read_json(default / "latest.json")["checkpoint"] / "trainer_state.json")["run_config"]
+    assert (config["min_steps"], config["max_sequences"]) == (2000, 1)
+    # resuming the --min-steps 0 run under the default would change its plan: refused, with the flag to give
+    assert stage04.main(train_argv(run_a, plain, stories260k, epochs=1, resume=True, min_steps=None)) == 2
+    assert "max_sequences: was 8, now 1" in log_text(plain) and "give the run's --min-steps, 0" in log_text(plain)
 
 
 def test_a_checkpoint_failing_its_check_stops_the_run(stories260k, tmp_path):

@@ -147,9 +147,9 @@ _ALL_FLAGS: list[Flag] = [
     Flag("--pad-batches-to", "Round batch lengths up to a multiple of N: shapes repeat, so the host's per-shape work "
          "runs once (1.37x faster steps on an H200, docs/training.md). Default: 64 on a GPU, 1 (none) on a CPU.",
          type=_positive_int, metavar="N"),
-    Flag("--min-steps", "A candidate, off by default: when the batch plan gives fewer optimizer steps than N, put "
-         "fewer sequences in each (one at least) until it gives about N; short runs otherwise train too little.",
-         type=_non_negative_int, default=0, metavar="N"),
+    Flag("--min-steps", "When the batch plan gives fewer optimizer steps than N, put fewer sequences in each (one "
+         "at least) until it gives about N: a small run otherwise trains too little (docs/training.md). 0: off.",
+         type=_non_negative_int, default=2000, metavar="N"),
     Flag("--max-seq-len", "Longest sequence in tokens; longer ones are truncated.",
          aliases=("--max-length", "--max-seq-length", "--seq-len", "--max-len"), type=_positive_int,
          default=2048),

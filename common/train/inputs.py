@@ -23,9 +23,10 @@ UNLIMITED_SEQUENCES = 1 << 30
 # Flags (and input hashes) a resumed run must share with the run it continues: they decide the split,
 # the batch plan, the schedule and the loss, so changing one would not continue that run.
 # The global batch counts, not --grad-accum: micro_batches_per_step = --grad-accum x ranks.
+# --min-steps acts through max_sequences, which is compared, so a run saved before it resumes under its default.
 RESUME_KEYS = ("seed", "epochs", "lr", "scheduler", "warmup_ratio", "micro_batches_per_step", "max_grad_norm",
                "max_seq_len", "ttt_steps", "ttt_decay", "ttt_positions", "loss", "noise_std", "val_ratio", "max_tokens",
-               "max_sequences", "pad_batches_to", "min_steps", "finetune_from", "drafter_config",
+               "max_sequences", "pad_batches_to", "finetune_from", "drafter_config",
                "init_from_verifier_layer", "compute_dtype", "hidden_states_index_sha256", "vocab_mapping_sha256")
 
 
@@ -337,14 +338,15 @@ def check_output(args, run_config: dict, log) -> tuple[Path | None, bool]:
         previous = {**previous, "loss": "kl"}
     if "ttt_steps" in previous and "pad_batches_to" not in previous:  # saved before --pad-batches-to: unpadded
         previous = {**previous, "pad_batches_to": 1}
-    if "ttt_steps" in previous and "min_steps" not in previous:  # saved before --min-steps: none
-        previous = {**previous, "min_steps": 0}
     changed = setting_differences(previous, run_config, [key for key in RESUME_KEYS if key in previous])
     if any(line.startswith("micro_batches_per_step") for line in changed):
         changed.append(f"(micro_batches_per_step = --grad-accum x ranks; the run being resumed had --grad-accum "
                        f"{previous.get('grad_accum')} on {previous.get('world_size', 1)} rank(s): on "
                        f"{run_config['world_size']} rank(s) give --grad-accum "
                        f"{previous['micro_batches_per_step'] / run_config['world_size']:g})")
+    if any(line.startswith("max_sequences") for line in changed):
+        changed.append(f"(--min-steps caps max_sequences when the plan gives fewer steps than it: give the run's "
+                       f"--min-steps, {previous.get('min_steps', '0, as it was saved before the flag')})")
     if changed:
         raise UsageError(f"--resume from {point}: these settings or inputs differ from the run being resumed, "
                          f"so it could not continue exactly:\n  " + "\n  ".join(changed) +
