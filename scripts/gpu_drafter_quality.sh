@@ -31,6 +31,9 @@
 #                            the prompts it holds, the rest regenerated; on stories260K 3x the prompts raised
 #                            chain tau 24 %): at the defaults about as many optimizer steps as the default lane,
 #                            over 1.7x the distinct replies
+#                 turns2     SAMPLES conversations with their second user turns (--max-turns 2, both replies regenerated:
+#                            REGEN_CACHE holds first turns only) from DATA_DIR/sharegpt_turns2.json (prepare_device_data.py
+#                            --turns 2), RUN's held-out prompts excluded: MT-bench's second turns are its weakest
 #                 bf16final  FORMAT_STEP_TOKENS-token steps on RUN: the storage-format lanes' baseline
 #                 fp8topk, fp8final, bf16topk
 #                            FORMAT_STEP_TOKENS-token steps on RUN-<lane>: the same prepared data extracted
@@ -59,7 +62,7 @@
 #                            04 refuses a step shorter than the longest sample): 664 steps in 76 s at 800
 #                            prompts on 2026-12-02, each a fraction of the time of SpecForge's 2,980
 #                            one-sequence steps
-#   SMALL_CANDIDATE_FLAGS [] stage-04 flags of a candidate recipe for the comparison, e.g. "--min-steps 2000": then a
+#   SMALL_CANDIDATE_FLAGS [] stage-04 flags of a candidate recipe for the comparison, e.g. "--lr 3e-3": then a
 #                            second drafter of ours trains on RUN-small (alone, after the first) and goes through
 #                            the same benchmarks against SpecForge's (RUN-small/compare_candidate)
 #   DATA_SAMPLES [17000]     prompts of the data lane (about every first turn of the device data)
@@ -102,7 +105,11 @@
 # docs/results/2026-12-02-h200-regen-specforge.md. Fifth (2026-12-02, LANES="default steps mlp", SMALL=500,
 # SPECFORGE_BESIDE=1): data 1.9 min, our small run 40 s alone, then SpecForge (395 s, 4.3 steps/s) beside the three
 # lanes (4-epoch trainings 157 s, the 2,048-token one 391 s) and all the benchmarks: 11.3 min from the end of our
-# small run to the last benchmark: docs/results/2026-12-02-h200-specforge-mlp-steps-pad.md.
+# small run to the last benchmark: docs/results/2026-12-02-h200-specforge-mlp-steps-pad.md. Sixth (2026-12-02,
+# LANES="default epochs3 data", DATA_EXTRA=gsm8k_train.jsonl DATA_SAMPLES=17500 DATA_EPOCHS=4, SMALL=500,
+# SMALL_CANDIDATE_FLAGS="--min-steps 2000", SPECFORGE_BESIDE=1): data 6.5 min (the data lane's stage 01 194 s), our
+# two small runs 48 s and 81 s alone, then SpecForge (445 s) beside the lanes (epochs3 trained 733 s): 24.7 min in
+# all: docs/results/2026-12-02-h200-min-steps-epochs-data.md.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 VERIFIER=$1; DATA=$2; RUN=$3; SMALL_RUN=$RUN-small
@@ -127,7 +134,7 @@ pack() {  # the small files of every run: logs, manifests, metrics, curves, repo
      -o -name manifest.json -o -name metrics.jsonl -o -name '*.png' -o -name 'specforge_results.json' \) \
      -not -path '*/hidden_states/*/*' 2>/dev/null | tar czf "$OUT/quality.tgz" -C "$parent" -T - ) || true
   local lane
-  for lane in data sampled; do  # the replies regenerated here: a REGEN_CACHE that saves the next machine the time
+  for lane in data sampled turns2; do  # the replies regenerated here: a REGEN_CACHE that saves the next machine the time
     [ -f "$RUN-$lane/data/regenerated.jsonl" ] && (cd "$RUN-$lane/data" && \
       tar czf "$OUT/regenerated_$lane.tgz" regenerated.jsonl regenerated.settings.json) || true
   done
@@ -150,7 +157,7 @@ prepare() {  # $1 run dir, $2 samples[, $3 turns, $4 more stage-01 flags]: stage
     mkdir -p "$1/data" && tar xzf "$REGEN_CACHE" -C "$1/data"
   fi
   pipeline() {
-    python3 run_pipeline.py --run-dir "$1" --model-path "$VERIFIER" --dataset "$DATA/sharegpt.json" \
+    python3 run_pipeline.py --run-dir "$1" --model-path "$VERIFIER" --dataset "${DATASET:-$DATA/sharegpt.json}" \
       --regenerate --max-turns "${3:-1}" --num-samples "$2" --eval-ratio "${EVAL_RATIO:-0.02}" --max-seq-len 2048 \
       --draft-vocab-size 32000 --skip 04 --skip 05 --stage-args 01 "--batch-size 1024 --max-new-tokens 256 ${4:-}" \
       --stage-args 02 "--batch-size 64 --num-workers 8"
@@ -204,6 +211,7 @@ data_flags() {  # $1 lane: its turns, samples and stage-01 flags, for a lane tra
   case $1 in
     sampled) echo "1 $SAMPLES --temperature 0.8" ;;   # replies sampled as sampled serving will meet them
     # RUN's held-out prompts stay out of its training, whatever the shuffle of more data does
+    turns2) echo "2 $SAMPLES --exclude-prompts $RUN/data/eval_data.jsonl" ;;
     data) echo "1 $DATA_SAMPLES --exclude-prompts $RUN/data/eval_data.jsonl$(
             for file in $DATA_EXTRA; do printf ' --dataset %s' "$DATA/$file"; done)" ;;
   esac
@@ -221,13 +229,13 @@ start_lane() {  # $1 lane: train it on its data (the name's first part, for a da
                 # benchmark it
   local base=${1%%_*} recipe=$1 run=$RUN tokens=$STEP_TOKENS flags more=""
   case $base in
-    bf16final|fp8topk|fp8final|bf16topk|sampled|data)
+    bf16final|fp8topk|fp8final|bf16topk|sampled|data|turns2)
       recipe=${1#"$base"}; recipe=${recipe#_}; recipe=${recipe:-default} ;;
   esac
   case $base in
     bf16final) tokens=$FORMAT_STEP_TOKENS ;;
     fp8topk|fp8final|bf16topk) run=$RUN-$base; tokens=$FORMAT_STEP_TOKENS ;;
-    sampled) run=$RUN-sampled ;;
+    sampled|turns2) run=$RUN-$base ;;
     data) run=$RUN-data; more="--epochs $DATA_EPOCHS" ;;
   esac
   flags=$(recipe_flags "$recipe") || { say "FAILED: no lane called $1"; return 0; }
@@ -262,7 +270,9 @@ if has data; then
     read -r turns samples more <<< "$(data_flags "$name")"; [ -n "$turns" ] || continue
     mkdir -p "$RUN-$name/logs"; say "stages 01-03 in $RUN-$name: $samples samples, --max-turns $turns $more"
     # shellcheck disable=SC2086
-    prepare "$RUN-$name" "$samples" "$turns" "$more" > "$RUN-$name/logs/prepare.log" 2>&1 || say "FAILED: data $name"
+    dataset=$DATA/sharegpt.json; [ "$name" = turns2 ] && dataset=$DATA/sharegpt_turns2.json
+    DATASET=$dataset prepare "$RUN-$name" "$samples" "$turns" "$more" > "$RUN-$name/logs/prepare.log" 2>&1 \
+      || say "FAILED: data $name"
   done
   for name in $(bases); do
     flags=$(format_flags "$name"); [ -n "$flags" ] || continue
