@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The GPU measurements of issues 17 and 18 on ONE GPU in about 28 minutes (all five parts), ordered so that no timed
 # part shares the GPU with anything else:
-#   1. data      gpu_drafter_quality.sh's data phase: RUN-small (SMALL prompts, the SpecForge comparison's data)
+#   1. data      gpu_drafter_quality.sh's data phase: RUN-small (SMALL prompts, the SpecForge comparison's data,
+#                when PARTS has compare) and the data LANES need
 #   2. profile   gpu_checks.sh: stage 04 --profile-steps on RUN-small's hidden states        (timed, alone)
 #   3. regen     gpu_checks.sh: bench_regenerate.py, engines ENGINES, no 8B shape            (timed, alone)
 #   3b. attention  bench_decode_attention.py at SmolLM2's and Llama-8B's heads: the decoding attention the
@@ -11,6 +12,7 @@
 #                our training runs alone (timed); once SpecForge's starts, gpu_checks.sh's lossless checks
 #                (float32 and float64, chain and tree, all of MT-bench) run beside it, so SpecForge's wall time
 #                here is not its own (its steps/s in specforge.log show by how much)
+#   5. lanes     LANES alone, without the comparison (instead of compare, once it is settled)
 #
 #   scripts/gpu_session_one_gpu.sh VERIFIER DATA_DIR WORK_DIR [snapshot]
 #     VERIFIER, DATA_DIR  as gpu_drafter_quality.sh's (DATA_DIR also holds REGEN_CACHE's smollm2_sharegpt_greedy_10k.tgz
@@ -46,9 +48,10 @@ fi
 FINAL_OUT=${OUT:-}; unset OUT  # the scripts below pack into OUT on every exit: only this one, at the end
 mkdir -p "$WORK" "$RUN/logs"
 say() { echo "$(date +%T) $*" | tee -a "$WORK/session.log"; }
-quality() {  # $1 phases of gpu_drafter_quality.sh: the comparison on RUN-small, and LANES on RUN
+quality() {  # $1 phases of gpu_drafter_quality.sh: the comparison on RUN-small, and LANES on RUN; $2 SpecForge's
+             # wheel (empty: no comparison, and no RUN-small)
   MPS=1 EXTRAS=0 LANES=$LANES SPECFORGE_BESIDE=1 SMALL=$SMALL REGEN_CACHE=$DATA/smollm2_sharegpt_greedy_10k.tgz \
-    SPECFORGE=$DATA/specforge-0.2.0-py3-none-any.whl SPECFORGE_ARGS=$SPECFORGE_ARGS PHASES=$1 \
+    SPECFORGE=${2-$DATA/specforge-0.2.0-py3-none-any.whl} SPECFORGE_ARGS=$SPECFORGE_ARGS PHASES=$1 \
     bash scripts/gpu_drafter_quality.sh "$VERIFIER" "$DATA" "$RUN"
 }
 checks() {  # $1 phases of gpu_checks.sh
@@ -56,7 +59,10 @@ checks() {  # $1 phases of gpu_checks.sh
     bash scripts/gpu_checks.sh "$VERIFIER" "$DATA" "$RUN-small" "$RUN-small/checkpoints/best" "$CHECKS"
 }
 
-part_data() { say "data"; quality data; }
+part_data() {  # RUN-small only for the compare part
+  say "data"; if [[ " $PARTS " == *" compare "* ]]; then quality data; else quality data ""; fi
+}
+part_lanes() { say "lanes alone: $LANES"; quality "lanes table" ""; }  # LANES without the SpecForge comparison
 part_profile() { say "stage 04 profile"; checks profile; }
 part_regen() { say "regeneration engines"; checks regen; }
 part_attention() {
@@ -81,7 +87,7 @@ part_compare() {
 }
 mkdir -p "$CHECKS"
 for part in $PARTS; do
-  declare -F "part_$part" > /dev/null || { say "no part called $part (PARTS: data profile regen attention compare)"; exit 2; }
+  declare -F "part_$part" > /dev/null || { say "no part called $part (PARTS: data profile regen attention compare lanes)"; exit 2; }
 done
 for part in $PARTS; do "part_$part"; done
 say "session done"
