@@ -753,6 +753,9 @@ def test_min_steps_puts_fewer_sequences_in_a_step_until_the_plan_gives_enough(ru
     # resuming the --min-steps 0 run under the default would change its plan: refused, with the flag to give
     assert stage04.main(train_argv(run_a, plain, stories260k, epochs=1, resume=True, min_steps=None)) == 2
     assert "max_sequences: was 8, now 1" in log_text(plain) and "give the run's --min-steps, 0" in log_text(plain)
+    # the cap is compared, not the flag: another --min-steps giving the same cap resumes (so do runs saved before it)
+    assert stage04.main(train_argv(run_a, default, stories260k, epochs=1, resume=True, min_steps=1000)) == 0
+    assert "training already finished at step" in log_text(default)
 
 
 def test_a_checkpoint_failing_its_check_stops_the_run(stories260k, tmp_path):
