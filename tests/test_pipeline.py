@@ -90,7 +90,7 @@ def test_ctrl_c_reaches_stage_04_once_and_it_stops_with_a_checkpoint(tmp_path, t
     run = tmp_path / "run"
     common = ["--run-dir", str(run), "--model-path", str(stories260k), "--dataset", str(texts),
               "--draft-vocab-size", "100", "--skip", "05", "--epochs", "30", "--stage-args", "04",
-              "--log-interval 1 --save-interval 100000 --eval-interval 100000 --num-workers 0"]
+              "--log-interval 1 --save-interval 100000 --eval-interval 100000 --num-workers 0 --min-steps 0"]
     runner = subprocess.Popen([sys.executable, str(REPO / "run_pipeline.py"), *common], cwd=str(REPO),
                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
     metrics = run / "checkpoints" / "metrics.jsonl"
