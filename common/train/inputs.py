@@ -271,13 +271,12 @@ def check_inputs(args, log) -> Inputs:
 
 def apply_min_steps(args, inputs: Inputs, world_size: int, log) -> None:
     """--min-steps: cap the sequences of a micro-batch (inputs.max_sequences) when the plan gives too few steps."""
-    from common.train.data import sequences_for_min_steps, split_train_val
+    from common.train.data import sequences_for_min_steps, split_datasets
 
     if not args.min_steps:
         return
-    train_positions, _ = split_train_val([str(e["id"]) for e in inputs.entries], args.val_ratio, args.seed)
-    lengths = [min(int(inputs.entries[i]["num_tokens"]), args.max_seq_len) for i in train_positions]
-    capped = sequences_for_min_steps(lengths, inputs.max_tokens, inputs.max_sequences, args.epochs,
+    train_set, _ = split_datasets(inputs.data_dir, inputs.entries, args.val_ratio, args.seed, args.max_seq_len)
+    capped = sequences_for_min_steps(train_set.lengths(), inputs.max_tokens, inputs.max_sequences, args.epochs,
                                      args.grad_accum * world_size, args.min_steps, args.seed, inputs.pad_to)
     if capped != inputs.max_sequences:
         log.info("--min-steps %d: the batch plan gives fewer optimizer steps, so a micro-batch holds at most %d "

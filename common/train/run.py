@@ -10,7 +10,7 @@ from common.formats.manifest import MANIFEST, Manifest
 from common.formats.files import write_json_atomic
 from common.model.drafter import Eagle3Drafter
 from common.formats.checkpoint import check_drafter_dir, load_drafter
-from common.train.data import VAL_SPLIT_FILE, HiddenStateDataset, split_train_val
+from common.train.data import VAL_SPLIT_FILE, split_datasets
 from common.train.checkpoints import seed_everything
 from common.train.data_parallel import make_data_parallel
 from common.train.inputs import STAGE, Inputs
@@ -127,14 +127,11 @@ def train_drafter(args, log, inputs: Inputs, run_config: dict, resume_from: Path
              sum(p.numel() for p in model.parameters() if p.requires_grad) / 1e6, compute_dtype, device,
              f" (rank 0 of {rank.world_size}, {'FSDP' if args.fsdp else 'DDP'})" if rank.distributed else "")
 
-    ids = [str(entry["id"]) for entry in inputs.entries]
-    train_pos, val_pos = split_train_val(ids, args.val_ratio, args.seed)
-    train_set = HiddenStateDataset(inputs.data_dir, [inputs.entries[i] for i in train_pos], args.max_seq_len)
-    val_set = HiddenStateDataset(inputs.data_dir, [inputs.entries[i] for i in val_pos], args.max_seq_len)
+    train_set, val_set = split_datasets(inputs.data_dir, inputs.entries, args.val_ratio, args.seed, args.max_seq_len)
     if rank.is_main:
         write_json_atomic(output_dir / VAL_SPLIT_FILE, {"seed": args.seed, "val_ratio": args.val_ratio,
-                                                        "train_samples": len(train_pos),
-                                                        "val_ids": [ids[i] for i in val_pos]})
+                                                        "train_samples": len(train_set),
+                                                        "val_ids": [str(entry["id"]) for entry in val_set.entries]})
 
     cfg = TrainConfig(lr=args.lr, scheduler=args.scheduler, warmup_ratio=args.warmup_ratio,
                       max_grad_norm=args.max_grad_norm, grad_accum=args.grad_accum, ttt_steps=args.ttt_steps,
