@@ -33,7 +33,9 @@
 #                            over 1.7x the distinct replies
 #                 turns2     SAMPLES conversations with their second user turns (--max-turns 2, both replies regenerated:
 #                            REGEN_CACHE holds first turns only) from DATA_DIR/sharegpt_turns2.json (prepare_device_data.py
-#                            --turns 2), RUN's held-out prompts excluded: MT-bench's second turns are its weakest
+#                            --turns 2 --prompts-only, which keeps a placeholder reply between the turns; a file made
+#                            before it did answers both turns with one reply, as 2026-12-02's run trained), RUN's
+#                            held-out prompts excluded: MT-bench's second turns are its weakest
 #                 bf16final  FORMAT_STEP_TOKENS-token steps on RUN: the storage-format lanes' baseline
 #                 fp8topk, fp8final, bf16topk
 #                            FORMAT_STEP_TOKENS-token steps on RUN-<lane>: the same prepared data extracted

@@ -20,9 +20,25 @@ from common.data.records import ASSISTANT, role_of  # noqa: E402
 from common.data.sources import iter_json_array  # noqa: E402
 
 
+# What a reply becomes in a prompts-only file. Stage 01 --regenerate replaces every assistant turn, but one must
+# stay between two user turns: without it the two read as one prompt, answered once (the turns2 lane of
+# 2026-12-02 trained on such single replies).
+REPLY_PLACEHOLDER = "(replaced by 01_prepare_data.py --regenerate)"
+
+
 def without_replies(turns: list) -> list:
-    """The conversation's non-assistant messages: all that a --regenerate run reads (it writes the replies)."""
-    return [t for t in turns if not (isinstance(t, dict) and role_of(t) == ASSISTANT)]
+    """The conversation as a --regenerate run reads it: each reply between two prompts a placeholder, the
+    replies before the first prompt and after the last dropped."""
+    def is_reply(turn) -> bool:
+        return isinstance(turn, dict) and role_of(turn) == ASSISTANT
+
+    kept = [{**turn, ("value" if "value" in turn else "content"): REPLY_PLACEHOLDER} if is_reply(turn) else turn
+            for turn in turns]
+    while kept and is_reply(kept[-1]):
+        kept.pop()
+    while kept and is_reply(kept[0]):
+        kept.pop(0)
+    return kept
 
 
 def main() -> int:
@@ -32,8 +48,9 @@ def main() -> int:
     parser.add_argument("--conversations", type=int, default=6000)
     parser.add_argument("--turns", type=int, default=1, help="keep the first N exchanges (0: all)")
     parser.add_argument("--prompts-only", action="store_true",
-                        help="drop the assistant replies (stage 01 --regenerate writes its own): about 3.5x "
-                             "the conversations fit one carried folder")
+                        help="drop the assistant replies (stage 01 --regenerate writes its own; a reply a later "
+                             "user turn follows becomes a short placeholder): about 3.5x the conversations fit "
+                             "one carried folder")
     args = parser.parse_args()
     args.folder.mkdir(parents=True, exist_ok=True)
 

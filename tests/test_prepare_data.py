@@ -792,3 +792,58 @@ def test_device_data_with_prompts_only_keeps_every_prompt_and_no_reply(sharegpt_
         first_two = original["conversations"][:2]
         assert record["conversations"] == [t for t in first_two if ROLE_ALIASES.get(t["from"].lower()) != ASSISTANT]
     assert sum(1 for _ in open(tmp_path / "humaneval.jsonl")) == 164
+
+
+def test_device_data_with_prompts_only_keeps_second_turns_for_stage_01(sharegpt_path, stage, tmp_path, stories260k,
+                                                                       stories_template):
+    """--prompts-only --turns 2: a placeholder stays between two user turns, so stage 01 --regenerate --max-turns 2
+    answers each turn (without it the two user turns read as one prompt with one reply)."""
+    from transformers import AutoTokenizer
+
+    from common.data.records import ASSISTANT, ROLE_ALIASES
+
+    result = run_script("scripts/prepare_device_data.py", str(tmp_path), "--conversations", "60", "--prompts-only",
+                        "--turns", "2", timeout=300)
+    assert result.returncode == 0, result.stderr[-2000:]
+    kept = json.loads((tmp_path / "sharegpt.json").read_text())
+    originals = [record for _, record in iter_json_array(sharegpt_path) if isinstance(record, dict)][:60]
+    two_turns = []
+    for record, original in zip(kept, originals):
+        roles = [ROLE_ALIASES.get(t["from"].lower()) for t in record["conversations"]]
+        users = [t for t in original["conversations"][:4] if ROLE_ALIASES.get(t["from"].lower()) != ASSISTANT]
+        assert [t for t in record["conversations"] if t["from"] != "gpt"] == users, record["id"]
+        assert ASSISTANT not in roles[:1] + roles[-1:], record["id"]  # leading and trailing replies dropped
+        if roles == ["user", ASSISTANT, "user"]:
+            two_turns.append(record)
+    assert len(two_turns) >= 4
+    data = tmp_path / "two_turns.json"
+    data.write_text(json.dumps(two_turns[:4]))
+
+    def regenerate(dataset: Path, out: Path) -> None:
+        assert stage.main(["--model-path", str(stories260k), "--chat-template", str(stories_template), "--dataset",
+                           str(dataset), "--output-dir", str(out), "--regenerate", "--max-turns", "2",
+                           "--max-new-tokens", "6", "--device", "cpu", "--dtype", "float32", "--max-seq-len",
+                           "2048", "--eval-ratio", "0"]) == 0
+
+    out = tmp_path / "out"
+    regenerate(data, out)
+    assert "two user turns in a row" not in (out / "logs" / "01_prepare_data.log").read_text()
+    cache = read_jsonl(out / CACHE_FILE)
+    assert len(cache) == 4
+    for entry in cache:
+        assert [m["role"] for m in entry["messages"]] == ["user", "assistant", "user", "assistant"], entry["id"]
+        assert not any("replaced by" in m["content"] for m in entry["messages"])
+    tokenizer = AutoTokenizer.from_pretrained(stories260k)
+    for sample in read_jsonl(out / "tokenized_data.jsonl"):
+        spans = masked_spans(sample["input_ids"], sample["loss_mask"])
+        assert len(spans) == 2 and all(tokenizer.decode(span).endswith("</s>") for span in spans), sample["id"]
+
+    # Without the placeholder (the file this script wrote before): one reply to both turns, and a warning.
+    merged = tmp_path / "merged.json"
+    merged.write_text(json.dumps([{**r, "conversations": [t for t in r["conversations"] if t["from"] != "gpt"]}
+                                  for r in two_turns[:4]]))
+    regenerate(merged, tmp_path / "merged")
+    assert "4 conversation(s) have two user turns in a row" in (tmp_path / "merged" / "logs" /
+                                                               "01_prepare_data.log").read_text()
+    assert all([m["role"] for m in e["messages"]] == ["user", "user", "assistant"]
+               for e in read_jsonl(tmp_path / "merged" / CACHE_FILE))

@@ -103,6 +103,18 @@ def make_regenerator(args, inputs: Inputs, stop_ids: set[int], cache, records: l
     return Regenerator(responder, cache, batch_size)
 
 
+def warn_of_merged_prompts(records: list[Record], log) -> None:
+    """A reply is regenerated after each run of prompts: say so where two user turns follow each other."""
+    from common.data.regenerate import answers_several_prompts_at_once
+
+    merged = [r for r in records if r.is_chat and answers_several_prompts_at_once(r.messages)]
+    if merged:
+        log.warning("%d conversation(s) have two user turns in a row (e.g. %s, %s line %d): each such run gets one "
+                    "regenerated reply, after its last turn. To answer every turn, keep an assistant turn between "
+                    "them in the data (any text: --regenerate replaces it)", len(merged), merged[0].id,
+                    merged[0].source, merged[0].line)
+
+
 # --- the stage's work ---------------------------------------------------------------------------------
 
 def prepare_data(args, inputs: Inputs, log) -> dict:
@@ -130,6 +142,8 @@ def prepare_data(args, inputs: Inputs, log) -> dict:
     stop_ids = end_of_turn_ids(inputs.tokenizer, resolve_model_path(args.model_path)[0])
     chat = ChatTokenizer(inputs.tokenizer, stop_ids, args.max_seq_len)
     regenerator = make_regenerator(args, inputs, stop_ids, cache, records, log) if args.regenerate else None
+    if regenerator is not None:
+        warn_of_merged_prompts(records, log)
 
     manifest = Manifest(inputs.out, STAGE, resolved_config(args))
     manifest.data.update(fingerprint=inputs.fingerprint, verifier=inputs.verifier_identity,

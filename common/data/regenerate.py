@@ -12,7 +12,7 @@ from typing import Any, Callable, Sequence
 
 from common.cli.errors import UsageError
 from common.cli.stage import Progress, get_logger
-from common.data.records import ASSISTANT
+from common.data.records import ASSISTANT, USER
 
 CACHE_FILE = "regenerated.jsonl"
 SETTINGS_FILE = "regenerated.settings.json"
@@ -43,6 +43,12 @@ def prompt_segments(messages: list[dict]) -> list[list[dict]]:
     if current:
         segments.append(current)
     return segments
+
+
+def answers_several_prompts_at_once(messages: list[dict]) -> bool:
+    """Whether two user turns follow each other: a regenerated reply then answers both at once, after the
+    second (a prompts-only file that dropped the reply between them reads this way)."""
+    return any(sum(m["role"] == USER for m in segment) > 1 for segment in prompt_segments(messages))
 
 
 def prompts_hash(messages: list[dict]) -> str:
