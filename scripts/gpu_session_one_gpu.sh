@@ -6,9 +6,10 @@
 #   2. profile   gpu_checks.sh: stage 04 --profile-steps on RUN-small's hidden states        (timed, alone)
 #   3. regen     gpu_checks.sh: bench_regenerate.py, engines ENGINES, no 8B shape            (timed, alone)
 #   3b. attention  bench_decode_attention.py at SmolLM2's and Llama-8B's heads (ATTENTION_KERNELS=1): the decoding
-#                attention the regeneration loop could run, then the loop engine alone with the
-#                EAGLE3_DECODE_ATTENTION=matmul candidate at each batch size of MATMUL_BATCHES (bench_regenerate.py
-#                --static-only, into WORK_DIR/checks/regen_matmul_<batch>)                  (timed, alone)
+#                attention the regeneration loop could run; then the loop engine alone with each
+#                EAGLE3_DECODE_ATTENTION way of ATTENTION_WAYS (matmul, the default; sdpa) at each batch size of
+#                LOOP_BATCHES (bench_regenerate.py --static-only, same prompts as regen, into
+#                WORK_DIR/checks/regen_<way>_<batch>)                                          (timed, alone)
 #   4. compare   gpu_drafter_quality.sh: our stage 04, then SpecForge's recipe, then both drafters benchmarked;
 #                our training runs alone (timed); once SpecForge's starts, gpu_checks.sh's lossless checks
 #                (float32 and float64, chain and tree, all of MT-bench) run beside it, so SpecForge's wall time
@@ -24,7 +25,8 @@
 #   beside them instead of the lossless checks (its wall time then shared with the lanes' trainings; LANES'
 #   own settings, e.g. DATA_SAMPLES, DATA_EXTRA, DATA_EPOCHS, pass through the environment);
 #   SMALL [500] (SpecForge then trains about 7 minutes beside the lossless checks),
-#   ENGINES [generate,loop], MATMUL_BATCHES [1024], ATTENTION_KERNELS [1], SPECFORGE_ARGS ["--lr 1e-4 --ttt-steps 7 --time-limit 660"], PYTHON [python3];
+#   ENGINES [generate,loop], LLAMA_PROMPTS [0] (prompts for the regen part's random Llama-3.1-8B-shaped verifier),
+#   ATTENTION_WAYS ["matmul sdpa"], LOOP_BATCHES ["1024 2048"], ATTENTION_KERNELS [0], SPECFORGE_ARGS ["--lr 1e-4 --ttt-steps 7 --time-limit 660"], PYTHON [python3];
 #   OUT: pack everything small into $OUT/quality.tgz and $OUT/checks.tgz at the end.
 # Progress: WORK_DIR/session.log. With "snapshot" it only packs what exists so far (no weights, no hidden states)
 # into $OUT/snapshot.tgz, and the replies each data lane has regenerated so far into $OUT/regenerated_<lane>.tgz (a
@@ -35,7 +37,8 @@ cd "$(dirname "$0")/.."
 VERIFIER=$1; DATA=$2; WORK=$3
 PARTS=${PARTS:-"data profile regen attention compare"}; LANES=${LANES:-}
 SMALL=${SMALL:-500}; ENGINES=${ENGINES:-generate,loop}; PY=${PYTHON:-python3}
-MATMUL_BATCHES=${MATMUL_BATCHES:-1024}; ATTENTION_KERNELS=${ATTENTION_KERNELS:-1}
+ATTENTION_WAYS=${ATTENTION_WAYS:-"matmul sdpa"}; LOOP_BATCHES=${LOOP_BATCHES:-"1024 2048"}
+ATTENTION_KERNELS=${ATTENTION_KERNELS:-0}; LLAMA_PROMPTS=${LLAMA_PROMPTS:-0}
 SPECFORGE_ARGS=${SPECFORGE_ARGS:-"--lr 1e-4 --ttt-steps 7 --time-limit 660"}
 RUN=$WORK/q; CHECKS=$WORK/checks
 if [ "${4:-}" = snapshot ]; then
@@ -57,7 +60,7 @@ quality() {  # $1 phases of gpu_drafter_quality.sh: the comparison on RUN-small,
     bash scripts/gpu_drafter_quality.sh "$VERIFIER" "$DATA" "$RUN"
 }
 checks() {  # $1 phases of gpu_checks.sh
-  PYTHON=$PY PHASES=$1 DECODE_WORKERS=3 REGEN_ARGS="--llama-prompts 0 --engines $ENGINES --fp32-check-prompts 32" \
+  PYTHON=$PY PHASES=$1 DECODE_WORKERS=3 REGEN_ARGS="--llama-prompts $LLAMA_PROMPTS --engines $ENGINES --fp32-check-prompts 32" \
     bash scripts/gpu_checks.sh "$VERIFIER" "$DATA" "$RUN-small" "$RUN-small/checkpoints/best" "$CHECKS"
 }
 
@@ -67,19 +70,21 @@ part_data() {  # RUN-small only for the compare part
 part_lanes() { say "lanes alone: $LANES"; quality "lanes table" ""; }  # LANES without the SpecForge comparison
 part_profile() { say "stage 04 profile"; checks profile; }
 part_regen() { say "regeneration engines"; checks regen; }
-part_attention() {  # the loop engine alone with the matmul candidate, at each of MATMUL_BATCHES (same prompts as regen)
+part_attention() {  # the loop engine alone, each decoding attention of ATTENTION_WAYS at each of LOOP_BATCHES
   say "decoding attention"
   if [ "$ATTENTION_KERNELS" = 1 ]; then
     { timeout 300 "$PY" scripts/bench_decode_attention.py
       timeout 300 "$PY" scripts/bench_decode_attention.py --heads 32 --kv-heads 8 --head-dim 128 --layers 32 \
         --shapes 128x1280,64x2304; } > "$CHECKS/decode_attention.md" 2> "$CHECKS/decode_attention.log"
   fi
-  local batch
-  for batch in $MATMUL_BATCHES; do
-    say "loop engine, matmul attention, batch $batch"
-    EAGLE3_DECODE_ATTENTION=matmul timeout 420 "$PY" scripts/bench_regenerate.py --model-path "$VERIFIER" \
-      --data "$DATA/sharegpt.json" --out "$CHECKS/regen_matmul_$batch" --static-only --engines loop \
-      --batch-size "$batch" > "$CHECKS/regen_matmul_$batch.log" 2>&1
+  local way batch
+  for way in $ATTENTION_WAYS; do
+    for batch in $LOOP_BATCHES; do
+      say "loop engine, $way attention, batch $batch"
+      EAGLE3_DECODE_ATTENTION=$way timeout 420 "$PY" scripts/bench_regenerate.py --model-path "$VERIFIER" \
+        --data "$DATA/sharegpt.json" --out "$CHECKS/regen_${way}_$batch" --static-only --engines loop \
+        --batch-size "$batch" > "$CHECKS/regen_${way}_$batch.log" 2>&1
+    done
   done
 }
 part_compare() {

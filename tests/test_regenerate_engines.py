@@ -59,12 +59,12 @@ def test_engines_agree_token_for_token_on_stories260k(stories260k):
         assert found[engine][0] == reference[0] and found[engine][2] == reference[2], engine
 
 
-def test_matmul_decode_attention_candidate_keeps_the_loop_token_for_token(smollm2, monkeypatch):
-    """EAGLE3_DECODE_ATTENTION=matmul (SmolLM2: 3 query heads a K/V head): the loop's float32 greedy replies are
-    still generate's, token for token."""
+def test_sdpa_decode_attention_keeps_the_loop_token_for_token(smollm2, monkeypatch):
+    """EAGLE3_DECODE_ATTENTION=sdpa, the folded heads in one SDPA call instead of the default matmuls (SmolLM2:
+    3 query heads a K/V head): the loop's float32 greedy replies are still generate's, token for token."""
     from common.verifier.loading import load_tokenizer
 
-    monkeypatch.setenv("EAGLE3_DECODE_ATTENTION", "matmul")
+    monkeypatch.setenv("EAGLE3_DECODE_ATTENTION", "sdpa")
     tokenizer = load_tokenizer(str(smollm2))
     conversations = [[{"role": "user", "content": text}] for text in
                      ["Write a haiku about rain.", "List three colours and explain why the sky looks blue."]]
@@ -371,13 +371,12 @@ def test_regeneration_resumes_after_a_kill_with_the_same_output(tmp_path, storie
 
 @pytest.mark.parametrize("way", ["sdpa", "matmul"])
 def test_grouped_decode_attention_equals_transformers_sdpa(way, monkeypatch):
-    """One decoding step with a left-padding mask: the grouped-query SDPA call (and the EAGLE3_DECODE_ATTENTION=
-    matmul candidate) gives transformers' `sdpa` result (which copies each K/V head per query head), including
-    a value head size unlike the query's."""
+    """One decoding step with a left-padding mask: the folded heads as two matmuls (the default) and as one
+    grouped-query SDPA call (EAGLE3_DECODE_ATTENTION=sdpa) give transformers' `sdpa` result (which copies each
+    K/V head per query head), including a value head size unlike the query's."""
     import torch
 
-    if way == "matmul":
-        monkeypatch.setenv("EAGLE3_DECODE_ATTENTION", "matmul")
+    monkeypatch.setenv("EAGLE3_DECODE_ATTENTION", way)
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
     from common.verifier.decode_attention import gqa_decode_attention

@@ -1,4 +1,4 @@
-"""SDPA attention whose decoding step reads grouped K/V heads without copying them (GQA models).
+"""The decoding step's attention for grouped K/V heads (GQA models), without copying the heads.
 
 transformers' SDPA attention repeats every K/V head for its group of query heads (`repeat_kv`) whenever
 there is an attention mask, and batched regeneration always has one (left padding): at each decoding step
@@ -8,9 +8,12 @@ the same mask gives the same result. Measured on an H200 with SmolLM2-135M (3 K/
 a batch of 1024, 256 new tokens and a compiled static cache: 11 ms a step against 30 ms with `sdpa`.
 Prefill (several query tokens) and models without grouped heads use transformers' `sdpa` unchanged.
 
-SDPA's memory-efficient kernel still runs such a step about 5x slower than one read of the cache
-(scripts/bench_decode_attention.py). EAGLE3_DECODE_ATTENTION=matmul, a candidate (off until measured), computes
-the same step as two batched matmuls around a float32 softmax, which the compiled decoding step can fuse.
+The folded step then runs as two batched matmuls around a float32 softmax (matmul_attention): SDPA's
+memory-efficient kernel ran it about 5x slower than one read of the cache, the matmuls 1.2-1.7x faster than
+that kernel (scripts/bench_decode_attention.py), and stage 01's loop engine 1.37x faster end to end on an H200
+(266.3 against 194.9 conversations/s, docs/results/2026-12-02-h200-turns2-matmul.md). The scores are rounded
+to the model's dtype before the softmax, as in transformers' eager attention. EAGLE3_DECODE_ATTENTION=sdpa
+keeps the folded heads in one SDPA call instead.
 """
 from __future__ import annotations
 
@@ -29,7 +32,7 @@ def gqa_decode_attention(module, query, key, value, attention_mask, dropout: flo
     if query.shape[2] != 1 or groups == 1 or kwargs.get("position_bias") is not None:
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
                                       is_causal=is_causal, **kwargs)
-    way = "matmul" if os.environ.get("EAGLE3_DECODE_ATTENTION") == "matmul" and dropout == 0.0 else "sdpa"
+    way = "sdpa" if os.environ.get("EAGLE3_DECODE_ATTENTION") == "sdpa" or dropout != 0.0 else "matmul"
     output = folded_decode_attention(query, key, value, attention_mask, scaling, way, dropout)
     batch, heads, _, value_dim = output.shape
     return output.reshape(batch, 1, heads, value_dim), None  # one query: the same memory as (batch, heads, 1)
