@@ -44,6 +44,28 @@ def replies_by_engine(model_path, tokenizer, conversations, max_new_tokens, engi
     return found
 
 
+def test_plan_tokenizes_each_prompt_as_alone_and_keeps_those_within_the_budget(stories260k):
+    """The responder's plan encodes all prompts in one tokenizer call: each gets the ids it gets alone, an
+    unrenderable conversation None, and the batches hold the prompts under the budget, shortest first."""
+    from common.data.responders import HFResponder
+    from common.verifier.loading import load_tokenizer
+
+    tokenizer = load_tokenizer(str(stories260k))
+    tokenizer.chat_template = STORIES_TEMPLATE
+    conversations = [[{"role": "user", "content": text}] for text in PROMPTS]
+    conversations += [[{"role": "user", "content": "once upon a time " * 60}],  # over the 64-token budget
+                      []]  # nothing to render
+    responder = HFResponder(lambda _device: None, tokenizer, {tokenizer.eos_token_id}, 8, 0.0, 4, 64,
+                            devices=["cpu"], engine="generate")
+    encoded, batches = responder.plan(conversations)
+    alone = [tokenizer(responder.render(c), add_special_tokens=False)["input_ids"] for c in conversations[:-1]]
+    assert encoded[:-1] == alone and encoded[-1] is None
+    assert len(alone[-1]) >= 64 and all(0 < len(ids) < 64 for ids in alone[:-1])
+    planned = [i for batch in batches for i in batch]
+    assert sorted(planned) == list(range(len(PROMPTS)))
+    assert [len(encoded[i]) for i in planned] == sorted(len(encoded[i]) for i in planned)
+
+
 def test_engines_agree_token_for_token_on_stories260k(stories260k):
     from common.verifier.loading import load_tokenizer
 

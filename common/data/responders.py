@@ -129,8 +129,12 @@ class HFResponder:
         """The conversations' prompt tokens (None: not renderable) and the batches a call runs, as lists of
         indices into `conversations`: the prompts within the length budget, shortest first."""
         texts = [self.render(c) for c in conversations]
-        encoded = [None if t is None else list(self.tokenizer(t, add_special_tokens=False)["input_ids"])
-                   for t in texts]
+        renderable = [i for i, t in enumerate(texts) if t is not None]
+        encoded: list[list[int] | None] = [None] * len(texts)
+        if renderable:  # one call: a fast tokenizer encodes the batch on all cores
+            ids = self.tokenizer([texts[i] for i in renderable], add_special_tokens=False)["input_ids"]
+            for i, row in zip(renderable, ids):
+                encoded[i] = list(row)
         usable = [i for i, ids in enumerate(encoded) if ids is not None and 0 < len(ids) < self.max_prompt_tokens]
         usable.sort(key=lambda i: len(encoded[i]))  # similar lengths together: less padding
         return encoded, [[usable[k] for k in batch] for batch in self._batches([len(encoded[i]) for i in usable])]
