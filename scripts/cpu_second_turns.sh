@@ -10,7 +10,7 @@
 #      training conversation's first prompt, which stage 05's overlap check counts)
 #   4. the table: tau overall and per turn (generated tokens per verification step) -> ROOT/cross/turns.md
 #
-#   scripts/cpu_second_turns.sh [ROOT]      (default runs/second_turns; about 35 minutes on two cores)
+#   scripts/cpu_second_turns.sh [ROOT]      (default runs/second_turns; about 25 minutes on two cores)
 # Environment: PYTHON (.venv/bin/python), PROMPTS (2000, passed to cpu_recipe_levers.sh).
 set -euo pipefail
 cd "$(dirname "$0")/.."
