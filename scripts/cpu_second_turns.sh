@@ -8,7 +8,7 @@
 #   3. stage 05 --tau-only, chain 3-1-4, float32, 128 new tokens: both drafters on both sets at T=0, and on the
 #      two-turn set at T=1 (--allow-overlap: a generic second prompt such as "Continue please" is also some
 #      training conversation's first prompt, which stage 05's overlap check counts)
-#   4. the table: tau overall and per turn (generated tokens per verification step) -> ROOT/cross/turns.md
+#   4. the table: stage 05's tau overall and per turn -> ROOT/cross/turns.md
 #
 #   scripts/cpu_second_turns.sh [ROOT]      (default runs/second_turns; about 25 minutes on two cores)
 # Environment: PYTHON (.venv/bin/python), PROMPTS (2000, passed to cpu_recipe_levers.sh).
@@ -55,19 +55,17 @@ done
 "$PY" - "$ROOT" <<'EOF' | tee "$ROOT/cross/turns.md"
 import json, sys
 from pathlib import Path
+sys.path.insert(0, ".")
+from common.bench.metrics import summarize_generations
 
 root = Path(sys.argv[1]) / "cross"
 print("| held-out set | drafter trained on | T | tau | turn 1 | turn 2 |\n|---|---|---|---|---|---|")
 for folder in sorted(p for p in root.iterdir() if p.is_dir()):
-    report = json.loads(next(f for f in folder.glob("bench_*.json")).read_text())
-    per_turn = {}
-    for prompt in report["prompts"]:
-        for turn in prompt["turns"]:
-            tokens, steps = per_turn.get(turn["turn"], (0, 0))
-            per_turn[turn["turn"]] = (tokens + turn["spec"]["new_tokens"], steps + turn["spec"]["verify_steps"])
-    tau = [f"{t / s:.2f}" if s else "-" for t, s in (per_turn.get(k, (0, 0)) for k in (0, 1))]
+    report = json.loads(next(folder.glob("bench_*.json")).read_text())
+    turns = [turn for prompt in report["prompts"] for turn in prompt["turns"]]
+    # stage 05's own tau over each turn's runs (accepted tokens per verification step)
+    per_turn = [summarize_generations([t for t in turns if t["turn"] == k], 3)["tau"] for k in (0, 1)]
     name, run, temperature = folder.name.rsplit("_", 2)
-    overall = sum(t for t, _ in per_turn.values()) / sum(s for _, s in per_turn.values())
-    print(f"| {name} | {'first turns' if run == 'first' else 'two turns'} | {temperature[1:]} | {overall:.2f} | "
-          f"{tau[0]} | {tau[1]} |")
+    print(f"| {name} | {'first turns' if run == 'first' else 'two turns'} | {temperature[1:]} | "
+          f"{report['overall']['tau']:.2f} | " + " | ".join("-" if t is None else f"{t:.2f}" for t in per_turn) + " |")
 EOF
