@@ -13,8 +13,13 @@ group (repeat_kv: SDPA's own GQA support is used only without a mask); the engin
            engines' way today: common.verifier.decode_attention.folded_decode_attention)
   matmul   the same folding as two batched matmuls and a softmax (no attention kernel: cuBLAS reads the
            cache as a batched matrix-vector product; the engines' EAGLE3_DECODE_ATTENTION=matmul candidate)
+  reduce   the same folding as multiplies and sums (EAGLE3_DECODE_ATTENTION=reduce), for inductor to fuse into
+           reductions when compiled; eager it materialises every product, so time it with --compile
   flex     torch's FlexAttention, compiled, with the padding as a block mask and enable_gqa: at one query a
            row it runs its split-KV decoding kernel (the block mask is built once per shape, outside the timing)
+
+With --compile every way but flex is timed as torch.compile(dynamic=False) makes it, as the loop engine runs
+its decoding step (flex is compiled either way).
 
 Each is timed with CUDA events over --iters calls, after a warm-up, under common.model.kernels.sdpa_without_cudnn
 (as the engine runs), and checked against `repeat` (max abs difference). The lower bound printed beside them is
@@ -59,6 +64,10 @@ def attention_matmul(q, k, v, mask):
     return folded_decode_attention(q, k, v, mask, way="matmul")
 
 
+def attention_reduce(q, k, v, mask):
+    return folded_decode_attention(q, k, v, mask, way="reduce")
+
+
 @functools.cache
 def compiled_flex_attention():
     from torch.nn.attention.flex_attention import flex_attention
@@ -81,7 +90,14 @@ def attention_flex(q, k, v, mask):
 
 
 WAYS = {"repeat": attention_repeat, "gqa": attention_gqa, "folded": attention_folded, "matmul": attention_matmul,
-        "flex": attention_flex}
+        "reduce": attention_reduce, "flex": attention_flex}
+
+
+def timed_function(way: str, compile_: bool):
+    """The way's function, compiled with static shapes when asked (flex compiles itself)."""
+    if not compile_ or way == "flex":
+        return WAYS[way]
+    return torch.compile(WAYS[way], dynamic=False)
 
 
 def inputs(rows: int, width: int, heads: int, kv_heads: int, dim: int, device, dtype, generator):
@@ -129,6 +145,7 @@ def main(argv=None) -> list[dict]:
     p.add_argument("--bandwidth", type=float, default=4800.0, help="GB/s, for the bound (H200: 4,800)")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--dtype", default="bfloat16")
+    p.add_argument("--compile", action="store_true", help="time each way compiled, as the loop engine runs it")
     p.add_argument("--ways", default=",".join(WAYS), help="comma-separated, of " + ",".join(WAYS)
                    + " (repeat, the reference, always runs first)")
     args = p.parse_args(argv)
@@ -137,7 +154,7 @@ def main(argv=None) -> list[dict]:
     generator = torch.Generator(device=device).manual_seed(0)
     name = torch.cuda.get_device_name() if device.type == "cuda" else "cpu"
     print(f"# Decoding attention, one layer, {name}, {args.dtype}, heads {args.heads}/{args.kv_heads}x{args.head_dim};"
-          f" ms a step = one layer x {args.layers}\n")
+          f" ms a step = one layer x {args.layers}{', compiled' if args.compile else ''}\n")
     print("| rows x width | way | us a call | ms a step | vs repeat | max abs diff | K/V read bound, ms a step |")
     print("| --- | --- | --- | --- | --- | --- | --- |")
     results = []
@@ -149,7 +166,7 @@ def main(argv=None) -> list[dict]:
             bound = 2 * k.numel() * k.element_size() / (args.bandwidth * 1e9) * args.layers * 1e3
             base = None
             for way in ways:
-                fn = WAYS[way]
+                fn = timed_function(way, args.compile)
                 seconds = time_call(fn, (q, k, v, mask), args.iters, device)
                 base = base or seconds
                 diff = (fn(q, k, v, mask).float() - reference).abs().max().item()

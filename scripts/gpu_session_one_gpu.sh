@@ -5,11 +5,12 @@
 #                when PARTS has compare) and the data LANES need
 #   2. profile   gpu_checks.sh: stage 04 --profile-steps on RUN-small's hidden states        (timed, alone)
 #   3. regen     gpu_checks.sh: bench_regenerate.py, engines ENGINES, no 8B shape            (timed, alone)
-#   3b. attention  bench_decode_attention.py at SmolLM2's and Llama-8B's heads (ATTENTION_KERNELS=1): the decoding
-#                attention the regeneration loop could run; then the loop engine alone with each
-#                EAGLE3_DECODE_ATTENTION way of ATTENTION_WAYS (matmul, the default; sdpa) at each batch size of
-#                LOOP_BATCHES (bench_regenerate.py --static-only, same prompts as regen, into
-#                WORK_DIR/checks/regen_<way>_<batch>)                                          (timed, alone)
+#   3b. attention  bench_decode_attention.py --compile at SmolLM2's and Llama-8B's heads (ATTENTION_KERNELS=1): the
+#                decoding attention the regeneration loop could run; then the loop engine alone with each
+#                EAGLE3_DECODE_ATTENTION way of ATTENTION_WAYS (matmul, the default; sdpa; reduce) at the first
+#                batch size of LOOP_BATCHES, and the fastest way at the others (bench_regenerate.py --static-only,
+#                same prompts as regen, into WORK_DIR/checks/regen_<way>_<batch>); the fastest way is exported for
+#                the parts after it: PARTS="attention regen" checks it against generate, float32 included (timed, alone)
 #   4. compare   gpu_drafter_quality.sh: our stage 04, then SpecForge's recipe, then both drafters benchmarked;
 #                our training runs alone (timed); once SpecForge's starts, gpu_checks.sh's lossless checks
 #                (float32 and float64, chain and tree, all of MT-bench) run beside it, so SpecForge's wall time
@@ -26,7 +27,7 @@
 #   own settings, e.g. DATA_SAMPLES, DATA_EXTRA, DATA_EPOCHS, pass through the environment);
 #   SMALL [500] (SpecForge then trains about 7 minutes beside the lossless checks),
 #   ENGINES [generate,loop], LLAMA_PROMPTS [0] (prompts for the regen part's random Llama-3.1-8B-shaped verifier),
-#   ATTENTION_WAYS ["matmul sdpa"], LOOP_BATCHES ["1024 2048"], ATTENTION_KERNELS [0], SPECFORGE_ARGS ["--lr 1e-4 --ttt-steps 7 --time-limit 660"], PYTHON [python3];
+#   ATTENTION_WAYS ["matmul reduce"], LOOP_BATCHES ["1024 2048"], ATTENTION_KERNELS [0], SPECFORGE_ARGS ["--lr 1e-4 --ttt-steps 7 --time-limit 660"], PYTHON [python3];
 #   OUT: pack everything small into $OUT/quality.tgz and $OUT/checks.tgz at the end.
 # Progress: WORK_DIR/session.log. With "snapshot" it only packs what exists so far (no weights, no hidden states)
 # into $OUT/snapshot.tgz, and the replies each data lane has regenerated so far into $OUT/regenerated_<lane>.tgz (a
@@ -37,7 +38,7 @@ cd "$(dirname "$0")/.."
 VERIFIER=$1; DATA=$2; WORK=$3
 PARTS=${PARTS:-"data profile regen attention compare"}; LANES=${LANES:-}
 SMALL=${SMALL:-500}; ENGINES=${ENGINES:-generate,loop}; PY=${PYTHON:-python3}
-ATTENTION_WAYS=${ATTENTION_WAYS:-"matmul sdpa"}; LOOP_BATCHES=${LOOP_BATCHES:-"1024 2048"}
+ATTENTION_WAYS=${ATTENTION_WAYS:-"matmul reduce"}; LOOP_BATCHES=${LOOP_BATCHES:-"1024 2048"}
 ATTENTION_KERNELS=${ATTENTION_KERNELS:-0}; LLAMA_PROMPTS=${LLAMA_PROMPTS:-0}
 SPECFORGE_ARGS=${SPECFORGE_ARGS:-"--lr 1e-4 --ttt-steps 7 --time-limit 660"}
 RUN=$WORK/q; CHECKS=$WORK/checks
@@ -70,22 +71,36 @@ part_data() {  # RUN-small only for the compare part
 part_lanes() { say "lanes alone: $LANES"; quality "lanes table" ""; }  # LANES without the SpecForge comparison
 part_profile() { say "stage 04 profile"; checks profile; }
 part_regen() { say "regeneration engines"; checks regen; }
-part_attention() {  # the loop engine alone, each decoding attention of ATTENTION_WAYS at each of LOOP_BATCHES
+part_attention() {  # the decoding attention's ways: the kernels alone (ATTENTION_KERNELS=1), then the loop engine
+                   # with each way of ATTENTION_WAYS at the first of LOOP_BATCHES; the fastest way is exported as
+                   # EAGLE3_DECODE_ATTENTION for the later parts (regen) and alone runs the other batch sizes
   say "decoding attention"
   if [ "$ATTENTION_KERNELS" = 1 ]; then
-    { timeout 300 "$PY" scripts/bench_decode_attention.py
-      timeout 300 "$PY" scripts/bench_decode_attention.py --heads 32 --kv-heads 8 --head-dim 128 --layers 32 \
-        --shapes 128x1280,64x2304; } > "$CHECKS/decode_attention.md" 2> "$CHECKS/decode_attention.log"
+    { timeout 300 "$PY" scripts/bench_decode_attention.py --compile --ways folded,matmul,reduce \
+        --shapes 1024x384,180x1280
+      timeout 300 "$PY" scripts/bench_decode_attention.py --compile --ways folded,matmul,reduce,flex --heads 32 \
+        --kv-heads 8 --head-dim 128 --layers 32 --shapes 128x1280; } > "$CHECKS/decode_attention.md" \
+      2> "$CHECKS/decode_attention.log"
   fi
-  local way batch
+  local way batch first=${LOOP_BATCHES%% *} best="" rate best_rate=0
   for way in $ATTENTION_WAYS; do
-    for batch in $LOOP_BATCHES; do
-      say "loop engine, $way attention, batch $batch"
-      EAGLE3_DECODE_ATTENTION=$way timeout 420 "$PY" scripts/bench_regenerate.py --model-path "$VERIFIER" \
-        --data "$DATA/sharegpt.json" --out "$CHECKS/regen_${way}_$batch" --static-only --engines loop \
-        --batch-size "$batch" > "$CHECKS/regen_${way}_$batch.log" 2>&1
-    done
+    loop_run "$way" "$first"
+    rate=$("$PY" -c 'import json,sys; print(json.load(open(sys.argv[1]))["verifier"]["loop"]["conversations_per_s"])' \
+      "$CHECKS/regen_${way}_$first/bench_regenerate.json" 2> /dev/null) || continue
+    say "loop engine, $way attention, batch $first: $rate conversations/s"
+    if "$PY" -c "import sys; sys.exit(not float(sys.argv[1]) > float(sys.argv[2]))" "$rate" "$best_rate"; then
+      best=$way; best_rate=$rate
+    fi
   done
+  [ -n "$best" ] || return 0
+  export EAGLE3_DECODE_ATTENTION=$best; say "fastest decoding attention: $best (exported for the later parts)"
+  for batch in ${LOOP_BATCHES#"$first"}; do loop_run "$best" "$batch"; done
+}
+loop_run() {  # $1 way, $2 batch size: the loop engine alone (bench_regenerate.py --static-only, regen's prompts)
+  say "loop engine, $1 attention, batch $2"
+  EAGLE3_DECODE_ATTENTION=$1 timeout 420 "$PY" scripts/bench_regenerate.py --model-path "$VERIFIER" \
+    --data "$DATA/sharegpt.json" --out "$CHECKS/regen_$1_$2" --static-only --engines loop \
+    --batch-size "$2" > "$CHECKS/regen_$1_$2.log" 2>&1
 }
 part_compare() {
   if [ -n "$LANES" ]; then  # SpecForge beside the lanes; their benchmarks after

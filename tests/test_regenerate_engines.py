@@ -81,12 +81,14 @@ def test_engines_agree_token_for_token_on_stories260k(stories260k):
         assert found[engine][0] == reference[0] and found[engine][2] == reference[2], engine
 
 
-def test_sdpa_decode_attention_keeps_the_loop_token_for_token(smollm2, monkeypatch):
-    """EAGLE3_DECODE_ATTENTION=sdpa, the folded heads in one SDPA call instead of the default matmuls (SmolLM2:
-    3 query heads a K/V head): the loop's float32 greedy replies are still generate's, token for token."""
+@pytest.mark.parametrize("way", ["sdpa", "reduce"])
+def test_other_decode_attention_ways_keep_the_loop_token_for_token(way, smollm2, monkeypatch):
+    """EAGLE3_DECODE_ATTENTION=sdpa (the folded heads in one SDPA call) and =reduce (multiplies and sums)
+    instead of the default matmuls (SmolLM2: 3 query heads a K/V head): the loop's float32 greedy replies are
+    still generate's, token for token."""
     from common.verifier.loading import load_tokenizer
 
-    monkeypatch.setenv("EAGLE3_DECODE_ATTENTION", "sdpa")
+    monkeypatch.setenv("EAGLE3_DECODE_ATTENTION", way)
     tokenizer = load_tokenizer(str(smollm2))
     conversations = [[{"role": "user", "content": text}] for text in
                      ["Write a haiku about rain.", "List three colours and explain why the sky looks blue."]]
@@ -391,11 +393,12 @@ def test_regeneration_resumes_after_a_kill_with_the_same_output(tmp_path, storie
     assert (killed / "tokenized_data.jsonl").read_text() == (whole / "tokenized_data.jsonl").read_text()
 
 
-@pytest.mark.parametrize("way", ["sdpa", "matmul"])
+@pytest.mark.parametrize("way", ["sdpa", "matmul", "reduce"])
 def test_grouped_decode_attention_equals_transformers_sdpa(way, monkeypatch):
-    """One decoding step with a left-padding mask: the folded heads as two matmuls (the default) and as one
-    grouped-query SDPA call (EAGLE3_DECODE_ATTENTION=sdpa) give transformers' `sdpa` result (which copies each
-    K/V head per query head), including a value head size unlike the query's."""
+    """One decoding step with a left-padding mask: the folded heads as two matmuls (the default), as one
+    grouped-query SDPA call (EAGLE3_DECODE_ATTENTION=sdpa) and as multiplies and sums (reduce) give
+    transformers' `sdpa` result (which copies each K/V head per query head), including a value head size unlike
+    the query's."""
     import torch
 
     monkeypatch.setenv("EAGLE3_DECODE_ATTENTION", way)
@@ -419,6 +422,20 @@ def test_grouped_decode_attention_equals_transformers_sdpa(way, monkeypatch):
         found, _ = gqa_decode_attention(Layer(), query, key, value, mask, scaling=0.25)
         assert found.shape == expected.shape == (4, 1, 6, value_dim)
         torch.testing.assert_close(found, expected, rtol=1e-5, atol=1e-6)
+
+
+def test_an_unknown_decode_attention_way_is_refused_by_name(monkeypatch):
+    import torch
+
+    from common.verifier.decode_attention import gqa_decode_attention
+
+    class Layer(torch.nn.Module):
+        num_key_value_groups = 2
+
+    monkeypatch.setenv("EAGLE3_DECODE_ATTENTION", "flash")
+    query, key = torch.randn(1, 4, 1, 8), torch.randn(1, 2, 5, 8)
+    with pytest.raises(ValueError, match="EAGLE3_DECODE_ATTENTION='flash'.*matmul, sdpa, reduce"):
+        gqa_decode_attention(Layer(), query, key, key, None)
 
 
 def test_auto_engine_is_static_on_a_gpu_and_generate_on_a_cpu():
