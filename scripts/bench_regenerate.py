@@ -95,6 +95,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                         help="only the static-cache engines (static, loop; those of --engines), cold and warm, on "
                              "the verifier at --model-path: no other engine, forward rate, float32 check or "
                              "8B-shaped verifier")
+    parser.add_argument("--llama-only", action="store_true",
+                        help="only the 8B-shaped verifier (part 2): --model-path then gives just the tokenizer")
     parser.add_argument("--profile", action="store_true",
                         help="profile one warm batch of each static-cache engine (torch.profiler): top ops by "
                              "device and CPU time, device time against wall time")
@@ -543,16 +545,17 @@ def main(argv=None) -> int:
         write_json_atomic(args.out / "bench_regenerate.json", report)
         write_text_atomic(args.out / "bench_regenerate.md", markdown(report))
 
-    model = load_verifier_model(args.model_path, device, args.dtype)
-    report["verifier"] = {}
-    bench_verifier(model, tokenizer, stop_ids, conversations, args, device, args.batch_size,
-                   args.continuous_prompts, report["verifier"], save)
-    del model
-    if args.static_only:
-        print(markdown(report), flush=True)
-        return 0
-    print(json.dumps({"verifier_ratios": report["verifier"]["ratios"]}), flush=True)
-    if args.fp32_check_prompts:
+    if not args.llama_only:
+        model = load_verifier_model(args.model_path, device, args.dtype)
+        report["verifier"] = {}
+        bench_verifier(model, tokenizer, stop_ids, conversations, args, device, args.batch_size,
+                       args.continuous_prompts, report["verifier"], save)
+        del model
+        if args.static_only:
+            print(markdown(report), flush=True)
+            return 0
+        print(json.dumps({"verifier_ratios": report["verifier"]["ratios"]}), flush=True)
+    if args.fp32_check_prompts and not args.llama_only:
         report["fp32_vs_generate"] = {}
         fp32_check(args, tokenizer, stop_ids, conversations, device, report["fp32_vs_generate"], save)
     if args.llama_prompts:

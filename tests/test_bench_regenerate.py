@@ -69,6 +69,16 @@ def test_bench_runs_one_engine_alone(tmp_path, stories260k):
     assert "| verifier | loop |" in text and "| verifier | static |" not in text
 
 
+def test_bench_runs_the_8b_shape_alone(tmp_path, stories260k):
+    """--llama-only: the 8B-shaped part (tiny here) and nothing of the verifier at --model-path but its
+    tokenizer."""
+    report, text = bench(tmp_path, stories260k, "llama", "--llama-only", "--engines", "generate,loop",
+                         "--llama-shape", "tiny", "--llama-prompts", "6", "--llama-batch-size", "2")
+    assert "verifier" not in report and "fp32_vs_generate" not in report
+    assert report["llama_8b_shaped"]["loop_vs_generate_replies"] == {"compared": 6, "equal": 6}
+    assert "| llama_8b_shaped | loop |" in text and "| verifier | generate |" not in text
+
+
 def test_differing_replies_say_where_they_part():
     """The comparison of two engines' replies counts the identical ones and, for the others, how much text
     they share before they part (a bug parts them at once; a flipped near tie somewhere along)."""
