@@ -13,8 +13,8 @@ group (repeat_kv: SDPA's own GQA support is used only without a mask); the engin
            engines' way today: common.verifier.decode_attention.folded_decode_attention)
   matmul   the same folding as two batched matmuls and a softmax (no attention kernel: cuBLAS reads the
            cache as a batched matrix-vector product; the engines' EAGLE3_DECODE_ATTENTION=matmul candidate)
-  reduce   the same folding as multiplies and sums (EAGLE3_DECODE_ATTENTION=reduce), for inductor to fuse into
-           reductions when compiled; eager it materialises every product, so time it with --compile
+  reduce   the same folding as multiplies and sums, for inductor to fuse into reductions when compiled (eager it
+           materialises every product, so time it with --compile); slower than matmul on an H200
   flex     torch's FlexAttention, compiled, with the padding as a block mask and enable_gqa: at one query a
            row it runs its split-KV decoding kernel (the block mask is built once per shape, outside the timing)
 
@@ -65,7 +65,17 @@ def attention_matmul(q, k, v, mask):
 
 
 def attention_reduce(q, k, v, mask):
-    return folded_decode_attention(q, k, v, mask, way="reduce")
+    """The folded step as multiplies and sums in float32 (rounded where the matmuls round), for inductor to
+    fuse into reductions; the scores laid out [batch, kv, width, group] so a group's rows share each K read.
+    Measured slower than matmul on an H200, compiled (docs/results/2026-12-03-h200-regen-loop-llama.md)."""
+    batch, heads, _, dim = q.shape
+    grouped = q.view(batch, k.shape[1], heads // k.shape[1], dim)
+    scores = (k.float().unsqueeze(-2) * grouped.float().unsqueeze(-3)).sum(-1)  # [b, kv, width, group]
+    scores = scores.to(q.dtype).float() * dim ** -0.5
+    scores = scores.masked_fill(~mask.transpose(-1, -2), float("-inf"))
+    weights = scores.softmax(dim=-2).to(v.dtype)
+    output = (weights.float().unsqueeze(-1) * v.float().unsqueeze(-2)).sum(-3)  # [b, kv, group, dim]
+    return output.to(v.dtype).reshape(batch, heads, 1, v.shape[-1])
 
 
 @functools.cache

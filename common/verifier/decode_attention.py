@@ -14,11 +14,6 @@ that kernel (scripts/bench_decode_attention.py), and stage 01's loop engine 1.37
 (266.3 against 194.9 conversations/s, docs/results/2026-12-02-h200-turns2-matmul.md). The scores are rounded
 to the model's dtype before the softmax, as in transformers' eager attention. EAGLE3_DECODE_ATTENTION=sdpa
 keeps the folded heads in one SDPA call instead.
-
-EAGLE3_DECODE_ATTENTION=reduce writes the two products as elementwise multiplies and sums (reduce_attention):
-compiled, inductor turns them into reductions that read each K/V element once, where cuBLAS's batched GEMMs with
-`groups` rows reach about 40 % of the cache's read bound (docs/data.md, "Regeneration engines"). Eager, it
-would materialise rows x width x dim products: a candidate for the compiled loop on a GPU only.
 """
 from __future__ import annotations
 
@@ -26,7 +21,7 @@ import os
 
 NAME = "sdpa_gqa_decode"
 # The ways a folded decoding step can run (EAGLE3_DECODE_ATTENTION; matmul when unset).
-WAYS = ("matmul", "sdpa", "reduce")
+WAYS = ("matmul", "sdpa")
 
 
 def gqa_decode_attention(module, query, key, value, attention_mask, dropout: float = 0.0, scaling=None,
@@ -60,8 +55,6 @@ def folded_decode_attention(query, key, value, mask, scaling=None, way: str = "s
     grouped = query.view(batch, key.shape[1], heads // key.shape[1], dim)
     if way == "matmul":
         output = matmul_attention(grouped, key, value, mask, scaling)
-    elif way == "reduce":
-        output = reduce_attention(grouped, key, value, mask, scaling)
     else:
         output = F.scaled_dot_product_attention(grouped, key, value, attn_mask=mask, dropout_p=dropout, scale=scaling)
     return output.reshape(batch, heads, 1, value.shape[-1])
@@ -77,23 +70,6 @@ def matmul_attention(query, key, value, mask, scaling=None):
     if mask is not None:
         scores = scores.masked_fill(~mask, float("-inf")) if mask.dtype == torch.bool else scores + mask
     return torch.matmul(scores.softmax(dim=-1).to(value.dtype), value)
-
-
-def reduce_attention(query, key, value, mask, scaling=None):
-    """matmul_attention's result with each product written as a multiply and a sum in float32 (rounded to the
-    model's dtype where the matmuls' outputs are), so that torch.compile fuses it into reductions. The scores
-    are laid out [batch, kv_heads, kv_len, rows]: the rows sharing a K element sit side by side."""
-    import torch
-
-    scale = scaling if scaling is not None else query.shape[-1] ** -0.5
-    scores = (key.float().unsqueeze(-2) * query.float().unsqueeze(-3)).sum(-1)  # [b, kv, len, rows]
-    scores = scores.to(query.dtype).float() * scale
-    if mask is not None:
-        mask = mask.transpose(-1, -2)  # [b, 1, len, 1 or rows], as the scores
-        scores = scores.masked_fill(~mask, float("-inf")) if mask.dtype == torch.bool else scores + mask
-    weights = scores.softmax(dim=-2).to(value.dtype)
-    output = (weights.float().unsqueeze(-1) * value.float().unsqueeze(-2)).sum(-3)  # [b, kv, rows, dim]
-    return output.to(value.dtype)
 
 
 def use_gqa_decode_attention(model) -> None:
