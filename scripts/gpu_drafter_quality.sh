@@ -36,6 +36,10 @@
 #                            --turns 2 --prompts-only, which keeps a placeholder reply between the turns; a file made
 #                            before it did answers both turns with one reply, as 2026-12-02's run trained), RUN's
 #                            held-out prompts excluded: MT-bench's second turns are its weakest
+#                 all        every prompt there is: DATA_SAMPLES conversations with their first DATA_TURNS user turns
+#                            (DATA_DIR/sharegpt_turns<DATA_TURNS>.json, prepare_device_data.py --turns DATA_TURNS
+#                            --prompts-only; sharegpt.json at 1) and DATA_EXTRA beside them, for DATA_EPOCHS epochs
+#                            (RUN-all), RUN's held-out prompts excluded: the data and turns2 levers together
 #                 bf16final  FORMAT_STEP_TOKENS-token steps on RUN: the storage-format lanes' baseline
 #                 fp8topk, fp8final, bf16topk
 #                            FORMAT_STEP_TOKENS-token steps on RUN-<lane>: the same prepared data extracted
@@ -68,7 +72,8 @@
 #                            second drafter of ours trains on RUN-small (alone, after the first) and goes through
 #                            the same benchmarks against SpecForge's (RUN-small/compare_candidate)
 #   DATA_SAMPLES [17000]     prompts of the data lane (about every first turn of the device data)
-#   DATA_EPOCHS [2]          epochs of the data lane
+#   DATA_EPOCHS [2]          epochs of the data lane (and of the all lane)
+#   DATA_TURNS [2]           user turns a conversation of the all lane keeps
 #   DATA_EXTRA []            more chat files in DATA_DIR for the data lane, beside sharegpt.json, e.g. gsm8k_train.jsonl
 #                            (../shared/data/, 7,473 prompts: raise DATA_SAMPLES with it); RUN's held-out prompts are
 #                            excluded from the data lane's data (stage 01 --exclude-prompts)
@@ -115,7 +120,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 VERIFIER=$1; DATA=$2; RUN=$3; SMALL_RUN=$RUN-small
-SAMPLES=${SAMPLES:-10000}; SMALL=${SMALL:-800}; EPOCHS=${EPOCHS:-4}; LR=${LR:-1e-3}; DATA_SAMPLES=${DATA_SAMPLES:-17000}; DATA_EPOCHS=${DATA_EPOCHS:-2}; DATA_EXTRA=${DATA_EXTRA:-}; SMALL_STEP_TOKENS=${SMALL_STEP_TOKENS:-2048}
+SAMPLES=${SAMPLES:-10000}; SMALL=${SMALL:-800}; EPOCHS=${EPOCHS:-4}; LR=${LR:-1e-3}; DATA_SAMPLES=${DATA_SAMPLES:-17000}; DATA_EPOCHS=${DATA_EPOCHS:-2}; DATA_EXTRA=${DATA_EXTRA:-}; DATA_TURNS=${DATA_TURNS:-2}; SMALL_STEP_TOKENS=${SMALL_STEP_TOKENS:-2048}
 SMALL_EVAL_RATIO=${SMALL_EVAL_RATIO:-0.1}; SMALL_CANDIDATE_FLAGS=${SMALL_CANDIDATE_FLAGS:-}
 TRAIN_FLAGS=${TRAIN_FLAGS:-}
 STEP_TOKENS=${STEP_TOKENS:-4096}; LEVER_STEP_TOKENS=${LEVER_STEP_TOKENS:-2048}; TOPK=${TOPK:-64}
@@ -136,7 +141,7 @@ pack() {  # the small files of every run: logs, manifests, metrics, curves, repo
      -o -name manifest.json -o -name metrics.jsonl -o -name '*.png' -o -name 'specforge_results.json' \) \
      -not -path '*/hidden_states/*/*' 2>/dev/null | tar czf "$OUT/quality.tgz" -C "$parent" -T - ) || true
   local lane
-  for lane in data sampled turns2; do  # the replies regenerated here: a REGEN_CACHE that saves the next machine the time
+  for lane in data sampled turns2 all; do  # the replies regenerated here: a REGEN_CACHE that saves the next machine the time
     [ -f "$RUN-$lane/data/regenerated.jsonl" ] && (cd "$RUN-$lane/data" && \
       tar czf "$OUT/regenerated_$lane.tgz" regenerated.jsonl regenerated.settings.json) || true
   done
@@ -214,8 +219,19 @@ data_flags() {  # $1 lane: its turns, samples and stage-01 flags, for a lane tra
     sampled) echo "1 $SAMPLES --temperature 0.8" ;;   # replies sampled as sampled serving will meet them
     # RUN's held-out prompts stay out of its training, whatever the shuffle of more data does
     turns2) echo "2 $SAMPLES --exclude-prompts $RUN/data/eval_data.jsonl" ;;
-    data) echo "1 $DATA_SAMPLES --exclude-prompts $RUN/data/eval_data.jsonl$(
-            for file in $DATA_EXTRA; do printf ' --dataset %s' "$DATA/$file"; done)" ;;
+    data) echo "1 $DATA_SAMPLES --exclude-prompts $RUN/data/eval_data.jsonl$(extra_datasets)" ;;
+    all) echo "$DATA_TURNS $DATA_SAMPLES --exclude-prompts $RUN/data/eval_data.jsonl$(extra_datasets)" ;;
+  esac
+}
+extra_datasets() {  # DATA_EXTRA as stage-01 flags
+  local file
+  for file in $DATA_EXTRA; do printf ' --dataset %s' "$DATA/$file"; done
+}
+lane_dataset() {  # $1 data lane: the ShareGPT file it reads
+  case $1 in
+    turns2) echo "$DATA/sharegpt_turns2.json" ;;
+    all) if [ "$DATA_TURNS" = 1 ]; then echo "$DATA/sharegpt.json"; else echo "$DATA/sharegpt_turns$DATA_TURNS.json"; fi ;;
+    *) echo "$DATA/sharegpt.json" ;;
   esac
 }
 format_flags() {  # $1 lane: its stage-02 flags, empty for a lane that trains on RUN's own hidden states
@@ -231,14 +247,14 @@ start_lane() {  # $1 lane: train it on its data (the name's first part, for a da
                 # benchmark it
   local base=${1%%_*} recipe=$1 run=$RUN tokens=$STEP_TOKENS flags more=""
   case $base in
-    bf16final|fp8topk|fp8final|bf16topk|sampled|data|turns2)
+    bf16final|fp8topk|fp8final|bf16topk|sampled|data|turns2|all)
       recipe=${1#"$base"}; recipe=${recipe#_}; recipe=${recipe:-default} ;;
   esac
   case $base in
     bf16final) tokens=$FORMAT_STEP_TOKENS ;;
     fp8topk|fp8final|bf16topk) run=$RUN-$base; tokens=$FORMAT_STEP_TOKENS ;;
     sampled|turns2) run=$RUN-$base ;;
-    data) run=$RUN-data; more="--epochs $DATA_EPOCHS" ;;
+    data|all) run=$RUN-$base; more="--epochs $DATA_EPOCHS" ;;
   esac
   flags=$(recipe_flags "$recipe") || { say "FAILED: no lane called $1"; return 0; }
   [ -d "$run/hidden_states" ] || { say "FAILED: lane $1 has no hidden states in $run"; return 0; }
@@ -272,8 +288,7 @@ if has data; then
     read -r turns samples more <<< "$(data_flags "$name")"; [ -n "$turns" ] || continue
     mkdir -p "$RUN-$name/logs"; say "stages 01-03 in $RUN-$name: $samples samples, --max-turns $turns $more"
     # shellcheck disable=SC2086
-    dataset=$DATA/sharegpt.json; [ "$name" = turns2 ] && dataset=$DATA/sharegpt_turns2.json
-    DATASET=$dataset prepare "$RUN-$name" "$samples" "$turns" "$more" > "$RUN-$name/logs/prepare.log" 2>&1 \
+    DATASET=$(lane_dataset "$name") prepare "$RUN-$name" "$samples" "$turns" "$more" > "$RUN-$name/logs/prepare.log" 2>&1 \
       || say "FAILED: data $name"
   done
   for name in $(bases); do
