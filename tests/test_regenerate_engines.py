@@ -352,6 +352,47 @@ def test_several_replies_need_sampling_and_regeneration(tmp_path, stories260k, t
     assert plain.returncode == 2 and "is set without --regenerate" in plain.stdout + plain.stderr
 
 
+def test_greedy_first_reply_keeps_the_greedy_reply_beside_sampled_ones(tmp_path, stories260k, template_file):
+    """--replies-per-prompt 3 --greedy-first-reply: each training conversation's reply ID (and each eval
+    conversation's one reply) is the greedy run's, token for token; ID#reply1 and ID#reply2 are sampled
+    (different from it and from each other); the cache records the setting, so a plain sampled run refuses it."""
+    from conftest import run_script
+
+    data = write_prompts(tmp_path / "prompts.jsonl", STARTS)
+    common = ["--max-new-tokens", "12", "--eval-ratio", "0.2", "--batch-size", "4"]
+    greedy_out, mixed_out = tmp_path / "greedy", tmp_path / "mixed"
+    done = run_script("01_prepare_data.py", *stage_args(stories260k, template_file, data, greedy_out, *common))
+    assert done.returncode == 0, done.stderr[-3000:]
+    mixed = stage_args(stories260k, template_file, data, mixed_out, *common, "--replies-per-prompt", "3",
+                       "--temperature", "1.0", "--greedy-first-reply")
+    done = run_script("01_prepare_data.py", *mixed)
+    assert done.returncode == 0, done.stderr[-3000:]
+
+    greedy = {s["id"]: tuple(s["input_ids"]) for s in read_jsonl(greedy_out / "tokenized_data.jsonl")}
+    samples = {s["id"]: tuple(s["input_ids"]) for s in read_jsonl(mixed_out / "tokenized_data.jsonl")}
+    assert len(greedy) == 8 and len(samples) == 8 * 3
+    for conversation, reply in greedy.items():
+        replies = {samples[conversation], samples[f"{conversation}#reply1"], samples[f"{conversation}#reply2"]}
+        assert samples[conversation] == reply and len(replies) == 3, conversation
+    held_out = lambda out: [tuple(s["input_ids"]) for s in read_jsonl(out / "eval_data.jsonl")]  # noqa: E731
+    assert held_out(mixed_out) == held_out(greedy_out)
+    settings = __import__("json").loads((mixed_out / "regenerated.settings.json").read_text())
+    assert settings["greedy_first_reply"] is True and settings["temperature"] == 1.0
+
+    mixed.remove("--greedy-first-reply")
+    refused = run_script("01_prepare_data.py", *mixed)
+    assert refused.returncode == 2 and "greedy_first_reply" in refused.stdout + refused.stderr
+
+
+def test_greedy_first_reply_needs_sampled_replies_beside_it(tmp_path, stories260k, template_file):
+    from conftest import run_script
+
+    data = write_prompts(tmp_path / "prompts.jsonl", STARTS[:3])
+    alone = run_script("01_prepare_data.py", *stage_args(stories260k, template_file, data, tmp_path / "a",
+                                                         "--temperature", "0.8", "--greedy-first-reply"))
+    assert alone.returncode == 2 and "--greedy-first-reply needs --replies-per-prompt 2" in alone.stdout + alone.stderr
+
+
 def test_regeneration_resumes_after_a_kill_with_the_same_output(tmp_path, stories260k, template_file):
     """A stage 01 killed (SIGKILL) in the middle of regenerating resumes from its cache, and its output is
     the one an uninterrupted run writes (greedy, the default engine)."""

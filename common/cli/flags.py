@@ -116,14 +116,12 @@ _ALL_FLAGS: list[Flag] = [
          "--prompts reads: another run's data/eval_data.jsonl, mt_bench.jsonl): a conversation whose first user "
          "turn is one of them (the match stage 05's overlap check makes) is dropped before the split. Repeat "
          "the flag for several files.", action="append", metavar="FILE", is_path=True),
-    Flag("--max-bad-fraction", "Fail when more than this share of records is unusable.",
-         type=_fraction, default=0.2),
+    Flag("--max-bad-fraction", "Fail when more than this share of records is unusable.", type=_fraction, default=0.2),
     Flag("--max-turns", "Keep at most this many user turns (with their replies) of each conversation.",
          type=_positive_int),
     Flag("--regenerate", "Replace assistant turns with the verifier's own responses (recommended).",
          type=None, action="store_true"),
-    Flag("--max-new-tokens", "Longest generated response.", aliases=("--max-tokens",), type=_positive_int,
-         default=256),
+    Flag("--max-new-tokens", "Longest generated response.", aliases=("--max-tokens",), type=_positive_int, default=256),
     Flag("--regenerate-endpoint", "OpenAI-compatible server that regenerates the responses instead of loading "
          "--model-path in-process; the tokenizer still comes from --model-path.", metavar="URL"),
     Flag("--regenerate-engine", "How the in-process verifier generates with --regenerate: static = transformers' "
@@ -139,6 +137,8 @@ _ALL_FLAGS: list[Flag] = [
          "(needs --temperature > 0); each becomes its own training sample with its own id (ID, ID#reply1, "
          "...). Eval conversations keep one reply, and never share a prompt with training.",
          type=_positive_int, default=1),
+    Flag("--greedy-first-reply", "With --replies-per-prompt N: reply ID (and the eval split's) greedy, the other N-1 "
+         "sampled at --temperature: T=1 acceptance rises, T=0's stays (docs/data.md).", type=None, action="store_true"),
     # --- shared compute settings -----------------------------------------------------------------
     Flag("--batch-size", "Sequences per batch.", aliases=("--bs", "--per-device-batch-size",
          "--train-batch-size", "--micro-batch-size"), type=_positive_int),
@@ -310,7 +310,7 @@ STAGE_FLAGS: dict[str, list[str]] = {
                         "--eval-output", "--exclude-prompts", "--max-bad-fraction", "--max-turns", "--regenerate",
                         "--max-new-tokens", "--batch-size", "--device", "--device-map", "--dtype", "--temperature",
                         "--overwrite", "--regenerate-endpoint", "--concurrency", "--regenerate-engine",
-                        "--replies-per-prompt"],
+                        "--replies-per-prompt", "--greedy-first-reply"],
     "02_extract_hidden_states": ["--run-dir", "--model-path", "--trust-remote-code", "--prepared-data",
                                  "--output-dir", "--aux-layers", "--batch-size", "--max-tokens-per-batch",
                                  "--max-seq-len", "--device", "--dtype", "--num-workers",

@@ -91,7 +91,11 @@ def excluded_prompt_hashes(files: list[str]) -> set[str]:
 
 
 def _check_replies(args) -> None:
-    """--replies-per-prompt above 1 only makes sense for sampled regeneration."""
+    """--replies-per-prompt above 1 only makes sense for sampled regeneration; --greedy-first-reply only beside
+    sampled replies."""
+    if args.greedy_first_reply and args.replies_per_prompt == 1:
+        raise UsageError("--greedy-first-reply needs --replies-per-prompt 2 or more (the greedy reply and sampled "
+                         "ones beside it) and --temperature > 0; without it each prompt gets one greedy reply")
     if args.replies_per_prompt == 1:
         return
     if not args.regenerate:
@@ -143,6 +147,8 @@ def _fingerprint(args, tokenizer_sha: str, template_sha: str | None, eval_file: 
                            **generator_identity(args, served_model))
         if args.replies_per_prompt > 1:  # only then, so outputs made before the flag existed stay complete
             fingerprint["replies_per_prompt"] = args.replies_per_prompt
+        if args.greedy_first_reply:  # likewise
+            fingerprint["greedy_first_reply"] = True
     return fingerprint
 
 

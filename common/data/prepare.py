@@ -36,6 +36,8 @@ def regeneration_cache(args, inputs: Inputs, log):
     settings.update(max_new_tokens=args.max_new_tokens, temperature=args.temperature,
                     seed=args.seed if args.temperature > 0 else None,
                     **generator_identity(args, inputs.served_model))
+    if args.greedy_first_reply:  # only then, so caches made before the flag stay usable
+        settings["greedy_first_reply"] = True
     cache = RegenerationCache(inputs.out, settings)
     if args.overwrite and cache.differences():
         log.info("--overwrite: removing %s (generated with other settings)", cache.path)
@@ -92,7 +94,7 @@ def make_regenerator(args, inputs: Inputs, stop_ids: set[int], cache, records: l
                  inputs.served_model or "default", args.concurrency)
         responder = EndpointResponder(args.regenerate_endpoint, inputs.served_model, args.max_new_tokens,
                                       args.temperature, args.concurrency)
-        return Regenerator(responder, cache, batch_size)
+        return Regenerator(responder, cache, batch_size, args.greedy_first_reply)
     batch_size = args.batch_size or DEFAULT_REGEN_BATCH
     devices, device_map = regeneration_placement(args.model_path, inputs.device, args.device_map)
     responder = HFResponder(
@@ -100,7 +102,7 @@ def make_regenerator(args, inputs: Inputs, stop_ids: set[int], cache, records: l
                                            device_map),
         inputs.tokenizer, stop_ids, args.max_new_tokens, args.temperature, batch_size, args.max_seq_len,
         args.seed, devices, args.regenerate_engine)
-    return Regenerator(responder, cache, batch_size)
+    return Regenerator(responder, cache, batch_size, args.greedy_first_reply)
 
 
 def warn_of_merged_prompts(records: list[Record], log) -> None:

@@ -231,16 +231,47 @@ class _Reply:
 
 class Regenerator:
     """regenerate_conversations bound to one responder and cache, counting over calls (stage 01 uses it
-    once per chunk of conversations)."""
+    once per chunk of conversations). With `greedy_first`, each conversation's first reply is generated
+    greedily and the others at the responder's temperature (--greedy-first-reply)."""
 
-    def __init__(self, respond: Responder, cache: RegenerationCache, batch_size: int):
+    def __init__(self, respond: Responder, cache: RegenerationCache, batch_size: int, greedy_first: bool = False):
         self.respond, self.cache, self.batch_size = respond, cache, batch_size
+        self.greedy_first = greedy_first
         self.counts = {"reused": 0, "generated": 0}
 
     def __call__(self, conversations: Sequence[Any], replies: int = 1) -> dict[str, dict]:
         """Cache entries keyed by reply_id(conversation id, k) for k < replies."""
-        expanded = [_Reply(reply_id(c.id, k), c.messages) for c in conversations for k in range(replies)]
-        results, counts = regenerate_conversations(expanded, self.respond, self.cache, self.batch_size)
-        for key, value in counts.items():
-            self.counts[key] += value
+        expanded = [(k, _Reply(reply_id(c.id, k), c.messages)) for c in conversations for k in range(replies)]
+        if self.greedy_first:
+            runs = [([r for k, r in expanded if k == 0], AtTemperature(self.respond, 0.0)),
+                    ([r for k, r in expanded if k > 0], self.respond)]
+        else:
+            runs = [([r for _, r in expanded], self.respond)]
+        results: dict[str, dict] = {}
+        for batch, respond in runs:
+            if not batch:
+                continue
+            found, counts = regenerate_conversations(batch, respond, self.cache, self.batch_size)
+            results.update(found)
+            for key, value in counts.items():
+                self.counts[key] += value
         return results
+
+
+class AtTemperature:
+    """A responder (with a `temperature` attribute) that answers at another temperature for the length of each
+    call, then goes back: the greedy replies of --greedy-first-reply come from the same loaded verifier."""
+
+    def __init__(self, respond: Responder, temperature: float):
+        self.respond, self.temperature = respond, temperature
+
+    def __call__(self, conversations: list[list[dict]]) -> list[str | None]:
+        own = self.respond.temperature
+        self.respond.temperature = self.temperature
+        try:
+            return self.respond(conversations)
+        finally:
+            self.respond.temperature = own
+
+    def __getattr__(self, name: str):  # failure_reason and the like, as the responder has them
+        return getattr(self.respond, name)
