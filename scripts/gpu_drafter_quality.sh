@@ -27,6 +27,9 @@
 #               Data and storage-format lanes (their name first; recipe changes may follow: data_epochs2):
 #                 sampled    replies regenerated at T=0.8 (RUN-sampled; REGEN_CACHE does not fit, so stage 01
 #                            regenerates them all), also benchmarked at T=1
+#                 mixed      the greedy reply and one sampled at T=0.8 a prompt (--replies-per-prompt 2 --greedy-first-reply,
+#                            RUN-mixed; REGEN_CACHE does not fit): on stories260K T=0 -2 %, T=1 +14.5 %
+#                            (results/2026-12-03-stories260k-mixed-replies.md)
 #                 data       DATA_SAMPLES prompts for DATA_EPOCHS epochs (RUN-data; REGEN_CACHE's replies for
 #                            the prompts it holds, the rest regenerated; on stories260K 3x the prompts raised
 #                            chain tau 24 %): at the defaults about as many optimizer steps as the default lane,
@@ -141,7 +144,7 @@ pack() {  # the small files of every run: logs, manifests, metrics, curves, repo
      -o -name manifest.json -o -name metrics.jsonl -o -name '*.png' -o -name 'specforge_results.json' \) \
      -not -path '*/hidden_states/*/*' 2>/dev/null | tar czf "$OUT/quality.tgz" -C "$parent" -T - ) || true
   local lane
-  for lane in data sampled turns2 all; do  # the replies regenerated here: a REGEN_CACHE that saves the next machine the time
+  for lane in data sampled mixed turns2 all; do  # the replies regenerated here: a REGEN_CACHE that saves the next machine the time
     [ -f "$RUN-$lane/data/regenerated.jsonl" ] && (cd "$RUN-$lane/data" && \
       tar czf "$OUT/regenerated_$lane.tgz" regenerated.jsonl regenerated.settings.json) || true
   done
@@ -217,6 +220,7 @@ lane() {  # $1 lane, $2 run dir, $3 tokens a step, then extra stage-04 flags: tr
 data_flags() {  # $1 lane: its turns, samples and stage-01 flags, for a lane trained on data of its own
   case $1 in
     sampled) echo "1 $SAMPLES --temperature 0.8" ;;   # replies sampled as sampled serving will meet them
+    mixed) echo "1 $SAMPLES --replies-per-prompt 2 --temperature 0.8 --greedy-first-reply" ;;
     # RUN's held-out prompts stay out of its training, whatever the shuffle of more data does
     turns2) echo "2 $SAMPLES --exclude-prompts $RUN/data/eval_data.jsonl" ;;
     data) echo "1 $DATA_SAMPLES --exclude-prompts $RUN/data/eval_data.jsonl$(extra_datasets)" ;;
@@ -247,13 +251,13 @@ start_lane() {  # $1 lane: train it on its data (the name's first part, for a da
                 # benchmark it
   local base=${1%%_*} recipe=$1 run=$RUN tokens=$STEP_TOKENS flags more=""
   case $base in
-    bf16final|fp8topk|fp8final|bf16topk|sampled|data|turns2|all)
+    bf16final|fp8topk|fp8final|bf16topk|sampled|mixed|data|turns2|all)
       recipe=${1#"$base"}; recipe=${recipe#_}; recipe=${recipe:-default} ;;
   esac
   case $base in
     bf16final) tokens=$FORMAT_STEP_TOKENS ;;
     fp8topk|fp8final|bf16topk) run=$RUN-$base; tokens=$FORMAT_STEP_TOKENS ;;
-    sampled|turns2) run=$RUN-$base ;;
+    sampled|mixed|turns2) run=$RUN-$base ;;
     data|all) run=$RUN-$base; more="--epochs $DATA_EPOCHS" ;;
   esac
   flags=$(recipe_flags "$recipe") || { say "FAILED: no lane called $1"; return 0; }
