@@ -555,9 +555,9 @@ def main(argv=None) -> int:
             print(markdown(report), flush=True)
             return 0
         print(json.dumps({"verifier_ratios": report["verifier"]["ratios"]}), flush=True)
-    if args.fp32_check_prompts and not args.llama_only:
-        report["fp32_vs_generate"] = {}
-        fp32_check(args, tokenizer, stop_ids, conversations, device, report["fp32_vs_generate"], save)
+        if args.fp32_check_prompts:
+            report["fp32_vs_generate"] = {}
+            fp32_check(args, tokenizer, stop_ids, conversations, device, report["fp32_vs_generate"], save)
     if args.llama_prompts:
         if device.startswith("cuda"):
             torch.cuda.empty_cache()

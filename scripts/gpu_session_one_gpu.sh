@@ -82,19 +82,30 @@ part_attention() {  # the decoding attention's ways: the kernels alone (ATTENTIO
         --kv-heads 8 --head-dim 128 --layers 32 --shapes 128x1280; } > "$CHECKS/decode_attention.md" \
       2> "$CHECKS/decode_attention.log"
   fi
-  local way batch first=${LOOP_BATCHES%% *} best="" rate best_rate=0
-  for way in $ATTENTION_WAYS; do
-    loop_run "$way" "$first"
-    rate=$("$PY" -c 'import json,sys; print(json.load(open(sys.argv[1]))["verifier"]["loop"]["conversations_per_s"])' \
-      "$CHECKS/regen_${way}_$first/bench_regenerate.json" 2> /dev/null) || continue
-    say "loop engine, $way attention, batch $first: $rate conversations/s"
-    if "$PY" -c "import sys; sys.exit(not float(sys.argv[1]) > float(sys.argv[2]))" "$rate" "$best_rate"; then
-      best=$way; best_rate=$rate
-    fi
-  done
-  [ -n "$best" ] || return 0
-  export EAGLE3_DECODE_ATTENTION=$best; say "fastest decoding attention: $best (exported for the later parts)"
+  local way batch first=${LOOP_BATCHES%% *} best rates
+  for way in $ATTENTION_WAYS; do loop_run "$way" "$first"; done
+  read -r best rates < <(fastest_way "$first") || return 0
+  export EAGLE3_DECODE_ATTENTION=$best
+  say "loop engine at batch $first, conversations/s: $rates; fastest: $best (exported for the later parts)"
   for batch in ${LOOP_BATCHES#"$first"}; do loop_run "$best" "$batch"; done
+}
+fastest_way() {  # $1 batch size: "WAY RATES", the way of ATTENTION_WAYS whose loop run at it was fastest
+  "$PY" - "$CHECKS" "$1" $ATTENTION_WAYS <<'EOF'
+import json, sys
+from pathlib import Path
+
+checks, batch, ways = Path(sys.argv[1]), sys.argv[2], sys.argv[3:]
+rates = {}
+for way in ways:
+    try:
+        report = json.loads((checks / f"regen_{way}_{batch}" / "bench_regenerate.json").read_text())
+        rates[way] = report["verifier"]["loop"]["conversations_per_s"]
+    except (OSError, KeyError, ValueError):  # a run that failed or was stopped
+        continue
+if not rates:
+    sys.exit(1)
+print(max(rates, key=rates.get), ", ".join(f"{way} {rate}" for way, rate in rates.items()))
+EOF
 }
 loop_run() {  # $1 way, $2 batch size: the loop engine alone (bench_regenerate.py --static-only, regen's prompts)
   say "loop engine, $1 attention, batch $2"
