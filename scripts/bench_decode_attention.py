@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""One decoding step's attention over a left-padded static KV cache, three ways, on the same tensors.
+"""One decoding step's attention over a left-padded static KV cache, several ways, on the same tensors.
 
 Stage 01's "static" and "loop" engines decode one token per row against a StaticCache of the batch's full
 width, with a padding mask. transformers' SDPA attention would repeat every key/value head for its query
@@ -15,6 +15,9 @@ group (repeat_kv: SDPA's own GQA support is used only without a mask); the engin
            cache as a batched matrix-vector product; the engines' EAGLE3_DECODE_ATTENTION=matmul candidate)
   reduce   the same folding as multiplies and sums, for inductor to fuse into reductions when compiled (eager it
            materialises every product, so time it with --compile); slower than matmul on an H200
+  triton   the engines' EAGLE3_DECODE_ATTENTION=triton: one Triton kernel, each K/V row read once with an
+           online softmax, blocks the mask hides entirely (padding, the unwritten tail) skipped
+           (common.verifier.triton_decode); a custom op, so --compile keeps it whole
   flex     torch's FlexAttention, compiled, with the padding as a block mask and enable_gqa: at one query a
            row it runs its split-KV decoding kernel (the block mask is built once per shape, outside the timing)
 
@@ -95,12 +98,18 @@ def block_mask(mask):
                              mask.shape[-1], device=str(mask.device))
 
 
+def attention_triton(q, k, v, mask):
+    from common.verifier.triton_decode import triton_decode_attention
+
+    return triton_decode_attention(q, k, v, mask)
+
+
 def attention_flex(q, k, v, mask):
     return compiled_flex_attention()(q, k, v, block_mask=block_mask(mask), enable_gqa=True)
 
 
 WAYS = {"repeat": attention_repeat, "gqa": attention_gqa, "folded": attention_folded, "matmul": attention_matmul,
-        "reduce": attention_reduce, "flex": attention_flex}
+        "reduce": attention_reduce, "triton": attention_triton, "flex": attention_flex}
 
 
 def timed_function(way: str, compile_: bool):

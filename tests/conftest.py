@@ -13,6 +13,10 @@ from pathlib import Path
 
 import pytest
 
+# Triton kernels (the decoding attention's EAGLE3_DECODE_ATTENTION=triton) run in Triton's CPU interpreter
+# here. Triton reads this when it is first imported, by whichever test that is.
+os.environ.setdefault("TRITON_INTERPRET", "1")
+
 REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))

@@ -1,6 +1,6 @@
 """scripts/bench_decode_attention.py on a CPU: every way of computing a decoding step's attention over a
-left-padded cache (SDPA's GQA, folded GQA heads, plain matmuls, multiplies and sums, FlexAttention) gives the result of transformers'
-repeat-the-heads way."""
+left-padded cache (SDPA's GQA, folded GQA heads, plain matmuls, multiplies and sums, the Triton kernel in
+Triton's interpreter, FlexAttention) gives the result of transformers' repeat-the-heads way."""
 from __future__ import annotations
 
 import importlib.util
@@ -21,7 +21,8 @@ def load_script():
 @pytest.mark.parametrize("heads", ["--heads 9 --kv-heads 3 --head-dim 64", "--heads 8 --kv-heads 8 --head-dim 32"])
 def test_every_way_equals_repeating_the_heads(heads, capsys):
     # FlexAttention compiles (about 15 s a shape on a CPU): one shape of it, in the first case only
-    ways = "repeat,gqa,folded,matmul,reduce" + (",flex" if "--heads 9" in heads else "")
+    triton = ",triton" if importlib.util.find_spec("triton") else ""  # Triton's interpreter (tests/conftest.py)
+    ways = "repeat,gqa,folded,matmul,reduce" + triton + (",flex" if "--heads 9" in heads else "")
     rows = load_script().main(["--shapes", "5x40" if "flex" in ways else "5x40,3x72", "--iters", "1", "--device",
                                "cpu", "--dtype", "float32", "--ways", ways, *heads.split()])
     assert [row["way"] for row in rows] == ways.split(",") * (1 if "flex" in ways else 2)

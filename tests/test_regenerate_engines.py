@@ -432,14 +432,24 @@ def test_regeneration_resumes_after_a_kill_with_the_same_output(tmp_path, storie
     assert (killed / "tokenized_data.jsonl").read_text() == (whole / "tokenized_data.jsonl").read_text()
 
 
-@pytest.mark.parametrize("way", ["sdpa", "matmul"])
+def use_triton_interpreter(monkeypatch):
+    """EAGLE3_DECODE_ATTENTION=triton on this CPU: the kernel runs in Triton's interpreter (conftest.py sets
+    TRITON_INTERPRET; the GPU's compiled kernel is checked by scripts/bench_decode_attention.py); skips where
+    Triton is not installed."""
+    pytest.importorskip("triton", reason="Triton is not installed (requirements-test.txt installs it)")
+    monkeypatch.setenv("EAGLE3_DECODE_ATTENTION", "triton")
+
+
+@pytest.mark.parametrize("way", ["sdpa", "matmul", "triton"])
 def test_grouped_decode_attention_equals_transformers_sdpa(way, monkeypatch):
-    """One decoding step with a left-padding mask: the folded heads as two matmuls (the default) and as one
-    grouped-query SDPA call (EAGLE3_DECODE_ATTENTION=sdpa) give transformers' `sdpa` result (which copies each
-    K/V head per query head), including a value head size unlike the query's, and at Llama-3.1-8B's heads
-    (32 query heads on 8 K/V heads of 128)."""
+    """One decoding step with a left-padding mask: the folded heads as two matmuls (the default), as one
+    grouped-query SDPA call (EAGLE3_DECODE_ATTENTION=sdpa) and as the Triton kernel give transformers' `sdpa`
+    result (which copies each K/V head per query head), including a value head size unlike the query's (which
+    the kernel leaves to the matmuls), and at Llama-3.1-8B's heads (32 query heads on 8 K/V heads of 128)."""
     import torch
 
+    if way == "triton":
+        use_triton_interpreter(monkeypatch)
     monkeypatch.setenv("EAGLE3_DECODE_ATTENTION", way)
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
@@ -474,8 +484,60 @@ def test_an_unknown_decode_attention_way_is_refused_by_name(monkeypatch):
 
     monkeypatch.setenv("EAGLE3_DECODE_ATTENTION", "flash")
     query, key = torch.randn(1, 4, 1, 8), torch.randn(1, 2, 5, 8)
-    with pytest.raises(ValueError, match="EAGLE3_DECODE_ATTENTION='flash'.*matmul, sdpa"):
+    with pytest.raises(ValueError, match="EAGLE3_DECODE_ATTENTION='flash'.*matmul, sdpa, triton"):
         gqa_decode_attention(Layer(), query, key, key, None)
+
+
+def test_triton_decode_attention_skips_hidden_blocks_and_keeps_bfloat16_rounding(monkeypatch):
+    """The kernel over a cache whose mask hides whole blocks (left padding, the unwritten tail) and blocks in
+    part: float32 as the matmuls to 1e-5; bfloat16 within one rounding of the matmuls' bfloat16 result; K/V in
+    hidden positions (NaN here) never reach the output."""
+    import torch
+
+    use_triton_interpreter(monkeypatch)
+    from common.verifier.decode_attention import matmul_attention
+    from common.verifier.triton_decode import BLOCK_POSITIONS, triton_decode_attention
+
+    torch.manual_seed(0)
+    width = 3 * BLOCK_POSITIONS + 10
+    mask = torch.zeros(3, 1, 1, width, dtype=torch.bool)
+    mask[0, ..., 5:2 * BLOCK_POSITIONS + 2] = True
+    mask[1, ..., BLOCK_POSITIONS + 6:2 * BLOCK_POSITIONS + 2] = True  # the first block entirely padding
+    mask[2, ..., :1] = True
+    for dtype, tolerance in ((torch.float32, 1e-5), (torch.bfloat16, 2e-2)):
+        query = torch.randn(3, 9, 1, 64, dtype=dtype)
+        key, value = torch.randn(3, 3, width, 64, dtype=dtype), torch.randn(3, 3, width, 64, dtype=dtype)
+        expected = matmul_attention(query.view(3, 3, 3, 64), key, value, mask).reshape(3, 9, 1, 64).float()
+        key[~mask[:, 0, 0][:, None].expand(3, 3, width)] = float("nan")
+        value[~mask[:, 0, 0][:, None].expand(3, 3, width)] = float("nan")
+        found = triton_decode_attention(query, key, value, mask)
+        assert found.dtype == torch.float32 and not found.isnan().any()
+        torch.testing.assert_close(found, expected, rtol=tolerance, atol=tolerance)
+
+
+def test_triton_decode_attention_keeps_the_loop_token_for_token(smollm2, monkeypatch):
+    """EAGLE3_DECODE_ATTENTION=triton (in Triton's interpreter here): the loop's float32 greedy replies on
+    SmolLM2 are still generate's, token for token, and its compiled decoding step is one graph per batch
+    shape with the kernel inside (fullgraph=True: a graph break raises)."""
+    from common.data import decode_loop
+    from common.verifier.loading import load_tokenizer
+
+    use_triton_interpreter(monkeypatch)
+    graphs = []
+
+    def recording_backend(graph, _inputs):
+        graphs.append(graph)
+        return graph.forward
+
+    options = {"backend": recording_backend, "fullgraph": True, "dynamic": False}
+    monkeypatch.setattr(decode_loop, "decoding_forward", lambda model: decode_loop.compiled_forward(model, options))
+    tokenizer = load_tokenizer(str(smollm2))
+    conversations = [[{"role": "user", "content": text}] for text in
+                     ["Write a haiku about rain.", "List three colours and explain why the sky looks blue."]]
+    found = replies_by_engine(smollm2, tokenizer, conversations, 12, ("generate", "loop"))
+    assert all(found["generate"][0]) and found["loop"][1] == found["generate"][1]
+    assert len(graphs) == 1
+    assert any("triton_decode_attention" in str(node.target) for node in graphs[0].graph.nodes)
 
 
 def test_auto_engine_is_static_on_a_gpu_and_generate_on_a_cpu():

@@ -13,7 +13,8 @@ memory-efficient kernel ran it about 5x slower than one read of the cache, the m
 that kernel (scripts/bench_decode_attention.py), and stage 01's loop engine 1.37x faster end to end on an H200
 (266.3 against 194.9 conversations/s, docs/results/2026-12-02-h200-turns2-matmul.md). The scores are rounded
 to the model's dtype before the softmax, as in transformers' eager attention. EAGLE3_DECODE_ATTENTION=sdpa
-keeps the folded heads in one SDPA call instead.
+keeps the folded heads in one SDPA call instead; EAGLE3_DECODE_ATTENTION=triton runs the step as one Triton
+kernel that reads each K/V row once and skips the blocks the mask hides (common.verifier.triton_decode).
 """
 from __future__ import annotations
 
@@ -21,7 +22,7 @@ import os
 
 NAME = "sdpa_gqa_decode"
 # The ways a folded decoding step can run (EAGLE3_DECODE_ATTENTION; matmul when unset).
-WAYS = ("matmul", "sdpa")
+WAYS = ("matmul", "sdpa", "triton")
 
 
 def gqa_decode_attention(module, query, key, value, attention_mask, dropout: float = 0.0, scaling=None,
@@ -39,6 +40,13 @@ def gqa_decode_attention(module, query, key, value, attention_mask, dropout: flo
         raise ValueError(f"EAGLE3_DECODE_ATTENTION={way!r}: use one of {', '.join(WAYS)}, or unset it (matmul)")
     if dropout != 0.0:
         way = "sdpa"
+    if way == "triton":
+        from common.verifier import triton_decode
+
+        if triton_decode.supports(query, key, value, attention_mask):
+            output = triton_decode.triton_decode_attention(query, key, value, attention_mask, scaling)
+            return output.to(query.dtype).reshape(query.shape[0], 1, query.shape[1], value.shape[-1]), None
+        way = "matmul"  # heads or a mask the kernel does not take: the default way, the same result
     output = folded_decode_attention(query, key, value, attention_mask, scaling, way, dropout)
     batch, heads, _, value_dim = output.shape
     return output.reshape(batch, 1, heads, value_dim), None  # one query: the same memory as (batch, heads, 1)
@@ -79,6 +87,12 @@ def use_gqa_decode_attention(model) -> None:
 
     if getattr(model.config, "_attn_implementation", None) not in ("sdpa", NAME):
         return  # eager or remote code: leave the model's own attention alone
+    if os.environ.get("EAGLE3_DECODE_ATTENTION") == "triton":
+        from common.verifier import triton_decode  # registers its op before any step is compiled
+
+        if not triton_decode.available():
+            raise ValueError("EAGLE3_DECODE_ATTENTION=triton needs Triton and a CUDA GPU (or TRITON_INTERPRET=1 "
+                             "on a CPU, slowly): unset it to use the matmul way")
     AttentionInterface.register(NAME, gqa_decode_attention)
     AttentionMaskInterface.register(NAME, sdpa_mask)  # the same masks as sdpa
     model.set_attn_implementation(NAME)

@@ -1,0 +1,153 @@
+"""The decoding step's grouped-head attention as one Triton kernel (EAGLE3_DECODE_ATTENTION=triton).
+
+The matmul way (decode_attention.matmul_attention) runs a decoding step in two batched GEMMs whose query side
+is only a group's few heads, at 2.5-3x one read of the KV cache on an H200; and it reads the whole cache width
+from the first new token on, though the positions not written yet are masked. This kernel reads each K/V row
+once, in one pass with an online softmax (one program per sequence and K/V head, the group's query heads
+padded to 16 rows for tensor-core dots), and skips every block of positions the mask hides entirely: the
+left padding's whole blocks and the cache's unwritten tail. The mask is a device tensor, so one compiled
+step with its CUDA graphs serves every step of a batch.
+
+Rounding follows matmul_attention: scores rounded to the inputs' dtype before a float32 softmax, the
+probabilities rounded to it before multiplying the values. Float32 inputs use IEEE dots (no TF32).
+The output is float32, cast by the caller (the Triton CPU interpreter, which the tests run it on, cannot
+store bfloat16, nor
+dot it: there every tile is made float32 first, which gives the same products, as bfloat16 ones are exact in
+float32).
+"""
+from __future__ import annotations
+
+import functools
+from typing import Optional
+
+import torch
+
+# Query heads of one K/V head are padded to this many rows: tensor-core dots take at least 16.
+QUERY_ROWS = 16
+# K/V positions a program reads per iteration; 64 x 128 x 2 bytes is 16 KB a tile at Llama's heads.
+BLOCK_POSITIONS = 64
+
+
+@functools.cache
+def available() -> bool:
+    """Whether Triton can run the kernel here: on a CUDA GPU, or in its CPU interpreter (TRITON_INTERPRET=1)."""
+    import os
+
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        return False
+    return torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1"
+
+
+@functools.cache
+def _kernel():
+    """The Triton kernel, defined on first use so that importing this module needs no Triton."""
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def gqa_decode_kernel(q_ptr, k_ptr, v_ptr, mask_ptr, out_ptr, kv_len, scale,
+                          q_batch, q_head, k_batch, k_head, k_pos, v_batch, v_head, v_pos, m_batch, m_pos,
+                          o_batch, o_head,
+                          GROUPS: tl.constexpr, HEAD_DIM: tl.constexpr, ROWS: tl.constexpr, BLOCK: tl.constexpr,
+                          HAS_MASK: tl.constexpr, IEEE: tl.constexpr, UPCAST: tl.constexpr):
+        sequence = tl.program_id(0)
+        kv_head = tl.program_id(1)
+        rows = tl.arange(0, ROWS)
+        dims = tl.arange(0, HEAD_DIM)
+        in_group = rows < GROUPS
+        heads = kv_head * GROUPS + rows
+        query = tl.load(q_ptr + sequence * q_batch + heads[:, None] * q_head + dims[None, :],
+                        mask=in_group[:, None], other=0.0)
+        dtype = query.dtype
+        if UPCAST:
+            query = query.to(tl.float32)
+        best = tl.full((ROWS,), float("-inf"), tl.float32)
+        total = tl.zeros((ROWS,), tl.float32)
+        acc = tl.zeros((ROWS, HEAD_DIM), tl.float32)
+        for start in range(0, kv_len, BLOCK):
+            positions = start + tl.arange(0, BLOCK)
+            valid = positions < kv_len
+            if HAS_MASK:
+                valid = valid & (tl.load(mask_ptr + sequence * m_batch + positions * m_pos, mask=valid, other=0) != 0)
+            if tl.sum(valid.to(tl.int32), axis=0) > 0:  # a block the mask hides entirely is not read
+                keys = tl.load(k_ptr + sequence * k_batch + kv_head * k_head + positions[:, None] * k_pos
+                               + dims[None, :], mask=valid[:, None], other=0.0)
+                if UPCAST:
+                    keys = keys.to(tl.float32)
+                if IEEE:
+                    scores = tl.dot(query, tl.trans(keys), input_precision="ieee")
+                else:
+                    scores = tl.dot(query, tl.trans(keys))
+                scores = scores.to(dtype).to(tl.float32) * scale
+                scores = tl.where(valid[None, :], scores, float("-inf"))
+                new_best = tl.maximum(best, tl.max(scores, axis=1))
+                shrink = tl.exp(best - new_best)
+                weights = tl.exp(scores - new_best[:, None])
+                total = total * shrink + tl.sum(weights, axis=1)
+                values = tl.load(v_ptr + sequence * v_batch + kv_head * v_head + positions[:, None] * v_pos
+                                 + dims[None, :], mask=valid[:, None], other=0.0)
+                weights = weights.to(dtype)
+                if UPCAST:
+                    values = values.to(tl.float32)
+                    weights = weights.to(tl.float32)
+                if IEEE:
+                    acc = acc * shrink[:, None] + tl.dot(weights, values, input_precision="ieee")
+                else:
+                    acc = acc * shrink[:, None] + tl.dot(weights, values)
+                best = new_best
+        out = acc / tl.where(total > 0, total, 1.0)[:, None]
+        tl.store(out_ptr + sequence * o_batch + heads[:, None] * o_head + dims[None, :], out, mask=in_group[:, None])
+
+    return gqa_decode_kernel
+
+
+def supports(query, key, value, mask) -> bool:
+    """Whether the kernel takes this step: up to QUERY_ROWS query heads per K/V head, one power-of-two head size
+    of 16 or more for queries and values, and a boolean mask or none."""
+    groups, dim = query.shape[1] // key.shape[1], query.shape[-1]
+    return (groups <= QUERY_ROWS and dim >= 16 and not dim & (dim - 1) and value.shape[-1] == dim
+            and (mask is None or mask.dtype == torch.bool))
+
+
+def triton_decode_attention(query, key, value, mask, scaling=None):
+    """softmax(q k^T * scale, masked) v for one new token: query (batch, heads, 1, dim), key and value (batch,
+    kv_heads, kv_len, dim), `mask` boolean (True: attend) broadcastable to (batch, 1, 1, kv_len) or None;
+    returns float32 (batch, heads, 1, dim). A torch custom op: torch.compile keeps it whole in the graph."""
+    scale = scaling if scaling is not None else query.shape[-1] ** -0.5
+    return torch.ops.eagle3.triton_decode_attention(query, key, value, mask, float(scale))
+
+
+@torch.library.custom_op("eagle3::triton_decode_attention", mutates_args=())
+def _decode_op(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: Optional[torch.Tensor],
+               scale: float) -> torch.Tensor:
+    batch, heads, _, dim = query.shape
+    kv_heads, kv_len = key.shape[1], key.shape[2]
+    groups = heads // kv_heads
+    if not supports(query, key, value, mask):
+        raise ValueError(f"the Triton decoding attention cannot take {groups} query heads per K/V head, head sizes "
+                         f"{dim} and {value.shape[-1]}, a {mask.dtype if mask is not None else 'missing'} mask")
+    query = query.reshape(batch, heads, dim).contiguous()
+    key = key if key.stride(-1) == 1 else key.contiguous()
+    value = value if value.stride(-1) == 1 else value.contiguous()
+    out = torch.empty(batch, heads, dim, dtype=torch.float32, device=query.device)
+    if mask is not None:
+        mask = mask.expand(batch, 1, 1, kv_len)[:, 0, 0]  # (batch, kv_len), a view
+        if mask.dtype == torch.bool:
+            mask = mask.view(torch.uint8)
+    interpreted = query.device.type == "cpu"  # the interpreter's dots take no bfloat16: they run in float32
+    _kernel()[(batch, kv_heads)](
+        query, key, value, mask if mask is not None else query, out, kv_len, scale,
+        query.stride(0), query.stride(1), key.stride(0), key.stride(1), key.stride(2),
+        value.stride(0), value.stride(1), value.stride(2),
+        mask.stride(0) if mask is not None else 0, mask.stride(1) if mask is not None else 0,
+        out.stride(0), out.stride(1),
+        GROUPS=groups, HEAD_DIM=dim, ROWS=QUERY_ROWS, BLOCK=BLOCK_POSITIONS, HAS_MASK=mask is not None,
+        IEEE=query.dtype == torch.float32 or interpreted, UPCAST=interpreted)
+    return out.view(batch, heads, 1, dim)
+
+
+@_decode_op.register_fake
+def _decode_op_shape(query, key, value, mask, scale):
+    return query.new_empty(query.shape, dtype=torch.float32)
