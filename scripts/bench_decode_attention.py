@@ -21,6 +21,9 @@ group (repeat_kv: SDPA's own GQA support is used only without a mask); the engin
   flex     torch's FlexAttention, compiled, with the padding as a block mask and enable_gqa: at one query a
            row it runs its split-KV decoding kernel (the block mask is built once per shape, outside the timing)
 
+With --triton-sweep the triton way is also timed at each of its kernel's options (block, skip, num_warps,
+num_stages; common.verifier.triton_decode.OPTIONS is the one the engines run).
+
 With --compile every way but flex is timed as torch.compile(dynamic=False) makes it, as the loop engine runs
 its decoding step (flex is compiled either way).
 
@@ -37,6 +40,7 @@ from __future__ import annotations
 
 import argparse
 import functools
+import itertools
 import sys
 from pathlib import Path
 
@@ -165,6 +169,8 @@ def main(argv=None) -> list[dict]:
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--dtype", default="bfloat16")
     p.add_argument("--compile", action="store_true", help="time each way compiled, as the loop engine runs it")
+    p.add_argument("--triton-sweep", action="store_true",
+                   help="also time the Triton kernel at each combination of its options (rows 'triton b.. ...')")
     p.add_argument("--ways", default=",".join(WAYS), help="comma-separated, of " + ",".join(WAYS)
                    + " (repeat, the reference, always runs first)")
     args = p.parse_args(argv)
@@ -192,7 +198,23 @@ def main(argv=None) -> list[dict]:
                 print(f"| {rows}x{width} | {way} | {seconds * 1e6:.1f} | {seconds * args.layers * 1e3:.2f} | "
                       f"{base / seconds:.2f}x | {diff:.1e} | {bound:.2f} |", flush=True)
                 results.append({"shape": shape, "way": way, "seconds": seconds, "max_abs_diff": diff})
+            for name, fn in (triton_variants(args.head_dim) if args.triton_sweep else []):
+                seconds = time_call(fn, (q, k, v, mask), args.iters, device)
+                diff = (fn(q, k, v, mask).float() - reference).abs().max().item()
+                print(f"| {rows}x{width} | {name} | {seconds * 1e6:.1f} | {seconds * args.layers * 1e3:.2f} | "
+                      f"{base / seconds:.2f}x | {diff:.1e} | {bound:.2f} |", flush=True)
+                results.append({"shape": shape, "way": name, "seconds": seconds, "max_abs_diff": diff})
     return results
+
+
+def triton_variants(dim: int):
+    """(name, function) for each combination of the Triton kernel's options."""
+    from common.verifier.triton_decode import launch
+
+    for block, skip, warps, stages in itertools.product((32, 64, 128), (True, False), (2, 4, 8), (None, 2, 3)):
+        name = f"triton b{block} {'skip' if skip else 'masked'} w{warps} s{stages or '-'}"
+        yield name, functools.partial(launch, scale=dim ** -0.5, block=block, skip=skip, num_warps=warps,
+                                      num_stages=stages)
 
 
 if __name__ == "__main__":

@@ -37,3 +37,15 @@ def test_the_compiled_reduce_way_equals_repeating_the_heads(capsys):
     assert [row["way"] for row in rows] == ["repeat", "reduce"]
     assert all(row["max_abs_diff"] < 1e-5 for row in rows), rows
     assert "compiled" in capsys.readouterr().out
+
+
+def test_the_triton_sweep_times_every_option_and_keeps_the_result(capsys):
+    """--triton-sweep: each combination of the kernel's options (in Triton's interpreter here) gives the
+    reference result."""
+    pytest.importorskip("triton", reason="Triton is not installed (requirements-test.txt installs it)")
+    rows = load_script().main(["--shapes", "2x40", "--iters", "1", "--device", "cpu", "--dtype", "float32",
+                               "--ways", "triton", "--triton-sweep"])
+    swept = [row for row in rows if row["way"].startswith("triton b")]
+    assert len(swept) == 3 * 2 * 3 * 3 and len({row["way"] for row in swept}) == len(swept)
+    assert all(row["max_abs_diff"] < 1e-5 for row in rows), rows
+    assert "| 2x40 | triton b64 masked w4 s- |" in capsys.readouterr().out

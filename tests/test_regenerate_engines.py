@@ -490,29 +490,31 @@ def test_an_unknown_decode_attention_way_is_refused_by_name(monkeypatch):
 
 def test_triton_decode_attention_skips_hidden_blocks_and_keeps_bfloat16_rounding(monkeypatch):
     """The kernel over a cache whose mask hides whole blocks (left padding, the unwritten tail) and blocks in
-    part: float32 as the matmuls to 1e-5; bfloat16 within one rounding of the matmuls' bfloat16 result; K/V in
-    hidden positions (NaN here) never reach the output."""
+    part, with hidden blocks skipped by a branch and without: float32 as the matmuls to 1e-5; bfloat16 within
+    one rounding of the matmuls' bfloat16 result; K/V in hidden positions (NaN here) never reach the output."""
     import torch
 
     use_triton_interpreter(monkeypatch)
     from common.verifier.decode_attention import matmul_attention
-    from common.verifier.triton_decode import BLOCK_POSITIONS, triton_decode_attention
+    from common.verifier.triton_decode import OPTIONS, launch, triton_decode_attention
 
     torch.manual_seed(0)
-    width = 3 * BLOCK_POSITIONS + 10
+    block = OPTIONS["block"]
+    width = 3 * block + 10
     mask = torch.zeros(3, 1, 1, width, dtype=torch.bool)
-    mask[0, ..., 5:2 * BLOCK_POSITIONS + 2] = True
-    mask[1, ..., BLOCK_POSITIONS + 6:2 * BLOCK_POSITIONS + 2] = True  # the first block entirely padding
+    mask[0, ..., 5:2 * block + 2] = True
+    mask[1, ..., block + 6:2 * block + 2] = True  # the first block entirely padding
     mask[2, ..., :1] = True
+    hidden = ~mask[:, 0, 0][:, None].expand(3, 3, width)
     for dtype, tolerance in ((torch.float32, 1e-5), (torch.bfloat16, 2e-2)):
         query = torch.randn(3, 9, 1, 64, dtype=dtype)
         key, value = torch.randn(3, 3, width, 64, dtype=dtype), torch.randn(3, 3, width, 64, dtype=dtype)
         expected = matmul_attention(query.view(3, 3, 3, 64), key, value, mask).reshape(3, 9, 1, 64).float()
-        key[~mask[:, 0, 0][:, None].expand(3, 3, width)] = float("nan")
-        value[~mask[:, 0, 0][:, None].expand(3, 3, width)] = float("nan")
-        found = triton_decode_attention(query, key, value, mask)
-        assert found.dtype == torch.float32 and not found.isnan().any()
-        torch.testing.assert_close(found, expected, rtol=tolerance, atol=tolerance)
+        key[hidden], value[hidden] = float("nan"), float("nan")
+        for found in (triton_decode_attention(query, key, value, mask),
+                      launch(query, key, value, mask, 64 ** -0.5, **{**OPTIONS, "skip": not OPTIONS["skip"]})):
+            assert found.dtype == torch.float32 and not found.isnan().any()
+            torch.testing.assert_close(found, expected, rtol=tolerance, atol=tolerance)
 
 
 def test_triton_decode_attention_keeps_the_loop_token_for_token(smollm2, monkeypatch):

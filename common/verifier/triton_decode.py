@@ -24,8 +24,11 @@ import torch
 
 # Query heads of one K/V head are padded to this many rows: tensor-core dots take at least 16.
 QUERY_ROWS = 16
-# K/V positions a program reads per iteration; 64 x 128 x 2 bytes is 16 KB a tile at Llama's heads.
-BLOCK_POSITIONS = 64
+# The kernel's options (scripts/bench_decode_attention.py --triton-sweep times others): K/V positions a program
+# reads per iteration (64 x 128 x 2 bytes is 16 KB a tile at Llama's heads); whether a block the mask hides
+# entirely is skipped by a branch (else its loads are masked off, unbranched, which lets Triton pipeline them);
+# Triton's num_warps and num_stages (None: Triton's default).
+OPTIONS = {"block": 64, "skip": True, "num_warps": 4, "num_stages": None}
 
 
 @functools.cache
@@ -33,25 +36,52 @@ def available() -> bool:
     """Whether Triton can run the kernel here: on a CUDA GPU, or in its CPU interpreter (TRITON_INTERPRET=1)."""
     import os
 
-    try:
-        import triton  # noqa: F401
-    except ImportError:
+    if triton is None:
         return False
     return torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1"
 
 
-@functools.cache
-def _kernel():
-    """The Triton kernel, defined on first use so that importing this module needs no Triton."""
+try:  # the kernels are defined only where Triton is installed; Triton resolves their calls in this module
     import triton
     import triton.language as tl
+except ImportError:
+    triton = None
+
+if triton is not None:
+    @triton.jit
+    def attend_block(query, best, total, acc, k_ptr, v_ptr, k_offsets, v_offsets, valid, dims, scale, dtype,
+                     IEEE: tl.constexpr, UPCAST: tl.constexpr):
+        """One block of positions folded into the running max, sum and weighted values (online softmax)."""
+        keys = tl.load(k_ptr + k_offsets[:, None] + dims[None, :], mask=valid[:, None], other=0.0)
+        if UPCAST:
+            keys = keys.to(tl.float32)
+        if IEEE:
+            scores = tl.dot(query, tl.trans(keys), input_precision="ieee")
+        else:
+            scores = tl.dot(query, tl.trans(keys))
+        scores = scores.to(dtype).to(tl.float32) * scale
+        scores = tl.where(valid[None, :], scores, float("-inf"))
+        new_best = tl.maximum(best, tl.max(scores, axis=1))
+        shrink = tl.exp(best - new_best)
+        weights = tl.exp(scores - new_best[:, None])
+        total = total * shrink + tl.sum(weights, axis=1)
+        values = tl.load(v_ptr + v_offsets[:, None] + dims[None, :], mask=valid[:, None], other=0.0)
+        weights = weights.to(dtype)
+        if UPCAST:
+            values = values.to(tl.float32)
+            weights = weights.to(tl.float32)
+        if IEEE:
+            acc = acc * shrink[:, None] + tl.dot(weights, values, input_precision="ieee")
+        else:
+            acc = acc * shrink[:, None] + tl.dot(weights, values)
+        return new_best, total, acc
 
     @triton.jit
     def gqa_decode_kernel(q_ptr, k_ptr, v_ptr, mask_ptr, out_ptr, kv_len, scale,
                           q_batch, q_head, k_batch, k_head, k_pos, v_batch, v_head, v_pos, m_batch, m_pos,
                           o_batch, o_head,
                           GROUPS: tl.constexpr, HEAD_DIM: tl.constexpr, ROWS: tl.constexpr, BLOCK: tl.constexpr,
-                          HAS_MASK: tl.constexpr, IEEE: tl.constexpr, UPCAST: tl.constexpr):
+                          HAS_MASK: tl.constexpr, SKIP: tl.constexpr, IEEE: tl.constexpr, UPCAST: tl.constexpr):
         sequence = tl.program_id(0)
         kv_head = tl.program_id(1)
         rows = tl.arange(0, ROWS)
@@ -63,44 +93,26 @@ def _kernel():
         dtype = query.dtype
         if UPCAST:
             query = query.to(tl.float32)
-        best = tl.full((ROWS,), float("-inf"), tl.float32)
+        # A finite start: a block that is all masked then leaves the running figures as they are (no inf - inf).
+        best = tl.full((ROWS,), -1e30, tl.float32)
         total = tl.zeros((ROWS,), tl.float32)
         acc = tl.zeros((ROWS, HEAD_DIM), tl.float32)
+        k_row = k_ptr + sequence * k_batch + kv_head * k_head
+        v_row = v_ptr + sequence * v_batch + kv_head * v_head
         for start in range(0, kv_len, BLOCK):
             positions = start + tl.arange(0, BLOCK)
             valid = positions < kv_len
             if HAS_MASK:
                 valid = valid & (tl.load(mask_ptr + sequence * m_batch + positions * m_pos, mask=valid, other=0) != 0)
-            if tl.sum(valid.to(tl.int32), axis=0) > 0:  # a block the mask hides entirely is not read
-                keys = tl.load(k_ptr + sequence * k_batch + kv_head * k_head + positions[:, None] * k_pos
-                               + dims[None, :], mask=valid[:, None], other=0.0)
-                if UPCAST:
-                    keys = keys.to(tl.float32)
-                if IEEE:
-                    scores = tl.dot(query, tl.trans(keys), input_precision="ieee")
-                else:
-                    scores = tl.dot(query, tl.trans(keys))
-                scores = scores.to(dtype).to(tl.float32) * scale
-                scores = tl.where(valid[None, :], scores, float("-inf"))
-                new_best = tl.maximum(best, tl.max(scores, axis=1))
-                shrink = tl.exp(best - new_best)
-                weights = tl.exp(scores - new_best[:, None])
-                total = total * shrink + tl.sum(weights, axis=1)
-                values = tl.load(v_ptr + sequence * v_batch + kv_head * v_head + positions[:, None] * v_pos
-                                 + dims[None, :], mask=valid[:, None], other=0.0)
-                weights = weights.to(dtype)
-                if UPCAST:
-                    values = values.to(tl.float32)
-                    weights = weights.to(tl.float32)
-                if IEEE:
-                    acc = acc * shrink[:, None] + tl.dot(weights, values, input_precision="ieee")
-                else:
-                    acc = acc * shrink[:, None] + tl.dot(weights, values)
-                best = new_best
+            if SKIP:
+                if tl.sum(valid.to(tl.int32), axis=0) > 0:  # a block the mask hides entirely is not read
+                    best, total, acc = attend_block(query, best, total, acc, k_row, v_row, positions * k_pos,
+                                                    positions * v_pos, valid, dims, scale, dtype, IEEE, UPCAST)
+            else:  # masked lanes load nothing; no branch lets Triton pipeline the loads
+                best, total, acc = attend_block(query, best, total, acc, k_row, v_row, positions * k_pos,
+                                                positions * v_pos, valid, dims, scale, dtype, IEEE, UPCAST)
         out = acc / tl.where(total > 0, total, 1.0)[:, None]
         tl.store(out_ptr + sequence * o_batch + heads[:, None] * o_head + dims[None, :], out, mask=in_group[:, None])
-
-    return gqa_decode_kernel
 
 
 def supports(query, key, value, mask) -> bool:
@@ -122,6 +134,12 @@ def triton_decode_attention(query, key, value, mask, scaling=None):
 @torch.library.custom_op("eagle3::triton_decode_attention", mutates_args=())
 def _decode_op(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: Optional[torch.Tensor],
                scale: float) -> torch.Tensor:
+    return launch(query, key, value, mask, scale, **OPTIONS)
+
+
+def launch(query, key, value, mask, scale: float, block: int, skip: bool, num_warps: int,
+           num_stages: Optional[int]):
+    """The kernel on these tensors (as triton_decode_attention takes them) with these options."""
     batch, heads, _, dim = query.shape
     kv_heads, kv_len = key.shape[1], key.shape[2]
     groups = heads // kv_heads
@@ -137,14 +155,15 @@ def _decode_op(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask
         if mask.dtype == torch.bool:
             mask = mask.view(torch.uint8)
     interpreted = query.device.type == "cpu"  # the interpreter's dots take no bfloat16: they run in float32
-    _kernel()[(batch, kv_heads)](
+    stages = {} if num_stages is None else {"num_stages": num_stages}
+    gqa_decode_kernel[(batch, kv_heads)](
         query, key, value, mask if mask is not None else query, out, kv_len, scale,
         query.stride(0), query.stride(1), key.stride(0), key.stride(1), key.stride(2),
         value.stride(0), value.stride(1), value.stride(2),
         mask.stride(0) if mask is not None else 0, mask.stride(1) if mask is not None else 0,
         out.stride(0), out.stride(1),
-        GROUPS=groups, HEAD_DIM=dim, ROWS=QUERY_ROWS, BLOCK=BLOCK_POSITIONS, HAS_MASK=mask is not None,
-        IEEE=query.dtype == torch.float32 or interpreted, UPCAST=interpreted)
+        GROUPS=groups, HEAD_DIM=dim, ROWS=QUERY_ROWS, BLOCK=block, HAS_MASK=mask is not None, SKIP=skip,
+        IEEE=query.dtype == torch.float32 or interpreted, UPCAST=interpreted, num_warps=num_warps, **stages)
     return out.view(batch, heads, 1, dim)
 
 
