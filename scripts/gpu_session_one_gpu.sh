@@ -7,7 +7,7 @@
 #   3. regen     gpu_checks.sh: bench_regenerate.py, engines ENGINES, no 8B shape            (timed, alone)
 #   3b. attention  bench_decode_attention.py --compile at SmolLM2's and Llama-8B's heads (ATTENTION_KERNELS=1): the
 #                decoding attention the regeneration loop could run; then the loop engine alone with each
-#                EAGLE3_DECODE_ATTENTION way of ATTENTION_WAYS (matmul, the default; triton) at the first
+#                EAGLE3_DECODE_ATTENTION way of ATTENTION_WAYS (triton, the default on a GPU; matmul) at the first
 #                batch size of LOOP_BATCHES, and the fastest way at the others (bench_regenerate.py --static-only,
 #                same prompts as regen, into WORK_DIR/checks/regen_<way>_<batch>); the fastest way is exported for
 #                the parts after it: PARTS="attention regen" checks it against generate, float32 included (timed, alone)
@@ -27,7 +27,7 @@
 #   own settings, e.g. DATA_SAMPLES, DATA_EXTRA, DATA_EPOCHS, pass through the environment);
 #   SMALL [500] (SpecForge then trains about 7 minutes beside the lossless checks),
 #   ENGINES [generate,loop], LLAMA_PROMPTS [0] (prompts for the regen part's random Llama-3.1-8B-shaped verifier),
-#   ATTENTION_WAYS ["matmul triton"], LOOP_BATCHES ["1024 2048"], ATTENTION_KERNELS [0], SPECFORGE_ARGS ["--lr 1e-4 --ttt-steps 7 --time-limit 660"], PYTHON [python3];
+#   ATTENTION_WAYS ["triton matmul"], LOOP_BATCHES ["1280 1024"], ATTENTION_KERNELS [0], SPECFORGE_ARGS ["--lr 1e-4 --ttt-steps 7 --time-limit 660"], PYTHON [python3];
 #   OUT: pack everything small into $OUT/quality.tgz and $OUT/checks.tgz at the end.
 # Progress: WORK_DIR/session.log. With "snapshot" it only packs what exists so far (no weights, no hidden states)
 # into $OUT/snapshot.tgz, and the replies each data lane has regenerated so far into $OUT/regenerated_<lane>.tgz (a
@@ -38,7 +38,7 @@ cd "$(dirname "$0")/.."
 VERIFIER=$1; DATA=$2; WORK=$3
 PARTS=${PARTS:-"data profile regen attention compare"}; LANES=${LANES:-}
 SMALL=${SMALL:-500}; ENGINES=${ENGINES:-generate,loop}; PY=${PYTHON:-python3}
-ATTENTION_WAYS=${ATTENTION_WAYS:-"matmul triton"}; LOOP_BATCHES=${LOOP_BATCHES:-"1024 2048"}
+ATTENTION_WAYS=${ATTENTION_WAYS:-"triton matmul"}; LOOP_BATCHES=${LOOP_BATCHES:-"1280 1024"}
 ATTENTION_KERNELS=${ATTENTION_KERNELS:-0}; LLAMA_PROMPTS=${LLAMA_PROMPTS:-0}
 SPECFORGE_ARGS=${SPECFORGE_ARGS:-"--lr 1e-4 --ttt-steps 7 --time-limit 660"}
 RUN=$WORK/q; CHECKS=$WORK/checks
@@ -77,7 +77,7 @@ part_attention() {  # the decoding attention's ways: the kernels alone (ATTENTIO
   say "decoding attention"
   if [ "$ATTENTION_KERNELS" = 1 ]; then
     { timeout 300 "$PY" scripts/bench_decode_attention.py --compile --ways matmul,triton \
-        --shapes 1024x384,194x1280
+        --shapes 1024x384,194x1280 --triton-sweep
       timeout 300 "$PY" scripts/bench_decode_attention.py --compile --ways matmul,triton,flex --heads 32 \
         --kv-heads 8 --head-dim 128 --layers 32 --shapes 128x1280; } > "$CHECKS/decode_attention.md" \
       2> "$CHECKS/decode_attention.log"

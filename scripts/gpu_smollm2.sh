@@ -31,7 +31,7 @@ VERIFIER=$1; DATA=$2; RUN=$3
 # (25 tokens a verify) tau 3.26 at 2.05x the same loop without drafting; the same drafter benchmarked alone on one
 # H200 (STAGES=bench BENCH_GPUS=1, 30 held-out prompts): tau 3.16 at 2.08x; at T=1 tau 1.5-2.3 at 0.97x-1.33x.
 SAMPLES=${SAMPLES:-17000}; EPOCHS=${EPOCHS:-8}; LR=${LR:-1e-3}; REGEN_TOKENS=${REGEN_TOKENS:-256}
-REGEN_BATCH=${REGEN_BATCH:-1024}; PROMPTS=${PROMPTS:-10}; NEW_TOKENS=${NEW_TOKENS:-128}; DTYPE=${DTYPE:-bfloat16}
+REGEN_BATCH=${REGEN_BATCH:-1280}; PROMPTS=${PROMPTS:-10}; NEW_TOKENS=${NEW_TOKENS:-128}; DTYPE=${DTYPE:-bfloat16}
 KS=${KS:-3}; TTT=${TTT:-3}; TEMPS=${TEMPS:-"0 1"}; SETS=${SETS:-"heldout mt_bench humaneval"}; TOPKS=${TOPKS:-"1 4 8"}
 STAGES=${STAGES:-all}  # "train": stages 01-04 only; "bench": stage 05 only (on an existing RUN_DIR)
 # NPROC GPUs run stages 02 and 04 under torchrun; each rank takes its share of the same STEP_TOKENS-token step.

@@ -488,6 +488,20 @@ def test_an_unknown_decode_attention_way_is_refused_by_name(monkeypatch):
         gqa_decode_attention(Layer(), query, key, key, None)
 
 
+def test_the_decoding_attention_is_the_triton_kernel_on_a_gpu_and_the_matmuls_on_a_cpu(monkeypatch):
+    """With EAGLE3_DECODE_ATTENTION unset: Triton's kernel on a GPU where Triton is installed, the matmuls on a
+    CPU (and on a GPU without Triton); the variable overrides both."""
+    import importlib.util
+
+    from common.verifier.decode_attention import chosen_way
+
+    monkeypatch.delenv("EAGLE3_DECODE_ATTENTION", raising=False)
+    assert chosen_way(on_gpu=False) == "matmul"
+    assert chosen_way(on_gpu=True) == ("triton" if importlib.util.find_spec("triton") else "matmul")
+    monkeypatch.setenv("EAGLE3_DECODE_ATTENTION", "sdpa")
+    assert chosen_way(on_gpu=True) == chosen_way(on_gpu=False) == "sdpa"
+
+
 def test_triton_decode_attention_skips_hidden_blocks_and_keeps_bfloat16_rounding(monkeypatch):
     """The kernel over a cache whose mask hides whole blocks (left padding, the unwritten tail) and blocks in
     part, with hidden blocks skipped by a branch and without: float32 as the matmuls to 1e-5; bfloat16 within
