@@ -79,7 +79,7 @@ part_attention() {  # the decoding attention's ways: the kernels alone (ATTENTIO
     { timeout 300 "$PY" scripts/bench_decode_attention.py --compile --ways matmul,triton \
         --shapes 1024x384,194x1280 --triton-sweep
       timeout 300 "$PY" scripts/bench_decode_attention.py --compile --ways matmul,triton,flex --heads 32 \
-        --kv-heads 8 --head-dim 128 --layers 32 --shapes 128x1280; } > "$CHECKS/decode_attention.md" \
+        --kv-heads 8 --head-dim 128 --layers 32 --shapes 128x1280 --triton-sweep; } > "$CHECKS/decode_attention.md" \
       2> "$CHECKS/decode_attention.log"
   fi
   local way batch first=${LOOP_BATCHES%% *} best rates

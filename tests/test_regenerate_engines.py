@@ -502,6 +502,18 @@ def test_the_decoding_attention_is_the_triton_kernel_on_a_gpu_and_the_matmuls_on
     assert chosen_way(on_gpu=True) == chosen_way(on_gpu=False) == "sdpa"
 
 
+def test_triton_decode_blocks_fit_the_shared_memory_of_small_gpus():
+    """The K/V tiles of every pipeline stage stay within TILE_BYTES (SM120 GPUs have about 100 KB a block): the
+    swept block of 128 at SmolLM2's bf16 heads of 64, smaller ones for wider heads and float32."""
+    from common.verifier.triton_decode import TILE_BYTES, block_for
+
+    assert block_for(64, 2, 128, 2) == 128
+    assert block_for(128, 2, 128, 2) == 64 and block_for(64, 4, 128, 2) == 64
+    assert block_for(256, 4, 128, 3) == 16
+    for dim, size, stages in ((64, 2, 2), (128, 2, 2), (128, 4, 3), (256, 2, 2)):
+        assert 2 * stages * block_for(dim, size, 128, stages) * dim * size <= TILE_BYTES
+
+
 def test_triton_decode_attention_skips_hidden_blocks_and_keeps_bfloat16_rounding(monkeypatch):
     """The kernel over a cache whose mask hides whole blocks (left padding, the unwritten tail) and blocks in
     part, with hidden blocks skipped by a branch and without: float32 as the matmuls to 1e-5; bfloat16 within

@@ -29,6 +29,9 @@ QUERY_ROWS = 16
 # reads per iteration; whether a block the mask hides entirely is skipped by a branch (else its loads are only
 # masked off, which lets Triton pipeline them); Triton's num_warps and num_stages (None: Triton's default).
 OPTIONS = {"block": 128, "skip": False, "num_warps": 4, "num_stages": 2}
+# Shared memory the K and V tiles of all pipeline stages may take: SM120 GPUs have about 100 KB a block (an H200
+# 228 KB), so wider heads or float32 get smaller blocks (block_for).
+TILE_BYTES = 64 * 1024
 
 
 @functools.cache
@@ -134,7 +137,16 @@ def triton_decode_attention(query, key, value, mask, scaling=None):
 @torch.library.custom_op("eagle3::triton_decode_attention", mutates_args=())
 def _decode_op(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: Optional[torch.Tensor],
                scale: float) -> torch.Tensor:
-    return launch(query, key, value, mask, scale, **OPTIONS)
+    block = block_for(query.shape[-1], query.element_size(), OPTIONS["block"], OPTIONS["num_stages"] or 2)
+    return launch(query, key, value, mask, scale, **{**OPTIONS, "block": block})
+
+
+def block_for(dim: int, element_size: int, block: int, stages: int) -> int:
+    """The largest block up to `block` positions (a power of two, 16 or more) whose K and V tiles of all
+    `stages` fit TILE_BYTES."""
+    while block > 16 and 2 * stages * block * dim * element_size > TILE_BYTES:
+        block //= 2
+    return block
 
 
 def launch(query, key, value, mask, scale: float, block: int, skip: bool, num_warps: int,
