@@ -239,11 +239,10 @@ def test_loop_stops_once_every_row_has_stopped(stories260k):
     assert replies == expected(conversations)
 
 
-def test_loop_decoding_step_compiles_to_one_graph_per_batch_shape(stories260k, monkeypatch):
-    """The loop's decoding forward, compiled as on a GPU but with a recording backend and fullgraph=True (a
-    graph break raises): one graph per batch shape (two here), and the replies of eager `generate`."""
+def record_compiled_decoding_steps(monkeypatch) -> list:
+    """Compile the loop's decoding forward as on a GPU, but with a backend that keeps each graph (in the list
+    returned) and runs it eagerly; fullgraph=True, so a graph break raises."""
     from common.data import decode_loop
-    from common.verifier.loading import load_tokenizer
 
     graphs = []
 
@@ -253,6 +252,15 @@ def test_loop_decoding_step_compiles_to_one_graph_per_batch_shape(stories260k, m
 
     options = {"backend": recording_backend, "fullgraph": True, "dynamic": False}
     monkeypatch.setattr(decode_loop, "decoding_forward", lambda model: decode_loop.compiled_forward(model, options))
+    return graphs
+
+
+def test_loop_decoding_step_compiles_to_one_graph_per_batch_shape(stories260k, monkeypatch):
+    """The loop's decoding forward, compiled as on a GPU but with a recording backend and fullgraph=True (a
+    graph break raises): one graph per batch shape (two here), and the replies of eager `generate`."""
+    from common.verifier.loading import load_tokenizer
+
+    graphs = record_compiled_decoding_steps(monkeypatch)
     tokenizer = load_tokenizer(str(stories260k))
     tokenizer.chat_template = STORIES_TEMPLATE
     conversations = [[{"role": "user", "content": text}] for text in PROMPTS]
@@ -547,18 +555,10 @@ def test_triton_decode_attention_keeps_the_loop_token_for_token(smollm2, monkeyp
     """EAGLE3_DECODE_ATTENTION=triton (in Triton's interpreter here): the loop's float32 greedy replies on
     SmolLM2 are still generate's, token for token, and its compiled decoding step is one graph per batch
     shape with the kernel inside (fullgraph=True: a graph break raises)."""
-    from common.data import decode_loop
     from common.verifier.loading import load_tokenizer
 
     use_triton_interpreter(monkeypatch)
-    graphs = []
-
-    def recording_backend(graph, _inputs):
-        graphs.append(graph)
-        return graph.forward
-
-    options = {"backend": recording_backend, "fullgraph": True, "dynamic": False}
-    monkeypatch.setattr(decode_loop, "decoding_forward", lambda model: decode_loop.compiled_forward(model, options))
+    graphs = record_compiled_decoding_steps(monkeypatch)
     tokenizer = load_tokenizer(str(smollm2))
     conversations = [[{"role": "user", "content": text}] for text in
                      ["Write a haiku about rain.", "List three colours and explain why the sky looks blue."]]
