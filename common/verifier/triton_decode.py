@@ -19,9 +19,16 @@ bfloat16 numbers are exact in float32).
 from __future__ import annotations
 
 import functools
+import os
 from typing import Optional
 
 import torch
+
+try:  # the kernels are defined only where Triton is installed
+    import triton
+    import triton.language as tl
+except ImportError:
+    triton = None
 
 # Query heads of one K/V head are padded to this many rows: tensor-core dots take at least 16.
 QUERY_ROWS = 16
@@ -37,20 +44,12 @@ TILE_BYTES = 64 * 1024
 @functools.cache
 def available() -> bool:
     """Whether Triton can run the kernel here: on a CUDA GPU, or in its CPU interpreter (TRITON_INTERPRET=1)."""
-    import os
-
     if triton is None:
         return False
     return torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1"
 
 
-try:  # the kernels are defined only where Triton is installed; Triton resolves their calls in this module
-    import triton
-    import triton.language as tl
-except ImportError:
-    triton = None
-
-if triton is not None:
+if triton is not None:  # at module level: Triton resolves a kernel's calls (attend_block) among its module's names
     @triton.jit
     def attend_block(query, best, total, acc, k_ptr, v_ptr, k_offsets, v_offsets, valid, dims, scale, dtype,
                      IEEE: tl.constexpr, UPCAST: tl.constexpr):
