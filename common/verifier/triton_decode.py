@@ -7,8 +7,8 @@ once, in one pass with an online softmax (one program per sequence and K/V head,
 padded to 16 rows for tensor-core dots), and loads nothing at the positions the mask hides: the left padding
 and the cache's unwritten tail. The mask is a device tensor, so one compiled step with its CUDA graphs serves
 every step of a batch. On an H200 at SmolLM2's heads and 1024 x 384 it took 2.2 ms a step against 4.4 for
-the matmuls, with OPTIONS, the fastest of `scripts/bench_decode_attention.py --triton-sweep` (skipping hidden
-blocks by a branch stops Triton pipelining the loads: 2.5-3.6 ms).
+the matmuls, with OPTIONS, the fastest of `scripts/bench_decode_attention.py --triton-sweep` (with a branch
+around each block's loads instead, the best at blocks of 128 took 2.47 ms).
 
 Rounding follows matmul_attention: scores rounded to the inputs' dtype before a float32 softmax, the
 probabilities rounded to it before multiplying the values. Float32 inputs use IEEE dots (no TF32). The
@@ -34,7 +34,7 @@ except ImportError:
 QUERY_ROWS = 16
 # The kernel's options (scripts/bench_decode_attention.py --triton-sweep times others): K/V positions a program
 # reads per iteration; whether a block the mask hides entirely is skipped by a branch (else its loads are only
-# masked off, which lets Triton pipeline them); Triton's num_warps and num_stages (None: Triton's default).
+# masked off); Triton's num_warps and num_stages (None: Triton's default).
 OPTIONS = {"block": 128, "skip": False, "num_warps": 4, "num_stages": 2}
 # Shared memory the K and V tiles of all pipeline stages may take: SM120 GPUs have about 100 KB a block (an H200
 # 228 KB), so wider heads or float32 get smaller blocks (block_for).
@@ -110,7 +110,7 @@ if triton is not None:  # at module level: Triton resolves a kernel's calls (att
                 if tl.sum(valid.to(tl.int32), axis=0) > 0:  # a block the mask hides entirely is not read
                     best, total, acc = attend_block(query, best, total, acc, k_row, v_row, positions * k_pos,
                                                     positions * v_pos, valid, dims, scale, dtype, IEEE, UPCAST)
-            else:  # masked lanes load nothing; no branch lets Triton pipeline the loads
+            else:  # masked lanes load nothing
                 best, total, acc = attend_block(query, best, total, acc, k_row, v_row, positions * k_pos,
                                                 positions * v_pos, valid, dims, scale, dtype, IEEE, UPCAST)
         out = acc / tl.where(total > 0, total, 1.0)[:, None]
