@@ -510,6 +510,37 @@ def test_the_decoding_attention_is_the_triton_kernel_on_a_gpu_and_the_matmuls_on
     assert chosen_way(on_gpu=True) == chosen_way(on_gpu=False) == "sdpa"
 
 
+def test_a_triton_kernel_that_cannot_run_stops_the_run_or_leaves_it_to_the_matmuls(smollm2, monkeypatch, caplog):
+    """Before the first batch the kernel is built and checked at the model's heads: where it works (here, in
+    Triton's interpreter) nothing is said; where it fails (a stand-in launch raising, as Triton does on a GPU it
+    cannot build for), EAGLE3_DECODE_ATTENTION=triton stops the run naming the fix, and the GPU default falls
+    back to the matmuls with a warning."""
+    import logging
+
+    use_triton_interpreter(monkeypatch)
+    from common.verifier import decode_attention, triton_decode
+    from common.verifier.loading import load_verifier_model
+
+    model = load_verifier_model(str(smollm2), "cpu", "float32")
+    triton_decode.problem_with.cache_clear()
+    decode_attention.check_triton(model)  # builds and agrees: no error, no warning
+    assert triton_decode.problem_with.cache_info().currsize == 1 and not caplog.records
+
+    def out_of_resources(*_args, **_kwargs):
+        raise RuntimeError("out of resource: shared memory")
+
+    monkeypatch.setattr(triton_decode, "launch", out_of_resources)
+    triton_decode.problem_with.cache_clear()
+    with pytest.raises(ValueError, match="out of resource.*EAGLE3_DECODE_ATTENTION=matmul"):
+        decode_attention.check_triton(model)
+    monkeypatch.delenv("EAGLE3_DECODE_ATTENTION")
+    monkeypatch.setattr(decode_attention, "GPU_DEFAULT", "triton")
+    with caplog.at_level(logging.WARNING):
+        decode_attention.check_triton(model)
+    assert decode_attention.GPU_DEFAULT == "matmul" and "the matmuls decode instead" in caplog.text
+    triton_decode.problem_with.cache_clear()
+
+
 def test_triton_decode_blocks_fit_the_shared_memory_of_small_gpus():
     """The K/V tiles of every pipeline stage stay within TILE_BYTES (SM120 GPUs have about 100 KB a block): the
     swept block of 128 at SmolLM2's bf16 heads of 64, smaller ones for wider heads and float32."""

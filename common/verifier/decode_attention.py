@@ -93,6 +93,30 @@ def matmul_attention(query, key, value, mask, scaling=None):
     return torch.matmul(scores.softmax(dim=-1).to(value.dtype), value)
 
 
+def check_triton(model) -> None:
+    """Before the first batch, the Triton kernel must build here and agree with the matmuls at the model's heads
+    and dtype (triton_decode.problem_with, once per shape). Asked for by EAGLE3_DECODE_ATTENTION=triton, a
+    failure stops the run here, naming the fix; as the GPU default, the matmuls take over with a warning, so a GPU
+    that Triton cannot serve does not cost the run."""
+    global GPU_DEFAULT
+    from common.cli.stage import get_logger
+    from common.verifier import triton_decode  # registers its op before any step is compiled
+
+    config, parameter = model.config, next(model.parameters())
+    heads = config.num_attention_heads
+    dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+    problem = (triton_decode.problem_with(heads, getattr(config, "num_key_value_heads", None) or heads, dim,
+                                          parameter.dtype, parameter.device)
+               if triton_decode.available() else "Triton needs a CUDA GPU (or TRITON_INTERPRET=1 on a CPU, slowly)")
+    if problem is None:
+        return
+    if os.environ.get("EAGLE3_DECODE_ATTENTION") == "triton":
+        raise ValueError(f"EAGLE3_DECODE_ATTENTION=triton: the Triton decoding attention cannot run here ({problem});"
+                         " set EAGLE3_DECODE_ATTENTION=matmul")
+    get_logger().warning("the Triton decoding attention cannot run here (%s): the matmuls decode instead", problem)
+    GPU_DEFAULT = "matmul"
+
+
 def use_gqa_decode_attention(model) -> None:
     """Register the attention with transformers (once) and switch `model` to it, if it runs on SDPA."""
     from transformers import AttentionInterface
@@ -101,11 +125,7 @@ def use_gqa_decode_attention(model) -> None:
     if getattr(model.config, "_attn_implementation", None) not in ("sdpa", NAME):
         return  # eager or remote code: leave the model's own attention alone
     if chosen_way(next(model.parameters()).is_cuda) == "triton":
-        from common.verifier import triton_decode  # registers its op before any step is compiled
-
-        if not triton_decode.available():
-            raise ValueError("EAGLE3_DECODE_ATTENTION=triton needs Triton and a CUDA GPU (or TRITON_INTERPRET=1 "
-                             "on a CPU, slowly): set it to matmul")
+        check_triton(model)
     AttentionInterface.register(NAME, gqa_decode_attention)
     AttentionMaskInterface.register(NAME, sdpa_mask)  # the same masks as sdpa
     model.set_attn_implementation(NAME)

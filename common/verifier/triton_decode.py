@@ -117,6 +117,29 @@ if triton is not None:  # at module level: Triton resolves a kernel's calls (att
         tl.store(out_ptr + sequence * o_batch + heads[:, None] * o_head + dims[None, :], out, mask=in_group[:, None])
 
 
+@functools.cache
+def problem_with(heads: int, kv_heads: int, dim: int, dtype: torch.dtype, device: torch.device) -> Optional[str]:
+    """Why the kernel cannot decode for a model of these heads and dtype here, or None. It runs once on small
+    random inputs (so Triton builds it now, before any batch) and must give the matmuls' result."""
+    from common.verifier.decode_attention import matmul_attention
+
+    generator = torch.Generator(device=device).manual_seed(0)
+    query = torch.randn(2, heads, 1, dim, generator=generator, device=device).to(dtype)
+    key, value = (torch.randn(2, kv_heads, 40, dim, generator=generator, device=device).to(dtype) for _ in range(2))
+    mask = torch.ones(2, 1, 1, 40, dtype=torch.bool, device=device)
+    mask[0, ..., :7] = False
+    if not supports(query, key, value, mask):
+        return None  # these heads never reach the kernel: the matmuls decode them
+    try:
+        found = triton_decode_attention(query, key, value, mask)
+    except Exception as error:  # noqa: BLE001 - whatever Triton raises (out of resources, no backend) is the answer
+        return f"{type(error).__name__}: {str(error)[:200]}"
+    expected = matmul_attention(query.view(2, kv_heads, heads // kv_heads, dim), key, value, mask)
+    gap = (found - expected.reshape(found.shape).float()).abs().max().item()
+    tolerance = 1e-4 if dtype == torch.float32 else 3e-2
+    return None if gap <= tolerance else f"its result is {gap:.2g} from the matmuls' (more than {tolerance})"
+
+
 def supports(query, key, value, mask) -> bool:
     """Whether the kernel takes this step: up to QUERY_ROWS query heads per K/V head, one power-of-two head size
     of 16 or more for queries and values, and a boolean mask or none."""
