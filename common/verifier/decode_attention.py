@@ -102,8 +102,10 @@ def check_triton(model) -> None:
     from common.cli.stage import get_logger
     from common.verifier import triton_decode  # registers its op before any step is compiled
 
-    config, parameter = model.config, next(model.parameters())
-    heads = config.num_attention_heads
+    config, parameter = model.config.get_text_config(), next(model.parameters())
+    heads = getattr(config, "num_attention_heads", None)
+    if not heads:
+        return  # a config without the usual names: each step still asks triton_decode.supports
     dim = getattr(config, "head_dim", None) or config.hidden_size // heads
     problem = (triton_decode.problem_with(heads, getattr(config, "num_key_value_heads", None) or heads, dim,
                                           parameter.dtype, parameter.device)
