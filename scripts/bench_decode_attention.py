@@ -15,9 +15,9 @@ group (repeat_kv: SDPA's own GQA support is used only without a mask); the engin
            cache as a batched matrix-vector product; the engines' EAGLE3_DECODE_ATTENTION=matmul candidate)
   reduce   the same folding as multiplies and sums, for inductor to fuse into reductions when compiled (eager it
            materialises every product, so time it with --compile); slower than matmul on an H200
-  triton   the engines' EAGLE3_DECODE_ATTENTION=triton: one Triton kernel, each K/V row read once with an
-           online softmax, blocks the mask hides entirely (padding, the unwritten tail) skipped
-           (common.verifier.triton_decode); a custom op, so --compile keeps it whole
+  triton   the engines' way on a GPU: one Triton kernel, each K/V row read once with an online softmax,
+           nothing loaded where the mask hides (padding, the unwritten tail) (common.verifier.triton_decode);
+           a custom op, so --compile keeps it whole
   flex     torch's FlexAttention, compiled, with the padding as a block mask and enable_gqa: at one query a
            row it runs its split-KV decoding kernel (the block mask is built once per shape, outside the timing)
 
@@ -190,16 +190,10 @@ def main(argv=None) -> list[dict]:
             reference = attention_repeat(q, k, v, mask).float()
             bound = 2 * k.numel() * k.element_size() / (args.bandwidth * 1e9) * args.layers * 1e3
             base = None
-            for way in ways:
-                fn = timed_function(way, args.compile)
+            timed = [(way, timed_function(way, args.compile)) for way in ways]
+            for name, fn in timed + (list(triton_variants(args.head_dim)) if args.triton_sweep else []):
                 seconds = time_call(fn, (q, k, v, mask), args.iters, device)
                 base = base or seconds
-                diff = (fn(q, k, v, mask).float() - reference).abs().max().item()
-                print(f"| {rows}x{width} | {way} | {seconds * 1e6:.1f} | {seconds * args.layers * 1e3:.2f} | "
-                      f"{base / seconds:.2f}x | {diff:.1e} | {bound:.2f} |", flush=True)
-                results.append({"shape": shape, "way": way, "seconds": seconds, "max_abs_diff": diff})
-            for name, fn in (triton_variants(args.head_dim) if args.triton_sweep else []):
-                seconds = time_call(fn, (q, k, v, mask), args.iters, device)
                 diff = (fn(q, k, v, mask).float() - reference).abs().max().item()
                 print(f"| {rows}x{width} | {name} | {seconds * 1e6:.1f} | {seconds * args.layers * 1e3:.2f} | "
                       f"{base / seconds:.2f}x | {diff:.1e} | {bound:.2f} |", flush=True)

@@ -53,13 +53,6 @@ def gqa_decode_attention(module, query, key, value, attention_mask, dropout: flo
     way = chosen_way(query.is_cuda)
     if dropout != 0.0:
         way = "sdpa"
-    if way == "triton":
-        from common.verifier import triton_decode
-
-        if triton_decode.supports(query, key, value, attention_mask):
-            output = triton_decode.triton_decode_attention(query, key, value, attention_mask, scaling)
-            return output.to(query.dtype).reshape(query.shape[0], 1, query.shape[1], value.shape[-1]), None
-        way = "matmul"  # heads or a mask the kernel does not take: the matmuls, the same result
     output = folded_decode_attention(query, key, value, attention_mask, scaling, way, dropout)
     batch, heads, _, value_dim = output.shape
     return output.reshape(batch, 1, heads, value_dim), None  # one query: the same memory as (batch, heads, 1)
@@ -67,10 +60,16 @@ def gqa_decode_attention(module, query, key, value, attention_mask, dropout: flo
 
 def folded_decode_attention(query, key, value, mask, scaling=None, way: str = "sdpa", dropout: float = 0.0):
     """One decoding step with each group's query heads folded onto their K/V head: query (batch, heads, 1,
-    dim), key/value (batch, kv_heads, kv_len, dim) -> (batch, heads, 1, value dim). `way`: one SDPA call, or
-    "matmul" (matmul_attention)."""
+    dim), key/value (batch, kv_heads, kv_len, dim) -> (batch, heads, 1, value dim). `way`: one SDPA call,
+    "matmul" (matmul_attention), or "triton" (triton_decode; the matmuls for heads or a mask it does not take)."""
     import torch.nn.functional as F
 
+    if way == "triton":
+        from common.verifier import triton_decode
+
+        if triton_decode.supports(query, key, value, mask):
+            return triton_decode.triton_decode_attention(query, key, value, mask, scaling).to(query.dtype)
+        way = "matmul"  # the same result
     batch, heads, _, dim = query.shape
     # Query head h belongs to K/V head h // groups (the order repeat_kv gives), so a view groups them.
     grouped = query.view(batch, key.shape[1], heads // key.shape[1], dim)
