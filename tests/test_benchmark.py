@@ -683,6 +683,9 @@ def test_tau_only_run_reports_acceptance_without_baselines(stage05, stories260k,
     log = (out / "logs" / "05_benchmark.log").read_text()
     assert "--tau-only" in log and "SUMMARY tau" in log and "tau only: no timing baselines" in log
     assert "2 of 3 prompts: round-robin" in log and "prompt ids: " + ", ".join(selection["ids"]) in log
+    # The progress line's tau is the run's so far (the last turn's alone misled a reader tailing the log)
+    last_progress = [line for line in log.splitlines() if "05_benchmark offline: " in line][-1]
+    assert "100.0%" in last_progress and f"tau so far {overall['tau']:.2f}" in last_progress
     # Not for the other modes.
     assert stage05.main(["--mode", "eval", "--tau-only", "--output-dir", str(tmp_path / "e")]) == 2
 

@@ -276,10 +276,14 @@ def run_offline(args, log, begin, prompt_spec, prompts, overlap) -> dict:
                  "verifier's argmax after each of its prefixes (one teacher-forced forward)" if greedy else "")
 
     total_turns = sum(len(p.turns) for p in prompts)
+    accepted, steps = [], []  # the progress line's tau is over every turn done so far, as the summary's
     with Progress(total_turns, "05_benchmark offline", unit="turn") as progress:
         def on_turn(record: dict) -> None:
             log_turn(log, record, args, session.info.max_position_embeddings)
-            progress.update(1, f"tau {record['spec'].get('tau') or 0:.2f}")
+            lengths = record["spec"]["accept_lengths"]
+            accepted.append(sum(lengths))
+            steps.append(len(lengths))
+            progress.update(1, f"tau so far {sum(accepted) / max(sum(steps), 1):.2f}")
 
         if workers > 1:
             log.info("decoding in %d worker processes, each with its own verifier and drafter", workers)
