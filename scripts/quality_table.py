@@ -42,6 +42,8 @@ def offline_row(name: str, report: dict) -> list[str]:
     settings, overall = report["settings"], report["overall"]
     match = overall.get("greedy_match") or {}
     identical = f"{match['turns_identical']}/{match['turns_checked']}" if match else "-"
+    if match.get("turns_parted_at_a_tie"):  # the verifier's own argmax flips there: docs/benchmarking.md
+        identical += f" (+{match['turns_parted_at_a_tie']} at a tie)"
     shares = (overall.get("acceptance") or {}).get("share") or []  # P(draft i accepted): tau = 1 + their sum
     return [name, Path(str(settings.get("prompts"))).stem, prompts_used(report), settings.get("drafting", "-"),
             fmt(settings.get("temperature"), 1), str(settings.get("compute_dtype") or settings.get("dtype")),

@@ -91,18 +91,23 @@ def test_first_divergence_and_share_before_it():
 def test_the_greedy_summary_counts_identical_turns_and_the_mean_share():
     from common.bench.metrics import summarize_generations
 
-    def run(prompt_id, first, share):
+    def run(prompt_id, first, share, margin=None):
         return {"prompt_id": prompt_id, "turn": 0, "spec": {"accept_lengths": [2, 1], "new_tokens": 3, "wall_s": 1.0,
                                                               "tokens": [1, 2, 3]},
                 "greedy_check": {"reference": "plain_decode", "first_divergence": first,
-                                 "share_before_divergence": share, "logit_margin": None if first is None else 0.5}}
+                                 "share_before_divergence": share, "logit_margin": margin,
+                                 "tie": margin is not None and margin <= 0}}
 
-    summary = summarize_generations([run("a", None, 1.0), run("b", 3, 0.25), run("c", None, 1.0)], 2)
+    runs = [run("a", None, 1.0), run("b", 3, 0.25, 0.5), run("c", None, 1.0), run("d", 1, 0.5, -2e-5)]
+    summary = summarize_generations(runs, 2)
     match = summary["greedy_match"]
-    assert match["turns_checked"] == 3 and match["turns_identical"] == 2
-    assert match["mean_share_before_divergence"] == pytest.approx(0.75)
-    assert match["diverged"] == [{"prompt_id": "b", "turn": 0, "first_divergence": 3, "share_before_divergence": 0.25,
-                                  "logit_margin": 0.5}]
+    assert match["turns_checked"] == 4 and match["turns_identical"] == 2 and match["turns_parted_at_a_tie"] == 1
+    assert match["mean_share_before_divergence"] == pytest.approx(0.6875)
+    assert match["diverged"] == [
+        {"prompt_id": "b", "turn": 0, "first_divergence": 3, "share_before_divergence": 0.25, "logit_margin": 0.5,
+         "tie": False},
+        {"prompt_id": "d", "turn": 0, "first_divergence": 1, "share_before_divergence": 0.5, "logit_margin": -2e-5,
+         "tie": True}]
     # No baselines in the runs (--tau-only): no speedups and no baseline tokens/s, rather than None or 0.
     assert "speedup_vs_plain" not in summary and "speedup_vs_hf_generate" not in summary
     assert set(summary["tokens_per_s"]) == {"spec"} and summary["tau"] == 1.5

@@ -641,8 +641,18 @@ def test_greedy_check_finds_the_first_divergence_and_its_margin(verifier, drafte
     for check in checks:
         assert check["first_divergence"] == 5
         assert check["share_before_divergence"] == pytest.approx(5 / len(reference))
-        assert check["logit_margin"] > 0  # the greedy token beats the wrong one at that prefix
+        assert check["logit_margin"] > 0 and not check["tie"]  # the greedy token beats the wrong one there
     assert checks[0]["logit_margin"] == pytest.approx(checks[1]["logit_margin"])
+    # An exact tie: an lm_head whose row for the output's token copies the greedy token's. argmax takes the first
+    # of equal values, so the reference keeps the greedy token; the margin is 0 and the divergence a tie.
+    tied = text.lm_head.weight.detach().clone()
+    greedy, other = reference[5], reference[5] + 1  # the later index, so argmax does not take it
+    assert other < tied.shape[0]
+    tied[other] = tied[greedy]
+    swapped = reference[:5] + [other] + reference[6:]
+    state = sample_states(text, layers, prompt + swapped, len(prompt))
+    check = greedy_check(swapped, None, state, tied, len(prompt))
+    assert check["first_divergence"] == 5 and check["logit_margin"] == 0.0 and check["tie"]
     # An output that stops early (a wrong end of turn) diverges where it stops.
     assert greedy_check(reference[:10], reference, state, text.lm_head, len(prompt))["first_divergence"] == 10
 

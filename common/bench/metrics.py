@@ -128,11 +128,12 @@ def summarize_generations(runs: Sequence[dict[str, Any]], num_positions: int) ->
             "reference": sorted({check["reference"] for _, check in checks}),
             "turns_checked": len(checks),
             "turns_identical": sum(check["first_divergence"] is None for _, check in checks),
+            "turns_parted_at_a_tie": sum(bool(check.get("tie")) for _, check in checks),
             "mean_share_before_divergence": sum(c["share_before_divergence"] for _, c in checks) / len(checks),
             "diverged": [{"prompt_id": run.get("prompt_id"), "turn": run.get("turn"),
                           "first_divergence": check["first_divergence"],
                           "share_before_divergence": check["share_before_divergence"],
-                          "logit_margin": check.get("logit_margin")}
+                          "logit_margin": check.get("logit_margin"), "tie": bool(check.get("tie"))}
                          for run, check in checks if check["first_divergence"] is not None],
         }
     return summary

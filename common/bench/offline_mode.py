@@ -57,11 +57,13 @@ def greedy_check(spec_tokens: list[int], plain_tokens: list[int] | None, state: 
     the verifier's argmax after every prefix of the speculative output, from `state` (sample_states: one
     teacher-forced forward over prompt + output, already run for the drafter's teacher-forced score): the
     first position where the output is not that argmax is exactly where it leaves the greedy output.
-    Returns reference, first_divergence (None when identical), share_before_divergence (1.0 when identical)
-    and logit_margin: at the divergence, the verifier's logit of the reference token minus that of the
-    speculative one (same prefix, from the teacher-forced forward). A margin near 0 is a near tie (bf16
-    numerics); a large one, or a divergence found by that forward itself, points at a bug (wrong tree mask,
-    stale KV entry) rather than at rounding.
+    Returns reference, first_divergence (None when identical), share_before_divergence (1.0 when identical),
+    logit_margin: at the divergence, the verifier's logit of the reference token minus that of the
+    speculative one (same prefix, from the teacher-forced forward, that position's logits computed alone), and
+    tie: the margin is not positive. A margin near 0 is a near tie (bf16 numerics); a large one points at a bug
+    (wrong tree mask, stale KV entry) rather than at rounding. A tie is where the verifier's own argmax flips
+    with how its logits are computed (that row alone against a block of rows, or the decoding loop's forward
+    against the teacher-forced one), so either token is its greedy choice: docs/benchmarking.md.
     """
     import torch
 
@@ -87,7 +89,8 @@ def greedy_check(spec_tokens: list[int], plain_tokens: list[int] | None, state: 
         row = logits(prompt_len - 1 + first, prompt_len + first)[0]
         margin = float(row[reference[first]] - row[spec_tokens[first]])
     return {"reference": source, "first_divergence": first,
-            "share_before_divergence": share_before_divergence(spec_tokens, reference), "logit_margin": margin}
+            "share_before_divergence": share_before_divergence(spec_tokens, reference), "logit_margin": margin,
+            "tie": margin is not None and margin <= 0}
 
 
 def _turn_record(prompt, turn, ids, spec, plain, hf, check: dict | None, answer: str) -> dict:
@@ -251,9 +254,10 @@ def log_turn(log, record: dict, args, max_positions: int) -> None:
     check = record.get("greedy_check")
     if check and check["first_divergence"] is not None:
         log.warning("prompt %s turn %d: speculative output leaves the verifier's greedy output (%s) at token %d "
-                    "of %d, logit margin %s (near 0: a tie the numerics can break; large: a bug)", record["prompt_id"],
-                    record["turn"], check["reference"], check["first_divergence"], len(record["spec"]["tokens"]),
-                    margin_text(check["logit_margin"]))
+                    "of %d, logit margin %s (%s)", record["prompt_id"], record["turn"], check["reference"],
+                    check["first_divergence"], len(record["spec"]["tokens"]), margin_text(check["logit_margin"]),
+                    "a tie: computed alone, the verifier's logits do not prefer its greedy token there"
+                    if check.get("tie") else "near 0: a tie the numerics can break; large: a bug")
 
 
 def run_offline(args, log, begin, prompt_spec, prompts, overlap) -> dict:
@@ -308,9 +312,9 @@ def run_offline(args, log, begin, prompt_spec, prompts, overlap) -> dict:
                                          args.num_steps, device=session.device)
     if greedy:
         match = overall["greedy_match"]
-        log.info("greedy check (%s): %d of %d turns identical, mean share of tokens before the first divergence %s",
-                 ", ".join(match["reference"]), match["turns_identical"], match["turns_checked"],
-                 fmt(match["mean_share_before_divergence"]))
+        log.info("greedy check (%s): %d of %d turns identical, %d more parted at a tie, mean share of tokens "
+                 "before the first divergence %s", ", ".join(match["reference"]), match["turns_identical"],
+                 match["turns_checked"], match["turns_parted_at_a_tie"], fmt(match["mean_share_before_divergence"]))
     cache = session.baseline_cache
     if cache is not None and cache.hits:
         log.info("baselines: %d of %d turns reused from %s (same verifier, prompt and settings)", cache.hits,
@@ -352,8 +356,9 @@ def offline_summary_line(results: dict) -> str:
             f"{fmt(overall['repetition_4gram_share'], 3)}")
     if "greedy_match" in overall:
         match = overall["greedy_match"]
-        line += (f" | greedy-identical turns {match['turns_identical']}/{match['turns_checked']}, mean share before "
-                 f"divergence {fmt(match['mean_share_before_divergence'])}")
+        line += (f" | greedy-identical turns {match['turns_identical']}/{match['turns_checked']} (parted at a tie: "
+                 f"{match['turns_parted_at_a_tie']}), mean share before divergence "
+                 f"{fmt(match['mean_share_before_divergence'])}")
     taught = overall.get("teacher_forced")
     if taught:
         line += (" | teacher-forced top-1 on these outputs "

@@ -117,14 +117,16 @@ def greedy_match_markdown(match: dict[str, Any]) -> list[str]:
                                           "teacher-forced forward; --tau-only)"}
     parts = ["", f"Greedy check: {match['turns_identical']} of {match['turns_checked']} turns identical to "
                  + " and ".join(reference.get(r, r) for r in match["reference"])
-                 + f"; mean share of tokens before the first divergence {fmt(match['mean_share_before_divergence'])}."]
+                 + f"; {match.get('turns_parted_at_a_tie', 0)} more parted at a tie; mean share of tokens before the "
+                 f"first divergence {fmt(match['mean_share_before_divergence'])}."]
     if match["diverged"]:
         parts += ["", "Diverged turns (logit margin: the verifier's logit of its greedy token minus that of the "
-                      "speculative token at the divergence; near 0 is a tie from low-precision numerics, a large "
-                      "margin points at a bug):", "",
-                  markdown_table(["prompt", "turn", "first divergence", "share before", "logit margin"],
+                      "speculative token at the divergence, that position's logits computed alone; near 0 is a tie "
+                      "from low-precision numerics, a large margin points at a bug; tie: the margin is not "
+                      "positive, so the verifier's own argmax there flips with how its logits are computed):", "",
+                  markdown_table(["prompt", "turn", "first divergence", "share before", "logit margin", "tie"],
                                  [(d["prompt_id"], d["turn"], d["first_divergence"], d["share_before_divergence"],
-                                   d["logit_margin"]) for d in match["diverged"]])]
+                                   d["logit_margin"], "yes" if d.get("tie") else "no") for d in match["diverged"]])]
     return parts
 
 
