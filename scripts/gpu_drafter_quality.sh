@@ -103,6 +103,9 @@
 #                            the data and sampled lanes regenerated into $OUT/regenerated_<lane>.tgz (a REGEN_CACHE:
 #                            the data lane's holds REGEN_CACHE's replies too)
 # Progress: RUN_DIR/logs/quality.log.
+# Disk: SmolLM2's hidden states take 4,608 bytes a token (bf16 aux, final targets): RUN 17 GB, the mixed lane's
+# about 34 GB, the all lane's 47 GB at DATA_SAMPLES=25000 and DATA_TURNS=2. The H200 machine's 64 GB holds RUN and
+# one of those two (on 2026-12-03 the all lane's stage 02 refused to start with RUN and 47.1 GB free).
 # Measured on one H200 with REGEN_CACHE (2026-12-01, SMALL 1500, STEP_TOKENS 16384, four lanes): data 2.2 min,
 # compare 7.8 min (SpecForge stopped by its 400 s limit at 54 % of its steps), lanes 15.3 min (the 4096-token
 # training 10 min of it); results in docs/results/2026-12-01-smollm2-h200.md. Second run (EXTRAS=0, no SpecForge,
@@ -261,10 +264,15 @@ start_lane() {  # $1 lane: train it on its data (the name's first part, for a da
     data|all) run=$RUN-$base; more="--epochs $DATA_EPOCHS" ;;
   esac
   flags=$(recipe_flags "$recipe") || { say "FAILED: no lane called $1"; return 0; }
-  [ -d "$run/hidden_states" ] || { say "FAILED: lane $1 has no hidden states in $run"; return 0; }
+  # a refused or failed stage 02 leaves the folder behind (2026-12-03: the all lane's did not fit the disk)
+  extracted "$run" || { say "FAILED: lane $1 has no finished stage 02 in $run (see $run/logs)"; return 0; }
   [[ "_${recipe}_" == *_steps_* ]] && tokens=$LEVER_STEP_TOKENS
   # shellcheck disable=SC2086
   lane "$1" "$run" "$tokens" $more $flags
+}
+extracted() {  # $1 run dir: its stage 02 finished
+  python3 -c "import json, sys; sys.exit(json.load(open(sys.argv[1])).get('status') != 'complete')" \
+    "$1/hidden_states/manifest.json" 2> /dev/null
 }
 bases() {  # the first part of every lane's name, once each: the data and storage formats the lanes need
   local name
