@@ -122,7 +122,10 @@
 # LANES="default epochs3 data", DATA_EXTRA=gsm8k_train.jsonl DATA_SAMPLES=17500 DATA_EPOCHS=4, SMALL=500,
 # SMALL_CANDIDATE_FLAGS="--min-steps 2000", SPECFORGE_BESIDE=1): data 6.5 min (the data lane's stage 01 194 s), our
 # two small runs 48 s and 81 s alone, then SpecForge (445 s) beside the lanes (epochs3 trained 733 s): 24.7 min in
-# all: docs/results/2026-12-02-h200-min-steps-epochs-data.md.
+# all: docs/results/2026-12-02-h200-min-steps-epochs-data.md. Seventh (2026-12-03, through gpu_session_one_gpu.sh, LANES="all"
+# alone after the disk stopped "default mixed all", DATA_SAMPLES=25000 DATA_TURNS=2 DATA_EPOCHS=3 with GSM8K): the all
+# lane's stages 01-02 331 s and 52 s, its training 304 s alone, its benchmarks 2.5 min:
+# docs/results/2026-12-03-h200-all-lane.md.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 VERIFIER=$1; DATA=$2; RUN=$3; SMALL_RUN=$RUN-small
