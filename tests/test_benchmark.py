@@ -650,8 +650,8 @@ def test_greedy_check_finds_the_first_divergence_and_its_margin(verifier, drafte
     assert other < tied.shape[0]
     tied[other] = tied[greedy]
     swapped = reference[:5] + [other] + reference[6:]
-    state = sample_states(text, layers, prompt + swapped, len(prompt))
-    check = greedy_check(swapped, None, state, tied, len(prompt))
+    tied_state = sample_states(text, layers, prompt + swapped, len(prompt))
+    check = greedy_check(swapped, None, tied_state, tied, len(prompt))
     assert check["first_divergence"] == 5 and check["logit_margin"] == 0.0 and check["tie"]
     # An output that stops early (a wrong end of turn) diverges where it stops.
     assert greedy_check(reference[:10], reference, state, text.lm_head, len(prompt))["first_divergence"] == 10
