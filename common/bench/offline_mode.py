@@ -280,14 +280,14 @@ def run_offline(args, log, begin, prompt_spec, prompts, overlap) -> dict:
                  "verifier's argmax after each of its prefixes (one teacher-forced forward)" if greedy else "")
 
     total_turns = sum(len(p.turns) for p in prompts)
-    accepted, steps = [], []  # the progress line's tau is over every turn done so far, as the summary's
+    accepted = steps = 0  # the progress line's tau is over every turn done so far, as the summary's
     with Progress(total_turns, "05_benchmark offline", unit="turn") as progress:
         def on_turn(record: dict) -> None:
+            nonlocal accepted, steps
             log_turn(log, record, args, session.info.max_position_embeddings)
-            lengths = record["spec"]["accept_lengths"]
-            accepted.append(sum(lengths))
-            steps.append(len(lengths))
-            progress.update(1, f"tau so far {sum(accepted) / max(sum(steps), 1):.2f}")
+            accepted += sum(record["spec"]["accept_lengths"])
+            steps += len(record["spec"]["accept_lengths"])
+            progress.update(1, f"tau so far {accepted / max(steps, 1):.2f}")
 
         if workers > 1:
             log.info("decoding in %d worker processes, each with its own verifier and drafter", workers)
