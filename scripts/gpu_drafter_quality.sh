@@ -47,6 +47,10 @@
 #                 fp8topk, fp8final, bf16topk
 #                            FORMAT_STEP_TOKENS-token steps on RUN-<lane>: the same prepared data extracted
 #                            with FP8 aux and/or top-k targets (in the data phase, each extraction alone)
+#                 auxA-B-C   STEP_TOKENS-token steps on RUN-<lane>: the same prepared data extracted with
+#                            --aux-layers A,B,C instead of the default 2,L//2,L-3 (aux2-15-29 on SmolLM2: the high
+#                            layer moved from the input of layer 27 to that of the last one, 29); the drafter's
+#                            config names them, so stage 05 and the servers capture the same layers
 #               and the small run's two drafters benchmarked (compare_recipes.py --parts bench table).
 #               Every lane: stage 05 --tau-only at chain 3/1/4 (what SGLang serves), T=0, on all 80 MT-bench
 #               questions (both turns) and HELDOUT stratified held-out prompts, and the teacher-forced agreement
@@ -249,6 +253,7 @@ format_flags() {  # $1 lane: its stage-02 flags, empty for a lane that trains on
     fp8topk) echo "--aux-dtype float8_e4m3 --targets topk --target-topk $TOPK" ;;
     fp8final) echo "--aux-dtype float8_e4m3" ;;
     bf16topk) echo "--targets topk --target-topk $TOPK" ;;
+    aux*-*-*) echo "--aux-layers $(tr - , <<< "${1#aux}")" ;;
   esac
 }
 PY=python3; MODEL=$VERIFIER  # for recipe_lanes.sh
@@ -257,13 +262,13 @@ start_lane() {  # $1 lane: train it on its data (the name's first part, for a da
                 # benchmark it
   local base=${1%%_*} recipe=$1 run=$RUN tokens=$STEP_TOKENS flags more=""
   case $base in
-    bf16final|fp8topk|fp8final|bf16topk|sampled|mixed|data|turns2|all)
+    bf16final|fp8topk|fp8final|bf16topk|sampled|mixed|data|turns2|all|aux*-*-*)
       recipe=${1#"$base"}; recipe=${recipe#_}; recipe=${recipe:-default} ;;
   esac
   case $base in
     bf16final) tokens=$FORMAT_STEP_TOKENS ;;
     fp8topk|fp8final|bf16topk) run=$RUN-$base; tokens=$FORMAT_STEP_TOKENS ;;
-    sampled|mixed|turns2) run=$RUN-$base ;;
+    sampled|mixed|turns2|aux*-*-*) run=$RUN-$base ;;
     data|all) run=$RUN-$base; more="--epochs $DATA_EPOCHS" ;;
   esac
   flags=$(recipe_flags "$recipe") || { say "FAILED: no lane called $1"; return 0; }
