@@ -34,6 +34,9 @@
 #                            the prompts it holds, the rest regenerated; on stories260K 3x the prompts raised
 #                            chain tau 24 %): at the defaults about as many optimizer steps as the default lane,
 #                            over 1.7x the distinct replies
+#                 long       replies regenerated up to LONG_TOKENS new tokens instead of 256 (RUN-long; REGEN_CACHE
+#                            does not fit, so stage 01 regenerates them all): the drafter then trains on the later
+#                            parts of replies, which a benchmark at the field's 2,048 tokens a turn decodes
 #                 turns2     SAMPLES conversations with their second user turns (--max-turns 2, both replies regenerated:
 #                            REGEN_CACHE holds first turns only) from DATA_DIR/sharegpt_turns2.json (prepare_device_data.py
 #                            --turns 2 --prompts-only, which keeps a placeholder reply between the turns; a file made
@@ -90,6 +93,10 @@
 #   LEVER_STEP_TOKENS [2048] the steps lane's tokens a step
 #   FORMAT_STEP_TOKENS [16384]  the storage-format lanes' (as the bf16 and fp8topk drafters of 2026-12-01)
 #   LANES, TOPK [64], HELDOUT [60] (held-out prompts decoded), NEW_TOKENS [128]
+#   FIELD_TOKENS [NEW_TOKENS]  new tokens a turn of each lane's MT-bench run at T=0 instead of NEW_TOKENS, e.g. 2048 as
+#                            SpecForge's benchmarks decode (its report's tau along the reply still gives the
+#                            0-127 window, the NEW_TOKENS=128 figure: docs/benchmarking.md, "Reply length")
+#   LONG_TOKENS [1024]       the long lane's longest reply
 #   WORKERS [3]              data workers of each side-by-side training
 #   DECODE_WORKERS [3]       processes of each stage-05 decoding run (05 --decode-workers; the float32 checks
 #                            too): one process decoded about 0.3 MT-bench turns/s on 2026-12-02, so its 160 turns
@@ -138,7 +145,7 @@ SMALL_EVAL_RATIO=${SMALL_EVAL_RATIO:-0.1}; SMALL_CANDIDATE_FLAGS=${SMALL_CANDIDA
 TRAIN_FLAGS=${TRAIN_FLAGS:-}
 STEP_TOKENS=${STEP_TOKENS:-4096}; LEVER_STEP_TOKENS=${LEVER_STEP_TOKENS:-2048}; TOPK=${TOPK:-64}
 FORMAT_STEP_TOKENS=${FORMAT_STEP_TOKENS:-16384}; LANES=${LANES-"default epochs2 ttt7"}; EXTRAS=${EXTRAS:-1}
-HELDOUT=${HELDOUT:-60}; NEW_TOKENS=${NEW_TOKENS:-128}; WORKERS=${WORKERS:-3}; DECODE_WORKERS=${DECODE_WORKERS:-3}
+HELDOUT=${HELDOUT:-60}; NEW_TOKENS=${NEW_TOKENS:-128}; FIELD_TOKENS=${FIELD_TOKENS:-$NEW_TOKENS}; LONG_TOKENS=${LONG_TOKENS:-1024}; WORKERS=${WORKERS:-3}; DECODE_WORKERS=${DECODE_WORKERS:-3}
 SPECFORGE=${SPECFORGE:-}; SPECFORGE_ARGS=${SPECFORGE_ARGS:-}; PHASES=${PHASES:-"data compare lanes table"}
 export PYTHONUNBUFFERED=1
 mkdir -p "$RUN/logs"
@@ -154,7 +161,7 @@ pack() {  # the small files of every run: logs, manifests, metrics, curves, repo
      -o -name manifest.json -o -name metrics.jsonl -o -name '*.png' -o -name 'specforge_results.json' \) \
      -not -path '*/hidden_states/*/*' 2>/dev/null | tar czf "$OUT/quality.tgz" -C "$parent" -T - ) || true
   local lane
-  for lane in data sampled mixed turns2 all; do  # the replies regenerated here: a REGEN_CACHE that saves the next machine the time
+  for lane in data sampled mixed long turns2 all; do  # the replies regenerated here: a REGEN_CACHE that saves the next machine the time
     [ -f "$RUN-$lane/data/regenerated.jsonl" ] && (cd "$RUN-$lane/data" && \
       tar czf "$OUT/regenerated_$lane.tgz" regenerated.jsonl regenerated.settings.json) || true
   done
@@ -213,7 +220,8 @@ tree=("${tau[@]}" --num-steps 3 --topk 8)
 suite() {  # $1 run dir, $2 lane, $3 drafter: teacher-forced agreement, chain T=0 on MT-bench and held-out, at once
   local pids=()
   bench "$1" "$2_eval" "$3" --mode eval --num-steps 7 & pids+=($!)
-  bench "$1" "$2_mtbench" "$3" "${chain[@]}" --temperature 0 --prompts "$DATA/mt_bench.jsonl" & pids+=($!)
+  bench "$1" "$2_mtbench" "$3" "${chain[@]}" --temperature 0 --prompts "$DATA/mt_bench.jsonl" \
+    --max-new-tokens "$FIELD_TOKENS" & pids+=($!)
   bench "$1" "$2_heldout" "$3" "${chain[@]}" --temperature 0 --prompts "$RUN/data/eval_data.jsonl" \
     --num-prompts "$HELDOUT" & pids+=($!)
   for pid in "${pids[@]}"; do wait "$pid" || true; done
@@ -231,6 +239,7 @@ data_flags() {  # $1 lane: its turns, samples and stage-01 flags, for a lane tra
   case $1 in
     sampled) echo "1 $SAMPLES --temperature 0.8" ;;   # replies sampled as sampled serving will meet them
     mixed) echo "1 $SAMPLES --replies-per-prompt 2 --temperature 0.8 --greedy-first-reply" ;;
+    long) echo "1 $SAMPLES --max-new-tokens $LONG_TOKENS" ;;
     # RUN's held-out prompts stay out of its training, whatever the shuffle of more data does
     turns2) echo "2 $SAMPLES --exclude-prompts $RUN/data/eval_data.jsonl" ;;
     data) echo "1 $DATA_SAMPLES --exclude-prompts $RUN/data/eval_data.jsonl$(extra_datasets)" ;;
@@ -262,13 +271,13 @@ start_lane() {  # $1 lane: train it on its data (the name's first part, for a da
                 # benchmark it
   local base=${1%%_*} recipe=$1 run=$RUN tokens=$STEP_TOKENS flags more=""
   case $base in
-    bf16final|fp8topk|fp8final|bf16topk|sampled|mixed|data|turns2|all|aux*-*-*)
+    bf16final|fp8topk|fp8final|bf16topk|sampled|mixed|long|data|turns2|all|aux*-*-*)
       recipe=${1#"$base"}; recipe=${recipe#_}; recipe=${recipe:-default} ;;
   esac
   case $base in
     bf16final) tokens=$FORMAT_STEP_TOKENS ;;
     fp8topk|fp8final|bf16topk) run=$RUN-$base; tokens=$FORMAT_STEP_TOKENS ;;
-    sampled|mixed|turns2|aux*-*-*) run=$RUN-$base ;;
+    sampled|mixed|long|turns2|aux*-*-*) run=$RUN-$base ;;
     data|all) run=$RUN-$base; more="--epochs $DATA_EPOCHS" ;;
   esac
   flags=$(recipe_flags "$recipe") || { say "FAILED: no lane called $1"; return 0; }

@@ -2,9 +2,9 @@
 """One Markdown table of every stage-05 report under RUN_DIR/bench_*/ (scripts/gpu_drafter_quality.sh's runs).
 
 For each drafter and run: prompt set, prompts used, drafting setting, temperature, dtype, tau, acceptance by
-position, speedup (where timed), greedy turns identical and mean share before divergence (T=0), repetition; then
-the teacher-forced agreement per TTT step (--mode eval). Ours against SpecForge's recipe is compare_recipes.py's
-table, which gpu_drafter_quality.sh appends.
+position, speedup (where timed), greedy turns identical and mean share before divergence (T=0), repetition, tau
+per output window (runs past 128 new tokens); then the teacher-forced agreement per TTT step (--mode eval).
+Ours against SpecForge's recipe is compare_recipes.py's table, which gpu_drafter_quality.sh appends.
 
   python3 scripts/quality_table.py RUN_DIR
 """
@@ -15,7 +15,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from common.bench.report import fmt as report_fmt, read_reports  # noqa: E402
+from common.bench.report import fmt as report_fmt, read_reports, window_name  # noqa: E402
 
 
 def fmt(value, digits: int = 2) -> str:
@@ -49,7 +49,15 @@ def offline_row(name: str, report: dict) -> list[str]:
             fmt(settings.get("temperature"), 1), str(settings.get("compute_dtype") or settings.get("dtype")),
             fmt(overall.get("tau")), " ".join(fmt(r) for r in shares), speedup(overall), identical,
             fmt(match.get("mean_share_before_divergence"), 3) if match else "-",
-            fmt(overall.get("repetition_4gram_share"))]
+            fmt(overall.get("repetition_4gram_share")), along_the_reply(overall)]
+
+
+def along_the_reply(overall: dict) -> str:
+    """Tau per output window, e.g. "0-127 2.03 · 128-255 2.61" ("-" for a run within its first window)."""
+    windows = overall.get("tau_by_window") or []
+    if len(windows) < 2:
+        return "-"
+    return " · ".join(f"{window_name(w)} {fmt(w['tau'])}" for w in windows)
 
 
 def reports(run: Path):
@@ -73,7 +81,8 @@ def main(argv: list[str]) -> int:
         elif path.stem.startswith("bench_offline"):
             offline.append(offline_row(name, report))
     header = ["drafter", "set", "prompts used", "drafting", "T", "dtype", "tau", "accepted share by position",
-              "speedup", "greedy identical", "share before divergence", "4-gram repetition"]
+              "speedup", "greedy identical", "share before divergence", "4-gram repetition",
+              "tau along the reply (output tokens)"]
     print("| " + " | ".join(header) + " |\n|" + "---|" * len(header))
     for row in offline:
         print("| " + " | ".join(row) + " |")

@@ -967,3 +967,32 @@ def test_eval_mode_scores_the_validation_split(stage05, pipeline_run):
     assert short["settings"]["max_new_tokens"] == 2
     assert len(val_ids) <= short["metrics"]["chain_verify_steps"] < metrics["chain_verify_steps"]
     assert short["metrics"]["acc_per_step"] == metrics["acc_per_step"]  # the teacher-forced scores do not change
+
+
+def test_tau_along_the_reply_gives_a_short_runs_tau_in_its_first_window(stage05, stories260k, drafters, tmp_path):
+    """A run at 300 new tokens reports tau per output window (0-127, 128-255, 256+); the windows' steps and
+    tokens add up to the run's, and the first window's tau is exactly what a 128-token run of the same prompts
+    measures (greedy, float32): so one long run, as the field measures, also gives the earlier figures."""
+    prompts = write_jsonl(tmp_path / "prompts.jsonl", [
+        {"question_id": i, "category": "story", "turns": [text]} for i, text in enumerate(STARTS[:3])])
+    reports = {}
+    for new_tokens in ("128", "300"):
+        out = tmp_path / new_tokens
+        assert stage05.main(["--mode", "offline", "--model-path", str(stories260k), "--draft-model-path",
+                             str(drafters["trained_dir"]), "--prompts", str(prompts), "--max-new-tokens", new_tokens,
+                             "--device", "cpu", "--dtype", "float32", "--tau-only", "--output-dir", str(out)]) == 0
+        (path,) = out.glob("bench_offline_*.json")
+        reports[new_tokens] = json.loads(path.read_text()), path.with_suffix(".md").read_text()
+    (short, _), (long, markdown) = reports["128"], reports["300"]
+    lengths = [len(t["spec"]["tokens"]) for p in long["prompts"] for t in p["turns"]]
+    assert min(lengths) > 256, f"every reply must reach the last window: {lengths}"
+    windows = long["overall"]["tau_by_window"]
+    assert [(w["from"], w["to"]) for w in windows] == [(0, 128), (128, 256), (256, 512)]
+    assert sum(w["verify_steps"] for w in windows) == long["overall"]["verify_steps"]
+    assert sum(w["tau"] * w["verify_steps"] for w in windows) == pytest.approx(
+        long["overall"]["tau"] * long["overall"]["verify_steps"])
+    assert windows[0]["tau"] == short["overall"]["tau"]
+    assert windows[0]["verify_steps"] == short["overall"]["verify_steps"]
+    assert [w["tau"] for w in short["overall"]["tau_by_window"]] == [short["overall"]["tau"]]
+    assert "## Tau along the reply" in markdown and "| 128-255 |" in markdown
+    assert "## Tau along the reply" not in reports["128"][1]  # one window: nothing to add

@@ -1,13 +1,18 @@
-"""Benchmark metrics: acceptance by draft position, pooled tokens/s and speedups, repetition, percentiles, and
-two drafters' tau ratio with its paired bootstrap interval over prompts."""
+"""Benchmark metrics: acceptance by draft position and by output window, pooled tokens/s and speedups,
+repetition, percentiles, and two drafters' tau ratio with its paired bootstrap interval over prompts."""
 from __future__ import annotations
 
 import math
+from bisect import bisect_right
 from typing import Any, Sequence
 
 import numpy as np
 
 REPETITION_NGRAM = 4
+# Where a reply's output windows begin (token positions in a turn). Tau is reported per window: a run at the
+# field's 2,048 new tokens then also gives the figure of a 128-token run (its first window), and shows how
+# acceptance changes along a reply (docs/benchmarking.md, "Reply length").
+TAU_WINDOW_STARTS = (0, 128, 256, 512, 1024)
 
 
 def repetition_share(tokens: Sequence[int], n: int = REPETITION_NGRAM) -> float:
@@ -89,6 +94,25 @@ def acceptance_by_position(accept_lengths: Sequence[int], num_positions: int) ->
     }
 
 
+def tau_by_window(runs: Sequence[dict[str, Any]], starts: Sequence[int] = TAU_WINDOW_STARTS) -> list[dict]:
+    """Pooled tau of the verify steps that begin in each window [start, next start) of their turn's output.
+
+    The prefill's token is position 0, so a turn's first verify step begins at 1. Windows no step began in
+    are left out; the windows' steps and tokens add up to the whole run's.
+    """
+    tokens, steps = [0] * len(starts), [0] * len(starts)
+    for run in runs:
+        position = 1
+        for length in run["spec"]["accept_lengths"]:
+            window = bisect_right(starts, position) - 1
+            tokens[window] += length
+            steps[window] += 1
+            position += length
+    ends = list(starts[1:]) + [None]
+    return [{"from": start, "to": end, "tau": tokens[i] / steps[i], "verify_steps": steps[i]}
+            for i, (start, end) in enumerate(zip(starts, ends)) if steps[i]]
+
+
 def summarize_generations(runs: Sequence[dict[str, Any]], num_positions: int) -> dict[str, Any]:
     """Pooled metrics over per-turn runs. Each run: spec/plain/hf dicts with new_tokens and wall_s, spec with
     accept_lengths, and tokens (the speculative output) for the repetition measure."""
@@ -114,6 +138,7 @@ def summarize_generations(runs: Sequence[dict[str, Any]], num_positions: int) ->
         # in, the verify steps only in the denominator; comparable with --mode server.
         "accept_length_sglang_style": _ratio(totals["spec"]["new_tokens"], verify_steps),
         "acceptance": acceptance_by_position(accept_lengths, num_positions),
+        "tau_by_window": tau_by_window(runs),
         "tokens_per_s": {m: totals[m]["tokens_per_s"] for m in totals},
         "new_tokens": {m: totals[m]["new_tokens"] for m in totals},
         "wall_s": {m: totals[m]["wall_s"] for m in totals},

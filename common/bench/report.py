@@ -130,6 +130,21 @@ def greedy_match_markdown(match: dict[str, Any]) -> list[str]:
     return parts
 
 
+def window_name(window: dict[str, Any]) -> str:
+    """'0-127', '1024+': the output positions of a tau_by_window entry."""
+    return f"{window['from']}-{window['to'] - 1}" if window["to"] else f"{window['from']}+"
+
+
+def tau_by_window_markdown(windows: list[dict[str, Any]]) -> list[str]:
+    if len(windows) < 2:  # one window: the overall tau says it all
+        return []
+    return ["", "## Tau along the reply", "",
+            "Verify steps grouped by where they begin in their turn's output (token positions): the first "
+            "window is what a run with --max-new-tokens 128 measures (docs/benchmarking.md, \"Reply length\").", "",
+            markdown_table(["output tokens", "tau", "verify steps"],
+                           [(window_name(w), w["tau"], w["verify_steps"]) for w in windows])]
+
+
 def offline_markdown(results: dict[str, Any]) -> str:
     overall = results["overall"]
     acceptance = overall["acceptance"]
@@ -153,6 +168,7 @@ def offline_markdown(results: dict[str, Any]) -> str:
         parts += ["", "Tau only (--tau-only): the timing baselines were not run, so there are no speedups."]
     if "greedy_match" in overall:
         parts += greedy_match_markdown(overall["greedy_match"])
+    parts += tau_by_window_markdown(overall.get("tau_by_window") or [])
     parts += ["", "## Acceptance by draft position", "",
               "Conditional rate: the share of verify steps that accepted this position among those that accepted "
               "every earlier one (\"-\": never reached). Share: of all verify steps.", "",
