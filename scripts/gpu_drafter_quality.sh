@@ -136,7 +136,10 @@
 # all: docs/results/2026-12-02-h200-min-steps-epochs-data.md. Seventh (2026-12-03, through gpu_session_one_gpu.sh, LANES="all"
 # alone after the disk stopped "default mixed all", DATA_SAMPLES=25000 DATA_TURNS=2 DATA_EPOCHS=3 with GSM8K): the all
 # lane's stages 01-02 331 s and 52 s, its training 304 s alone, its benchmarks 2.5 min:
-# docs/results/2026-12-03-h200-all-lane.md.
+# docs/results/2026-12-03-h200-all-lane.md. Eighth (2026-12-03, through gpu_session_one_gpu.sh, LANES="default lk init
+# aux2-15-29 aux8-22-29" DECODE_WORKERS=2): data 2.7 min (two aux extractions 31-38 s each), five trainings side by
+# side 268-274 s, their 20 benchmarks 8 min at once; then init_epochs2 alone 285 s and 2.3 min of benchmarks:
+# docs/results/2026-12-03-h200-lk-init-aux.md.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 VERIFIER=$1; DATA=$2; RUN=$3; SMALL_RUN=$RUN-small
