@@ -996,3 +996,38 @@ def test_tau_along_the_reply_gives_a_short_runs_tau_in_its_first_window(stage05,
     assert [w["tau"] for w in short["overall"]["tau_by_window"]] == [short["overall"]["tau"]]
     assert "## Tau along the reply" in markdown and "| 128-255 |" in markdown
     assert "## Tau along the reply" not in reports["128"][1]  # one window: nothing to add
+
+
+def test_reply_lengths_reports_greedy_replies_their_end_and_repetition(stories260k, tmp_path):
+    """scripts/reply_lengths.py: one first turn per category, each reply the verifier's own greedy decoding
+    (checked here against an argmax loop over the full sequence), cut at the budget or at an end-of-turn
+    token, with stage 05's 4-gram repetition share over its first 128 tokens and over all of it."""
+    from common.bench.metrics import repetition_share
+    from common.verifier.loading import load_tokenizer, load_verifier_model
+
+    from conftest import run_script
+
+    out = tmp_path / "lengths.json"
+    done = run_script("scripts/reply_lengths.py", "--model-path", str(stories260k), "--prompts",
+                      str(bench_prompts(tmp_path)), "--num-prompts", "2", "--max-new-tokens", "40",
+                      "--device", "cpu", "--output", str(out))
+    assert done.returncode == 0, done.stderr
+    rows = json.loads(out.read_text())["rows"]
+    assert sorted(r["category"] for r in rows) == ["people", "story"]
+    tokenizer = load_tokenizer(str(stories260k))
+    model = load_verifier_model(str(stories260k), "cpu", "float32")
+    stops = {tokenizer.eos_token_id}
+    texts = {"#3": "Tom and Sue went"}  # the people prompt; the story one is question 1 or 2
+    for row in rows:
+        ids = tokenizer(texts.get(row["id"]) or {"1": "Once upon a time", "2": "The little girl"}[row["id"]]).input_ids
+        reply = []
+        with torch.inference_mode():
+            while len(reply) < 40 and (not reply or reply[-1] not in stops):
+                reply.append(int(model(torch.tensor([ids + reply])).logits[0, -1].argmax()))
+        assert row["tokens"] == reply
+        assert row["new_tokens"] == len(reply) and row["ended"] == (reply[-1] in stops)
+        assert row["repetition_4gram_all"] == repetition_share(reply)
+        assert row["repetition_4gram_first_128"] == repetition_share(reply[:128])
+    table = done.stdout
+    assert "| prompt | category | new tokens |" in table
+    assert f"{sum(not r['ended'] for r in rows)} of 2 replies ran to the 40-token budget." in table
