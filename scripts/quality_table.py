@@ -53,11 +53,12 @@ def offline_row(name: str, report: dict) -> list[str]:
 
 
 def along_the_reply(overall: dict) -> str:
-    """Tau per output window, e.g. "0-127 2.03 · 128-255 2.61" ("-" for a run within its first window)."""
+    """Tau and 4-gram repetition per output window, e.g. "0-127 2.03 (0.28) · 128-255 2.61 (0.45)" ("-" for a
+    run within its first window)."""
     windows = overall.get("tau_by_window") or []
     if len(windows) < 2:
         return "-"
-    return " · ".join(f"{window_name(w)} {fmt(w['tau'])}" for w in windows)
+    return " · ".join(f"{window_name(w)} {fmt(w['tau'])} ({fmt(w['repetition_4gram_share'])})" for w in windows)
 
 
 def reports(run: Path):
@@ -82,7 +83,7 @@ def main(argv: list[str]) -> int:
             offline.append(offline_row(name, report))
     header = ["drafter", "set", "prompts used", "drafting", "T", "dtype", "tau", "accepted share by position",
               "speedup", "greedy identical", "share before divergence", "4-gram repetition",
-              "tau along the reply (output tokens)"]
+              "tau along the reply (output tokens: tau (4-gram repetition))"]
     print("| " + " | ".join(header) + " |\n|" + "---|" * len(header))
     for row in offline:
         print("| " + " | ".join(row) + " |")

@@ -970,9 +970,10 @@ def test_eval_mode_scores_the_validation_split(stage05, pipeline_run):
 
 
 def test_tau_along_the_reply_gives_a_short_runs_tau_in_its_first_window(stage05, stories260k, drafters, tmp_path):
-    """A run at 300 new tokens reports tau per output window (0-127, 128-255, 256+); the windows' steps and
-    tokens add up to the run's, and the first window's tau is exactly what a 128-token run of the same prompts
-    measures (greedy, float32): so one long run, as the field measures, also gives the earlier figures."""
+    """A run at 300 new tokens reports tau per output window (0-127, 128-255, 256+); the windows' steps,
+    tokens and repeated tokens add up to the run's, and the first window's tau is exactly what a 128-token run
+    of the same prompts measures (greedy, float32): so one long run, as the field measures, also gives the
+    earlier figures."""
     prompts = write_jsonl(tmp_path / "prompts.jsonl", [
         {"question_id": i, "category": "story", "turns": [text]} for i, text in enumerate(STARTS[:3])])
     reports = {}
@@ -991,10 +992,14 @@ def test_tau_along_the_reply_gives_a_short_runs_tau_in_its_first_window(stage05,
     assert sum(w["verify_steps"] for w in windows) == long["overall"]["verify_steps"]
     assert sum(w["tau"] * w["verify_steps"] for w in windows) == pytest.approx(
         long["overall"]["tau"] * long["overall"]["verify_steps"])
+    # the windows' repetition shares pool back into the run's (each window weighed by its output tokens)
+    lengths_in = [sum(max(0, min(n, w["to"] or n) - w["from"]) for n in lengths) for w in windows]
+    assert sum(w["repetition_4gram_share"] * k for w, k in zip(windows, lengths_in)) == pytest.approx(
+        long["overall"]["repetition_4gram_share"] * sum(lengths))
     assert windows[0]["tau"] == short["overall"]["tau"]
     assert windows[0]["verify_steps"] == short["overall"]["verify_steps"]
     assert [w["tau"] for w in short["overall"]["tau_by_window"]] == [short["overall"]["tau"]]
-    assert "## Tau along the reply" in markdown and "| 128-255 |" in markdown
+    assert "## Tau along the reply" in markdown and "| 128-255 |" in markdown and "4-gram repetition |" in markdown
     assert "## Tau along the reply" not in reports["128"][1]  # one window: nothing to add
 
 

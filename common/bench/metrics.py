@@ -15,15 +15,9 @@ REPETITION_NGRAM = 4
 TAU_WINDOW_STARTS = (0, 128, 256, 512, 1024)
 
 
-def repetition_share(tokens: Sequence[int], n: int = REPETITION_NGRAM) -> float:
-    """Share of tokens that lie inside an n-gram which already occurred earlier in the same output.
-
-    Small verifiers loop under greedy decoding, and a loop is trivially predictable: a high share says
-    that a high acceptance length comes from repetition rather than from the drafter.
-    """
+def repeated_flags(tokens: Sequence[int], n: int = REPETITION_NGRAM) -> list[bool]:
+    """Per token: does it lie inside an n-gram which already occurred earlier in the same output?"""
     tokens = list(tokens)
-    if len(tokens) < n:
-        return 0.0
     seen: set[tuple[int, ...]] = set()
     repeated = [False] * len(tokens)
     for start in range(len(tokens) - n + 1):
@@ -33,11 +27,20 @@ def repetition_share(tokens: Sequence[int], n: int = REPETITION_NGRAM) -> float:
                 repeated[i] = True
         else:
             seen.add(gram)
-    return sum(repeated) / len(tokens)
+    return repeated
+
+
+def repetition_share(tokens: Sequence[int], n: int = REPETITION_NGRAM) -> float:
+    """Share of tokens that lie inside an n-gram which already occurred earlier in the same output.
+
+    Small verifiers loop under greedy decoding, and a loop is trivially predictable: a high share says
+    that a high acceptance length comes from repetition rather than from the drafter.
+    """
+    return sum(repeated_flags(tokens, n)) / len(tokens) if len(tokens) >= n else 0.0
 
 
 def repeated_token_count(tokens: Sequence[int], n: int = REPETITION_NGRAM) -> int:
-    return round(repetition_share(tokens, n) * len(tokens))
+    return sum(repeated_flags(tokens, n))
 
 
 def first_divergence(output: Sequence[int], reference: Sequence[int]) -> int | None:
@@ -98,9 +101,13 @@ def tau_by_window(runs: Sequence[dict[str, Any]], starts: Sequence[int] = TAU_WI
     """Pooled tau of the verify steps that begin in each window [start, next start) of their turn's output.
 
     The prefill's token is position 0, so a turn's first verify step begins at 1. Windows no step began in
-    are left out; the windows' steps and tokens add up to the whole run's.
+    are left out; the windows' steps and tokens add up to the whole run's. Each window also gives the 4-gram
+    repetition share of the output tokens at its positions (a repeat of anything earlier in the turn counts):
+    where replies loop, tau measures the loop.
     """
     tokens, steps = [0] * len(starts), [0] * len(starts)
+    repeated, produced = [0] * len(starts), [0] * len(starts)
+    ends = list(starts[1:]) + [None]
     for run in runs:
         position = 1
         for length in run["spec"]["accept_lengths"]:
@@ -108,8 +115,12 @@ def tau_by_window(runs: Sequence[dict[str, Any]], starts: Sequence[int] = TAU_WI
             tokens[window] += length
             steps[window] += 1
             position += length
-    ends = list(starts[1:]) + [None]
-    return [{"from": start, "to": end, "tau": tokens[i] / steps[i], "verify_steps": steps[i]}
+        flags = repeated_flags(run["spec"]["tokens"])
+        for i, (start, end) in enumerate(zip(starts, ends)):
+            repeated[i] += sum(flags[start:end])
+            produced[i] += len(flags[start:end])
+    return [{"from": start, "to": end, "tau": tokens[i] / steps[i], "verify_steps": steps[i],
+             "repetition_4gram_share": _ratio(repeated[i], produced[i])}
             for i, (start, end) in enumerate(zip(starts, ends)) if steps[i]]
 
 

@@ -141,8 +141,9 @@ def tau_by_window_markdown(windows: list[dict[str, Any]]) -> list[str]:
     return ["", "## Tau along the reply", "",
             "Verify steps grouped by where they begin in their turn's output (token positions): the first "
             "window is what a run with --max-new-tokens 128 measures (docs/benchmarking.md, \"Reply length\").", "",
-            markdown_table(["output tokens", "tau", "verify steps"],
-                           [(window_name(w), w["tau"], w["verify_steps"]) for w in windows])]
+            markdown_table(["output tokens", "tau", "verify steps", "4-gram repetition"],
+                           [(window_name(w), w["tau"], w["verify_steps"], w["repetition_4gram_share"])
+                            for w in windows])]
 
 
 def offline_markdown(results: dict[str, Any]) -> str:
