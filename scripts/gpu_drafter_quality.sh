@@ -36,7 +36,8 @@
 #                            over 1.7x the distinct replies
 #                 long       replies regenerated up to LONG_TOKENS new tokens instead of 256 (RUN-long; REGEN_CACHE
 #                            does not fit, so stage 01 regenerates them all): the drafter then trains on the later
-#                            parts of replies, which a benchmark at the field's 2,048 tokens a turn decodes
+#                            parts of replies, which a benchmark at the field's 2,048 tokens a turn decodes (on
+#                            SmolLM2 those parts are mostly loops: for verifiers whose replies end)
 #                 turns2     SAMPLES conversations with their second user turns (--max-turns 2, both replies regenerated:
 #                            REGEN_CACHE holds first turns only) from DATA_DIR/sharegpt_turns2.json (prepare_device_data.py
 #                            --turns 2 --prompts-only, which keeps a placeholder reply between the turns; a file made
@@ -95,7 +96,9 @@
 #   LANES, TOPK [64], HELDOUT [60] (held-out prompts decoded), NEW_TOKENS [128]
 #   FIELD_TOKENS [NEW_TOKENS]  new tokens a turn of each lane's MT-bench run at T=0 instead of NEW_TOKENS, e.g. 2048 as
 #                            SpecForge's benchmarks decode (its report's tau along the reply still gives the
-#                            0-127 window, the NEW_TOKENS=128 figure: docs/benchmarking.md, "Reply length")
+#                            0-127 window, the NEW_TOKENS=128 figure: docs/benchmarking.md, "Reply length"); on
+#                            SmolLM2 most replies then loop to the budget (scripts/reply_lengths.py), so read it
+#                            with the windows' repetition
 #   LONG_TOKENS [1024]       the long lane's longest reply
 #   WORKERS [3]              data workers of each side-by-side training
 #   DECODE_WORKERS [3]       processes of each stage-05 decoding run (05 --decode-workers; the float32 checks
