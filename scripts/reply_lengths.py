@@ -9,7 +9,7 @@ before the budget, and the share of its tokens inside a repeated 4-gram (stage 0
 its first 128 tokens and over all of it.
 
 --num-prompts picks a sample spread over the categories, as stage 05 does (default 8: one per MT-bench
-category). Greedy decoding with transformers' generate, batch 1. Prints one Markdown table; --output also
+category). Greedy decoding with transformers' generate (stage 05's hf_generate), batch 1. Prints one Markdown table; --output also
 writes the rows, with each reply's tokens, as JSON (atomically).
 
   python3 scripts/reply_lengths.py --model-path smollm2-dense --prompts mt_bench.jsonl --max-new-tokens 2048
@@ -19,7 +19,6 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
@@ -28,6 +27,7 @@ if str(REPO) not in sys.path:
 
 import torch  # noqa: E402
 
+from common.bench.decoding import GenerationStats, hf_generate  # noqa: E402
 from common.bench.metrics import repetition_share  # noqa: E402
 from common.bench.prompts import has_chat_template, load_prompts, render_conversation  # noqa: E402
 from common.bench.report import markdown_table  # noqa: E402
@@ -52,12 +52,12 @@ def parse_args(argv=None) -> argparse.Namespace:
     return parser.parse_args(argv)
 
 
-def reply_row(prompt, new_tokens: list[int], stops: set[int], budget: int, seconds: float) -> dict:
-    ended = bool(new_tokens) and new_tokens[-1] in stops
-    return {"id": prompt.id, "category": prompt.category, "new_tokens": len(new_tokens), "ended": ended,
+def reply_row(prompt, new_tokens: list[int], stats: GenerationStats, budget: int) -> dict:
+    return {"id": prompt.id, "category": prompt.category, "new_tokens": len(new_tokens),
+            "ended": stats.stopped_by == "eos",
             "repetition_4gram_first_128": repetition_share(new_tokens[:EARLY_WINDOW]),
-            "repetition_4gram_all": repetition_share(new_tokens), "budget": budget, "seconds": round(seconds, 1),
-            "tokens": new_tokens}
+            "repetition_4gram_all": repetition_share(new_tokens), "budget": budget,
+            "seconds": round(stats.wall_s, 1), "tokens": new_tokens}
 
 
 def main(argv=None) -> int:
@@ -70,13 +70,8 @@ def main(argv=None) -> int:
     rows = []
     for prompt in prompts:
         ids = render_conversation(tokenizer, [{"role": "user", "content": prompt.turns[0]}], raw)
-        started = time.perf_counter()
-        with torch.inference_mode():
-            out = model.generate(torch.tensor([ids], device=args.device), max_new_tokens=args.max_new_tokens,
-                                 do_sample=False, eos_token_id=sorted(stops) or None,
-                                 pad_token_id=tokenizer.pad_token_id or tokenizer.eos_token_id)
-        rows.append(reply_row(prompt, out[0, len(ids):].tolist(), stops, args.max_new_tokens,
-                              time.perf_counter() - started))
+        new_tokens, stats = hf_generate(model, ids, args.max_new_tokens, sorted(stops))  # greedy
+        rows.append(reply_row(prompt, new_tokens, stats, args.max_new_tokens))
         progress = {k: v for k, v in rows[-1].items() if k != "tokens"}
         print(json.dumps(progress), file=sys.stderr, flush=True)  # one line a reply
     print(markdown_table(["prompt", "category", "new tokens", "ended before the budget",
