@@ -32,7 +32,8 @@ def parse(argv):
 
 
 def work(args, log) -> None:
-    from common.extract.run import ExtractionInputs, check_prepared_data, extract_hidden_states
+    from common.extract.run import ExtractionInputs, extract_hidden_states
+    from common.formats.prepared_data import check_prepared_data
 
     if args.verify:  # a check of the files already there: no verifier, no prepared data
         from common.extract.verify import verify_output

@@ -1,10 +1,12 @@
 #!/usr/bin/env python3
-"""Stage 04: train the EAGLE-3 drafter on the verifier's stored hidden states.
+"""Stage 04: train the EAGLE-3 drafter on the verifier's hidden states, stored by stage 02 or (--online) computed here.
 
 Checks first that the hidden states (stage 02), the vocabulary map (stage 03), the verifier (--model-path,
-never loaded: only its embed_tokens and lm_head are read) and a --finetune-from drafter fit together, then
+never loaded offline: only its embed_tokens and lm_head are read) and a --finetune-from drafter fit together, then
 trains with AdamW, periodic validation and SGLang-ready checkpoints; --resume continues a stopped run exactly.
-Under torchrun it trains data-parallel (DDP, or FSDP with --fsdp). See docs/training.md.
+With --online the verifier loads here instead and computes each batch's states from stage 01's --prepared-data
+(no stage 02, nothing on disk but checkpoints: docs/online.md). Under torchrun it trains data-parallel (DDP, or
+FSDP with --fsdp), each rank with its own verifier when online. See docs/training.md.
 """
 from __future__ import annotations
 

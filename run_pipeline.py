@@ -93,7 +93,11 @@ def main(argv: list[str] | None = None) -> int:
         pipeline_log.flush()
 
     forced = {args.only, args.from_stage} - {None}
+    online = "04_train" in resolved and resolved["04_train"].online
     for stage in selected:
+        if stage == "02_extract_hidden_states" and online and stage != args.only:
+            log(f"=== {stage}: not needed, skipped (stage 04 computes the verifier's states itself: --online)")
+            continue
         manifest = output_manifest(run_dir, stage)
         if stage not in forced and is_current(manifest, resolved[stage]):
             log(f"=== {stage}: complete with these flags, skipped")

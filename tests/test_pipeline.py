@@ -164,3 +164,24 @@ def test_nproc_per_node_runs_stages_02_and_04_under_torchrun(tmp_path, texts, st
     assert "grad-accum 1 x 2 rank(s)" in (run / "logs" / "04_train.log").read_text()
     assert json.loads((run / "checkpoints" / "latest.json").read_text())["step"] > 0
     assert run_pipeline("--run-dir", str(run), "--nproc-per-node", "0").returncode == 2
+
+
+def test_online_run_skips_stage_02_and_reruns_skip_everything(tmp_path, texts, stories260k):
+    """--online goes to stage 04 alone; stage 02 is not run (no hidden_states folder), --status says why, and
+    the same command again skips every finished stage."""
+    run = tmp_path / "run"
+    common = ["--run-dir", str(run), "--model-path", str(stories260k), "--dataset", str(texts),
+              "--draft-vocab-size", "100", "--skip", "05", "--epochs", "1", "--online",
+              "--stage-args", "04", "--num-workers 0 --pad-batches-to 1"]  # (its CPU default, given: see issue 45)
+    first = run_pipeline(*common)
+    assert first.returncode == 0, first.stdout[-3000:] + first.stderr[-3000:]
+    assert "02_extract_hidden_states: not needed, skipped (stage 04 computes the verifier's states itself" \
+        in first.stdout
+    assert not (run / "hidden_states").exists()
+    manifest = json.loads((run / "checkpoints" / "manifest.json").read_text())
+    assert manifest["status"] == "complete" and manifest["states"]["source"] == "online"
+    assert "not needed (stage 04 computes the states: --online)" in run_pipeline("--run-dir", str(run),
+                                                                                "--status").stdout
+    second = run_pipeline(*common)
+    assert second.returncode == 0 and second.stdout.count("complete with these flags, skipped") == 3, \
+        second.stdout[-3000:]

@@ -18,16 +18,11 @@ from typing import Any, Callable, Sequence
 from common.cli.errors import USAGE_ERROR, UsageError
 
 
-
 def _csv_ints(text: str) -> list[int]:
     try:
         return [int(part) for part in text.split(",") if part.strip()]
     except ValueError:
         raise argparse.ArgumentTypeError(f"expected comma-separated integers such as 2,30,58, got {text!r}")
-
-
-def _csv_strs(text: str) -> list[str]:
-    return [part.strip() for part in text.split(",") if part.strip()]
 
 
 def _fraction(text: str) -> float:
@@ -159,7 +154,8 @@ _ALL_FLAGS: list[Flag] = [
          "it by the capture's own buffers, stated in the log).",
          aliases=("--mem-fraction-static", "--gpu-mem-util", "--mem-fraction"), type=_fraction, default=0.85),
     Flag("--device", "cuda, cpu, or auto (cuda when available).", default="auto"),
-    Flag("--dtype", "Precision of the verifier's computation and stored hidden states. float64: 05 --mode offline "
+    Flag("--dtype", "Precision of the verifier's computation and stored hidden states (stage 04: of the drafter on a "
+         "GPU, and with --online of the verifier too). float64: 05 --mode offline "
          "only, a lossless check where float32 rounding can flip a near tie (docs/benchmarking.md).",
          choices=("bfloat16", "float16", "float32", "float64"), default="bfloat16"),
     Flag("--num-workers", "Background workers (data loading, file writing).",
@@ -168,11 +164,10 @@ _ALL_FLAGS: list[Flag] = [
     Flag("--overwrite", "Replace existing results instead of resuming.", type=None, action="store_true"),
     # --- hidden-state extraction -----------------------------------------------------------------
     Flag("--aux-layers", "Decoder layers whose INPUT residual stream is stored as aux_0/1/2 "
-         "(= HF output_hidden_states index). Default 2,L//2,L-3.",
+         "(= HF output_hidden_states index); stage 04 --online captures them. Default 2,L//2,L-3.",
          aliases=("--layers", "--aux-hidden-state-layer-ids", "--eagle-layers"), type=_csv_ints,
          metavar="A,B,C"),
-    Flag("--allow-low-disk", "Proceed even when the free disk looks too small.", type=None,
-         action="store_true"),
+    Flag("--allow-low-disk", "Proceed even when the free disk looks too small.", type=None, action="store_true"),
     Flag("--verify", "Check an existing stage-02 output instead of extracting: read every stored file and compare "
          "its size and CRC32 with those recorded when it was written (no verifier is loaded; needs only "
          "--output-dir or --run-dir). Damaged samples are named by id and file, marked, and dropped from the "
@@ -185,16 +180,16 @@ _ALL_FLAGS: list[Flag] = [
     Flag("--skip-nonfinite", "Stage 02: drop samples whose hidden states hold NaN or inf (counted in the manifest "
          "and the log) instead of stopping with exit 1.", type=None, action="store_true"),
     Flag("--backend", "Engine that runs the verifier.", choices=("hf", "sglang"), default="hf"),
-    Flag("--aux-dtype", "Stage 02: how the three aux layers are stored. bfloat16 = unquantised in --dtype (as "
-         "before); float8_e4m3 = FP8 with one float32 scale per token and layer (half the bytes; quantised on "
-         "the GPU, decoded on the GPU by stage 04). hf backend only. docs/extraction.md, 'Storage formats'.",
+    Flag("--aux-dtype", "How the three aux layers are stored by stage 02 (and rounded by stage 04 --online): "
+         "bfloat16 = unquantised in --dtype; float8_e4m3 = FP8 with one float32 scale per token and layer (half the "
+         "bytes; coded and decoded on the GPU). hf backend only. docs/extraction.md, 'Storage formats'.",
          choices=("bfloat16", "float8_e4m3"), default="bfloat16"),
-    Flag("--targets", "Stage 02: what stage 04 builds its targets from. final = the final hidden state (H values "
-         "per token, as before); topk = the verifier's --target-topk most likely next tokens and their "
-         "log-probabilities, computed on the GPU from lm_head(final) in float32 (a few hundred bytes per token). "
-         "hf backend only.", choices=("final", "topk"), default="final"),
-    Flag("--target-topk", "Stage 02 with --targets topk: next tokens kept per position (the rest of the "
-         "probability mass is dropped; stage 04 renormalises and reports it).", type=int, default=64),
+    Flag("--targets", "Stage 02 (and 04 --online): what stage 04 builds its targets from. final = the final hidden "
+         "state (H values per token); topk = the verifier's --target-topk most likely next tokens and their "
+         "log-probabilities, from lm_head(final) in float32 on the GPU (a few hundred bytes per token). hf backend "
+         "only.", choices=("final", "topk"), default="final"),
+    Flag("--target-topk", "With --targets topk: next tokens kept per position (the rest of the probability mass is "
+         "dropped; stage 04 renormalises and reports it).", type=int, default=64),
     Flag("--device-map", "Placement of the verifier on GPUs (hf backend): single = a whole copy per GPU (stage "
          "01 regenerates with one copy on every visible GPU, stage 02 with one per torchrun rank); multi = one copy "
          "sharded over all visible GPUs (accelerate device_map=auto); auto = single when the weights fit one GPU.",
@@ -203,6 +198,10 @@ _ALL_FLAGS: list[Flag] = [
     Flag("--draft-vocab-size", "Tokens in the drafter's vocabulary (the most frequent targets).",
          aliases=("--draft-vocab",), type=_positive_int, default=32000),
     # --- training --------------------------------------------------------------------------------
+    Flag("--online", "Compute the verifier's states in training (a whole verifier on each rank's GPU, run on each "
+         "batch of stage 01's --prepared-data with stage 02's capture) instead of reading stage 02's --data-dir: no "
+         "disk for states. --aux-layers, --aux-dtype, --targets act as in stage 02; docs/online.md.",
+         type=None, action="store_true"),
     Flag("--epochs", "Passes over the training data.", aliases=("--num-epochs", "--num-train-epochs"),
          type=_positive_int, default=4),
     Flag("--lr", "Peak learning rate. The default is the top of the EAGLE-3 recipe's 5e-5 to 1e-4, for drafters "
@@ -216,8 +215,7 @@ _ALL_FLAGS: list[Flag] = [
          "deeper drafts needs a deeper unroll. docs/training.md.", aliases=("--ttt-length", "--ttt", "--ttt-len"),
          type=_positive_int, default=3),
     Flag("--ttt-decay", "Weight of TTT step j is decay**j.", type=float, default=0.8),
-    Flag("--noise-std", "Gaussian noise added to aux hidden states during training.", type=float,
-         default=0.0),
+    Flag("--noise-std", "Gaussian noise added to aux hidden states during training.", type=float, default=0.0),
     Flag("--ttt-positions", "RoPE positions of TTT step j for the row of position t: shifted = t+j, where "
          "decoding (SGLang, stage 05) runs that draft step, as SpecForge and EAGLE train; fixed = t at every "
          "step, this project's earlier training, kept only to measure the difference (docs/model.md).",
@@ -234,7 +232,7 @@ _ALL_FLAGS: list[Flag] = [
     Flag("--drafter-config", "Overrides of the drafter shape derived from the verifier: a JSON file or "
          "inline JSON object with DrafterConfig fields, e.g. '{\"intermediate_size\": 16384, "
          "\"num_key_value_heads\": 8}'.", aliases=("--draft-config",), metavar="JSON_OR_FILE"),
-    Flag("--val-ratio", "Share of hidden-state samples held out for validation.",
+    Flag("--val-ratio", "Share of training samples held out for validation.",
          aliases=("--validation-ratio", "--val-split"), type=_fraction, default=0.05),
     Flag("--scheduler", "Learning-rate schedule after warmup.", aliases=("--lr-scheduler",
          "--lr-scheduler-type"), choices=("cosine", "linear", "constant"), default="cosine"),
@@ -243,8 +241,7 @@ _ALL_FLAGS: list[Flag] = [
     Flag("--grad-accum", "Gradient accumulation steps, per rank: an optimizer step takes grad-accum x ranks "
          "micro-batches (1 GPU --grad-accum 2 = 2 GPUs --grad-accum 1).", aliases=("--gradient-accumulation-steps",
          "--accumulation-steps"), type=_positive_int, default=1),
-    Flag("--max-grad-norm", "Gradient clipping norm.", aliases=("--clip-grad", "--grad-clip"), type=float,
-         default=0.5),
+    Flag("--max-grad-norm", "Gradient clipping norm.", aliases=("--clip-grad", "--grad-clip"), type=float, default=0.5),
     Flag("--eval-interval", "Validate every N optimizer steps (and at each epoch end).",
          aliases=("--eval-steps",), type=_positive_int, default=500),
     Flag("--save-interval", "Checkpoint every N optimizer steps (and at each epoch end).",
@@ -254,8 +251,7 @@ _ALL_FLAGS: list[Flag] = [
          aliases=("--logging-steps", "--log-steps"), type=_positive_int, default=10),
     Flag("--profile-steps", "After the first 10 steps, time N steps, then profile N (torch.profiler): wall time a "
          "step against device busy time in the log, tables in OUTPUT_DIR/profile_steps.txt.", type=_positive_int),
-    Flag("--resume", "Continue the run in --output-dir from its latest checkpoint.", type=None,
-         action="store_true"),
+    Flag("--resume", "Continue the run in --output-dir from its latest checkpoint.", type=None, action="store_true"),
     Flag("--fp8", "Run the drafter's GEMMs (forward and backward) on FP8 tensor cores, per-tensor scales; weights "
          "and optimizer keep their dtype. 1.25-1.4x faster steps from hidden size 4096 on an H200, slower for small "
          "drafters (docs/model.md). Needs compute capability 8.9+ (Ada, Hopper, Blackwell).",
@@ -320,7 +316,8 @@ STAGE_FLAGS: dict[str, list[str]] = {
                                  "--target-topk"],
     "03_build_vocab_mapping": ["--run-dir", "--model-path", "--trust-remote-code", "--prepared-data",
                                "--output-dir", "--draft-vocab-size", "--overwrite"],
-    "04_train": ["--run-dir", "--model-path", "--trust-remote-code", "--data-dir", "--vocab-mapping-dir",
+    "04_train": ["--run-dir", "--model-path", "--trust-remote-code", "--data-dir", "--vocab-mapping-dir", "--online",
+                 "--prepared-data", "--aux-layers", "--aux-dtype", "--targets", "--target-topk",
                  "--output-dir", "--finetune-from", "--epochs", "--lr", "--batch-size",
                  "--max-tokens-per-batch", "--pad-batches-to", "--min-steps", "--max-seq-len", "--ttt-steps",
                  "--ttt-decay", "--noise-std", "--val-ratio", "--scheduler", "--warmup-ratio", "--grad-accum",

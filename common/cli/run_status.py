@@ -21,9 +21,12 @@ def print_status(run_dir: Path) -> int:
                          f"check the path\n")
         return USAGE_ERROR
     print(f"run directory {run_dir}")
+    online = ((output_manifest(run_dir, "04_train") or {}).get("states") or {}).get("source") == "online"
     for stage in STAGES:
         manifest = output_manifest(run_dir, stage)
         state = "not started" if manifest is None else manifest.get("status", "?")
+        if manifest is None and online and stage == "02_extract_hidden_states":
+            state = "not needed (stage 04 computes the states: --online)"
         line = f"  {stage:<26} {state:<12}"
         if manifest:
             counts = manifest.get("counts", {})

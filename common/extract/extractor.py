@@ -15,11 +15,11 @@ from typing import Any, Sequence
 import torch
 
 from common.extract.finite import all_finite, first_nonfinite, layer_names, nonfinite_failure
-from common.extract.plan import TokenSelector, batch_inputs
+from common.extract.plan import batch_inputs
 from common.extract.writer import _SAVE_CONFIG, STAGING_BUFFERS, StagingBuffers, _writer_process, write_sample
 from common.formats.storage import StorageFormat, encode
 from common.formats.prepared_data import Sample
-from common.verifier.capture import LayerInputCapture, TextModel, run_base
+from common.verifier.capture import LayerInputCapture, TextModel, TokenSelector, capture_batch, run_base
 from common.model.kernels import sdpa_without_cudnn
 
 # Test-only: kill this process (SIGKILL, like the OOM killer) once this many samples are written, to prove
@@ -320,11 +320,6 @@ class Extractor:
             self._samples_written([index], written)
         self._free.put(buffer)
 
-    @property
-    def _plain(self) -> str:
-        """The key of the format stored as computed (aux and final in --dtype)."""
-        return StorageFormat(self.storage.dtype, "final", dtype=self.storage.dtype).key()
-
     @staticmethod
     def _lm_head(text: TextModel) -> torch.Tensor | None:
         return getattr(text.lm_head, "weight", None)
@@ -355,23 +350,21 @@ class Extractor:
                 self._check()
                 ids_cpu, flat_cpu = batch_inputs(self.samples, batch, pin=on_gpu)
                 # the stored dtype, or as computed when the format encodes them (FP8, top-k) on the device
-                select = TokenSelector(flat_cpu, self.store_dtype if self.storage.key() == self._plain else None)
-                capture.arm(select)
+                select = TokenSelector(flat_cpu, self.store_dtype if self.storage.as_computed else None)
                 writes, offset = [], 0  # (sample index, first row in the staging buffer)
                 for index in batch:
                     if index not in complete:
                         writes.append((index, offset))
                     offset += self.samples[index].num_tokens
                 with torch.inference_mode(), sdpa_without_cudnn():
-                    final = run_base(text, ids_cpu.to(device, non_blocking=True))
-                    packed = capture.take() + [select(final)]
+                    packed = capture_batch(text, capture, ids_cpu.to(device, non_blocking=True), select)
                     finite = self._finite_flag(packed) if writes else None  # NaN/inf: checked before writing
-                    if writes and self.storage.key() != self._plain:
+                    if writes and not self.storage.as_computed:
                         packed = encode(self.storage, packed[:-1], packed[-1], self._lm_head(text))
                     if writes:  # (a resumed batch whose samples are all on disk needs no copy)
                         buffer = self._acquire_buffer()
                         events, keep_alive = self._copy_to_staging(buffer, packed)
-                del packed, final
+                del packed
                 self._stats.batches += 1
                 self._stats.tokens_forwarded += offset
                 self._stats.padded_tokens += ids_cpu.numel()

@@ -58,20 +58,3 @@ def batch_inputs(samples: Sequence[Sample], batch: Sequence[int], pin: bool) -> 
     if pin:
         ids, flat = ids.pin_memory(), flat.pin_memory()
     return ids, flat
-
-
-class TokenSelector:
-    """Gathers the real (unpadded) tokens of a [B, S, H] batch into [N, H] in the stored dtype, per device."""
-
-    def __init__(self, flat_index_cpu: torch.Tensor, store_dtype: torch.dtype | None):
-        self.index_cpu = flat_index_cpu
-        self.store_dtype = store_dtype
-        self._on: dict[torch.device, torch.Tensor] = {}
-
-    def __call__(self, hidden: torch.Tensor) -> torch.Tensor:
-        index = self._on.get(hidden.device)
-        if index is None:
-            index = self.index_cpu.to(hidden.device, non_blocking=True)
-            self._on[hidden.device] = index
-        rows = hidden.reshape(-1, hidden.shape[-1]).index_select(0, index)
-        return rows if self.store_dtype is None else rows.to(self.store_dtype)  # None: as computed

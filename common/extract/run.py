@@ -18,12 +18,12 @@ from common.extract.output import (check_writable, owned_entries, remove_owned, 
     scan_output, tree_bytes)
 from common.extract.plan import padding_stats, plan_batches, rank_batches
 from common.formats.files import sha256_file
-from common.formats.hidden_states import (AUX_FILES, FINAL_CONVENTION, FINAL_FILE, FORMAT_VERSION, INDEX_FILE,
-    LAYER_CONVENTION, META_FILE, SHARD_SIZE, STAGE, estimate_disk_bytes, human_bytes, write_index)
+from common.formats.hidden_states import (AUX_FILES, FINAL_FILE, FORMAT_VERSION, INDEX_FILE, META_FILE, SHARD_SIZE,
+    STAGE, describe_states, estimate_disk_bytes, human_bytes, write_index)
 from common.formats.manifest import MANIFEST, Manifest, check_verifier_matches, load_manifest
 from common.formats.storage import format_of_args, format_of_manifest
 from common.formats.resume import earlier_manifest, refuse_other_settings, setting_differences
-from common.formats.prepared_data import Sample, read_prepared_data
+from common.formats.prepared_data import Sample
 from common.verifier.capture import find_text_model
 from common.verifier.fingerprint import weights_fingerprint
 from common.verifier.loading import choose_device_map, load_verifier_model, resolve_model_path
@@ -42,28 +42,6 @@ class ExtractionInputs:
     device: str
     compute_dtype: str
     samples: list[Sample]
-
-
-def check_prepared_data(args, info, log):
-    """The stage-01 output exists, is finished, comes from this verifier, and parses and matches its counts."""
-    data_file = Path(args.prepared_data)
-    if not data_file.is_file():
-        raise UsageError(f"--prepared-data {data_file}: no such file; run {UPSTREAM}.py first (or point "
-                         f"--prepared-data at its tokenized_data.jsonl)")
-    upstream = load_manifest(data_file.parent, UPSTREAM, "--prepared-data")
-    check_verifier_matches(upstream, str(data_file.parent / MANIFEST), info.identity(),
-                           f"--model-path {args.model_path}")
-    samples, found = read_prepared_data(data_file, info.vocab_size, args.max_seq_len)
-    expected = upstream.get("counts") or {}
-    for key in ("samples", "tokens", "loss_tokens"):
-        if key in expected and int(expected[key]) != found[key]:
-            raise UsageError(f"{data_file}: {found[key]} {key} but its manifest {data_file.parent / MANIFEST} says "
-                             f"{expected[key]}; the file changed after {UPSTREAM} wrote it. Rerun {UPSTREAM}.py")
-    truncated = sum(s.truncated for s in samples)
-    if truncated:
-        log.warning("%d of %d samples are longer than --max-seq-len %d and are truncated", truncated,
-                    len(samples), args.max_seq_len)
-    return samples, upstream
 
 
 def verifier_resolved_path(model_path: str) -> str:
@@ -94,20 +72,13 @@ def build_manifest(args, info, upstream_dir: Path, data_sha, aux_layers, compute
     manifest = Manifest(args.output_dir, STAGE, {k: v for k, v in sorted(vars(args).items())})
     manifest.add_input("prepared_data", args.prepared_data, upstream_dir / MANIFEST)
     manifest.data["inputs"]["prepared_data"]["sha256"] = data_sha
-    manifest.data["verifier"] = info.identity()
-    manifest.data["verifier_weights"] = weights_fingerprint(args.model_path)  # stages 04 and 05 compare it
+    # stages 04 and 05 compare the weights' fingerprint
+    manifest.data.update(describe_states(info, weights_fingerprint(args.model_path), aux_layers, args.dtype,
+                                         compute_dtype, storage))
     manifest.data.update({
         "format_version": FORMAT_VERSION,
         "backend": args.backend,
         "verifier_resolved_path": verifier_resolved_path(args.model_path),
-        "aux_layers": list(aux_layers),
-        "layer_convention": LAYER_CONVENTION,
-        "final": FINAL_CONVENTION,
-        "num_layers": info.num_layers,
-        "hidden_size": info.hidden_size,
-        "dtype": args.dtype,
-        "compute_dtype": compute_dtype,
-        "storage": storage.describe(),
         "files": {"aux": list(AUX_FILES), "final": FINAL_FILE, "meta": META_FILE} if storage.targets == "final"
         and not storage.fp8 else {"sample": list(storage.files())},
         "tensor_shape": "[num_tokens, hidden_size]",

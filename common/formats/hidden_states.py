@@ -13,6 +13,7 @@ import torch
 
 from common.cli.errors import StageFailure, UsageError
 from common.formats.files import crc32_file, read_json, write_json_atomic, write_text_atomic
+from common.formats.layer_ids import LAYER_CONVENTION
 from common.formats.manifest import load_manifest
 from common.formats.storage import AUX_SCALE_FILE, TOPK_IDS_FILE, TOPK_LOGPROBS_FILE, StorageFormat, format_of_manifest
 
@@ -28,7 +29,6 @@ FINAL_FILE = "final.pt"
 META_FILE = "meta.pt"
 SAMPLE_FILES = AUX_FILES + (FINAL_FILE, META_FILE)
 # (the layer-id rule itself lives in common.verifier.capture.capture_layer_ids)
-LAYER_CONVENTION = "hf_output_hidden_states_index (input of decoder layer)"
 FINAL_CONVENTION = "last hidden state after the final norm (lm_head(final) == logits)"
 TMP_PREFIX = ".tmp_"
 # Each sample folder records its files' sizes and CRC32s, written with them (so both backends record them);
@@ -168,6 +168,17 @@ def write_index(output_dir: Path, samples: Sequence[Sample], complete: Iterable[
         entries.append(entry)
     write_text_atomic(output_dir / INDEX_FILE, "".join(json.dumps(e) + "\n" for e in entries))
     return entries
+
+
+def describe_states(info, verifier_weights: dict | None, aux_layers: Sequence[int], dtype: str, compute_dtype: str,
+                    storage: StorageFormat) -> dict:
+    """What the hidden states are, in the manifest's words: the verifier (identity and weights' fingerprint), the
+    layers and conventions, the dtypes and the storage format. Stage 02's manifest holds it, and stage 04 --online
+    records it for the states it computes (the checks of a drafter against its data read it either way)."""
+    return {"verifier": info.identity(), "verifier_weights": verifier_weights, "aux_layers": list(aux_layers),
+            "layer_convention": LAYER_CONVENTION, "final": FINAL_CONVENTION, "num_layers": info.num_layers,
+            "hidden_size": info.hidden_size, "dtype": dtype, "compute_dtype": compute_dtype,
+            "storage": storage.describe()}
 
 
 # --- disk space ---------------------------------------------------------------------------------------------

@@ -10,8 +10,10 @@ from typing import Iterator
 import torch
 
 from common.cli.errors import UsageError
+from common.formats.manifest import MANIFEST, check_verifier_matches, load_manifest
 from common.formats.hidden_states import sample_path
 
+STAGE = "01_prepare_data"
 FIX = "rerun 01_prepare_data.py (or point --prepared-data at its output)"
 
 
@@ -98,3 +100,26 @@ def read_prepared_data(path: str | os.PathLike, vocab_size: int,
     counts: dict[str, int] = {}
     samples = list(iter_prepared_data(path, vocab_size, max_seq_len, counts))
     return samples, counts
+
+
+def check_prepared_data(args, info, log) -> tuple[list[Sample], dict]:
+    """(samples cut to --max-seq-len, stage 01's manifest) of --prepared-data: it exists, is finished, comes from
+    this verifier (`info`), and parses and matches its counts. Stage 02 and stage 04 --online read it so."""
+    data_file = Path(args.prepared_data)
+    if not data_file.is_file():
+        raise UsageError(f"--prepared-data {data_file}: no such file; run {STAGE}.py first (or point "
+                         f"--prepared-data at its tokenized_data.jsonl)")
+    upstream = load_manifest(data_file.parent, STAGE, "--prepared-data")
+    check_verifier_matches(upstream, str(data_file.parent / MANIFEST), info.identity(),
+                           f"--model-path {args.model_path}")
+    samples, found = read_prepared_data(data_file, info.vocab_size, args.max_seq_len)
+    expected = upstream.get("counts") or {}
+    for key in ("samples", "tokens", "loss_tokens"):
+        if key in expected and int(expected[key]) != found[key]:
+            raise UsageError(f"{data_file}: {found[key]} {key} but its manifest {data_file.parent / MANIFEST} says "
+                             f"{expected[key]}; the file changed after {STAGE} wrote it. Rerun {STAGE}.py")
+    truncated = sum(s.truncated for s in samples)
+    if truncated:
+        log.warning("%d of %d samples are longer than --max-seq-len %d and are truncated", truncated,
+                    len(samples), args.max_seq_len)
+    return samples, upstream

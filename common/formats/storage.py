@@ -42,6 +42,11 @@ class StorageFormat:
     def fp8(self) -> bool:
         return self.aux_dtype == "float8_e4m3"
 
+    @property
+    def as_computed(self) -> bool:
+        """aux and final kept as the verifier computes them, cast to --dtype: nothing to encode on the device."""
+        return self.aux_dtype == self.dtype and self.targets == "final"
+
     def fields(self, hidden_size: int) -> list[tuple[str, tuple[int, ...], torch.dtype]]:
         """(file, shape of one token's row, dtype) of every per-token tensor, in the order stage 02 packs them."""
         from common.formats.hidden_states import AUX_FILES, FINAL_FILE
@@ -159,6 +164,27 @@ def encode(fmt: StorageFormat, aux: list[torch.Tensor], final: torch.Tensor,
     else:
         packed.append(final.to(getattr(torch, fmt.dtype)))
     return packed
+
+
+def sample_keys(fmt: StorageFormat) -> list[str]:
+    """The keys load_sample gives the tensors of fmt.fields (aux_0..2 joined as "aux"), in the same order."""
+    from common.formats.hidden_states import AUX_FILES
+
+    keys = []
+    for name, _, _ in fmt.fields(1):
+        key = "aux" if name in AUX_FILES else name.removesuffix(".pt")
+        if key not in keys:
+            keys.append(key)
+    return keys
+
+
+def as_sample(fmt: StorageFormat, packed: list[torch.Tensor]) -> dict[str, torch.Tensor]:
+    """A batch's packed rows (fmt.fields order, [N, ...] each) as load_sample returns a sample: aux [N, 3H] and the
+    rest under their keys, so stage 04 --online hands the drafter what reading stage 02's files would."""
+    from common.formats.hidden_states import AUX_FILES
+
+    aux = len(AUX_FILES)
+    return dict(zip(sample_keys(fmt), [torch.cat(packed[:aux], dim=-1), *packed[aux:]]))
 
 
 # --- decoding (stages 04 and 05) ------------------------------------------------------------------------------

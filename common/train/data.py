@@ -110,14 +110,6 @@ class HiddenStateDataset(Dataset):
         return {key: value[: self.max_seq_len] for key, value in sample.items()}
 
 
-def split_datasets(data_dir: str | Path, entries: Sequence[dict], val_ratio: float, seed: int,
-                   max_seq_len: int) -> tuple[HiddenStateDataset, HiddenStateDataset]:
-    """The training and validation sets of stage 04 (split_train_val over the entries' ids)."""
-    train_pos, val_pos = split_train_val([str(entry["id"]) for entry in entries], val_ratio, seed)
-    return (HiddenStateDataset(data_dir, [entries[i] for i in train_pos], max_seq_len),
-            HiddenStateDataset(data_dir, [entries[i] for i in val_pos], max_seq_len))
-
-
 def sequences_for_min_steps(lengths: Sequence[int], max_tokens: int, max_sequences: int, epochs: int,
                             micro_per_step: int, min_steps: int, seed: int, pad_to: int = 1) -> int:
     """The most sequences a micro-batch may hold so that `epochs` of the plan give about `min_steps` optimizer

@@ -27,13 +27,14 @@ UNLIMITED_SEQUENCES = 1 << 30
 RESUME_KEYS = ("seed", "epochs", "lr", "scheduler", "warmup_ratio", "micro_batches_per_step", "max_grad_norm",
                "max_seq_len", "ttt_steps", "ttt_decay", "ttt_positions", "loss", "noise_std", "val_ratio", "max_tokens",
                "max_sequences", "pad_batches_to", "finetune_from", "drafter_config",
-               "init_from_verifier_layer", "compute_dtype", "hidden_states_index_sha256", "vocab_mapping_sha256")
+               "init_from_verifier_layer", "compute_dtype", "hidden_states_index_sha256", "vocab_mapping_sha256",
+               "prepared_data_sha256", "online_states")
 
 
 @dataclass
 class Inputs:
-    data_dir: Path
-    data_manifest: dict
+    data_dir: Path | None  # stage 02's folder; None for --online
+    data_manifest: dict  # stage 02's manifest; for --online, the same description of the states computed here
     entries: list[dict]
     vocab_dir: Path
     vocab_manifest: dict
@@ -44,6 +45,29 @@ class Inputs:
     max_sequences: int
     drafter_overrides: dict  # --drafter-config's DrafterConfig fields ({} when unset)
     pad_to: int  # batch lengths are rounded up to a multiple of this: --pad-batches-to, and FP8's alignment
+    samples: list | None = None  # --online: stage 01's samples, whose states the verifier computes in training
+
+    @property
+    def online(self) -> bool:
+        return self.samples is not None
+
+    def dataset(self, entries: list[dict], max_seq_len: int):
+        """The samples of `entries` as stage 04 reads them: stored states, or (--online) token ids alone."""
+        if self.online:
+            from common.train.online import PreparedDataset
+
+            return PreparedDataset(self.samples, entries, max_seq_len)
+        from common.train.data import HiddenStateDataset
+
+        return HiddenStateDataset(self.data_dir, entries, max_seq_len)
+
+    def split(self, val_ratio: float, seed: int, max_seq_len: int):
+        """(training set, validation set): the seeded split of common.train.data.split_train_val."""
+        from common.train.data import split_train_val
+
+        train_pos, val_pos = split_train_val([str(entry["id"]) for entry in self.entries], val_ratio, seed)
+        return (self.dataset([self.entries[i] for i in train_pos], max_seq_len),
+                self.dataset([self.entries[i] for i in val_pos], max_seq_len))
 
     def drafter_config(self):
         """The shape of a new drafter: the verifier's, with --drafter-config's overrides."""
@@ -81,7 +105,28 @@ def check_hidden_states(args) -> tuple[Path, dict, list[dict]]:
     return data_dir, manifest, entries
 
 
-def check_vocab(args, data_dir: Path, data_manifest: dict):
+def check_states_flags(args, data_dir: Path, data_manifest: dict) -> None:
+    """Offline, the states' layers and format come from stage 02: --aux-layers, --aux-dtype and --targets (for
+    --online runs) may only repeat what the hidden states hold."""
+    from common.formats.storage import format_of_manifest
+
+    stored = format_of_manifest(data_manifest, f"--data-dir {data_dir}")
+    asked = []
+    if args.aux_layers and list(args.aux_layers) != list(data_manifest.get("aux_layers") or []):
+        asked.append(f"--aux-layers {','.join(map(str, args.aux_layers))} (they hold layers "
+                     f"{data_manifest.get('aux_layers')})")
+    if args.aux_dtype == "float8_e4m3" and not stored.fp8:
+        asked.append(f"--aux-dtype float8_e4m3 (they hold aux in {stored.aux_dtype})")
+    if args.targets == "topk" and (stored.targets != "topk" or stored.topk != args.target_topk):
+        asked.append(f"--targets topk --target-topk {args.target_topk} (they hold {stored.key().split(', ')[1]} "
+                     f"targets)")
+    if asked:
+        raise UsageError(f"--data-dir {data_dir}: {'; '.join(asked)}. Offline, stage 04 trains on the states stage 02 "
+                         f"stored: drop these flags, extract again with them, or pass --online to compute the states "
+                         f"in training")
+
+
+def check_vocab(args, data_name: str, data_manifest: dict):
     from common.formats.checkpoint import vocab_mapping_problems
     from common.formats.vocab_map import load_mapping
 
@@ -89,7 +134,7 @@ def check_vocab(args, data_dir: Path, data_manifest: dict):
         raise UsageError("give --vocab-mapping-dir (stage 03's vocab folder) or --run-dir")
     vocab_dir = Path(args.vocab_mapping_dir)
     manifest = load_manifest(vocab_dir, UPSTREAM_VOCAB, "--vocab-mapping-dir")
-    data_name, vocab_name = str(data_dir / MANIFEST), str(vocab_dir / MANIFEST)
+    vocab_name = str(vocab_dir / MANIFEST)
     check_verifier_matches(data_manifest, data_name, manifest.get("verifier", {}), vocab_name)
     check_same_prepared_data(data_manifest, data_name, manifest, vocab_name)
     mapping = load_mapping(vocab_dir)
@@ -122,15 +167,15 @@ def check_same_prepared_data(data_manifest: dict, data_name: str, vocab_manifest
             f"(or point --vocab-mapping-dir at the map of that data)")
 
 
-def check_verifier(args, data_dir: Path, data_manifest: dict) -> tuple[VerifierInfo, list[int]]:
-    """--model-path (default: the verifier the hidden states record) must be the verifier of the data."""
+def check_verifier(args, name: str, data_manifest: dict) -> tuple[VerifierInfo, list[int]]:
+    """--model-path (default: the verifier the hidden states record) must be the verifier of the data (`name`:
+    where the data's description is, for messages)."""
     recorded = data_manifest.get("verifier", {})
     model_path = args.model_path or recorded.get("path")
     if not model_path:
-        raise UsageError(f"give --model-path (the verifier); {data_dir / MANIFEST} records none")
+        raise UsageError(f"give --model-path (the verifier); {name} records none")
     args.model_path = model_path
     info = read_verifier_info(model_path, args.trust_remote_code)
-    name = str(data_dir / MANIFEST)
     check_verifier_matches(data_manifest, name, info.identity(), f"--model-path {model_path}")
     fix = f"Use the verifier the hidden states were extracted from ({recorded.get('path')})."
     check_same("hidden_size", data_manifest.get("hidden_size"), name, info.hidden_size, f"--model-path {model_path}", fix)
@@ -146,10 +191,11 @@ def check_verifier(args, data_dir: Path, data_manifest: dict) -> tuple[VerifierI
     except ValueError as err:
         logging.getLogger(STAGE).warning("%s: %s; vLLM can serve this drafter, SGLang cannot (rerun "
                                          "02_extract_hidden_states.py with other --aux-layers for SGLang)", name, err)
-    from common.verifier.fingerprint import check_same_weights
+    if not args.online:  # (online, the states come from these very weights)
+        from common.verifier.fingerprint import check_same_weights
 
-    check_same_weights(data_manifest.get("verifier_weights"), recorded.get("path"), model_path,
-                       args.allow_other_verifier, f"--data-dir {data_dir}", logging.getLogger("eagle3"))
+        check_same_weights(data_manifest.get("verifier_weights"), recorded.get("path"), model_path,
+                           args.allow_other_verifier, f"--data-dir {args.data_dir}", logging.getLogger("eagle3"))
     locate_embedding_tensors(model_path)  # safetensors index/headers only: the tensors are read later
     return info, aux_layers
 
@@ -248,9 +294,18 @@ def resolve_batching(args, entries: list[dict], multiple: int) -> tuple[int, int
 def check_inputs(args, log) -> Inputs:
     if args.resume and args.overwrite:
         raise UsageError("--resume and --overwrite contradict each other: give one")
-    data_dir, data_manifest, entries = check_hidden_states(args)
-    vocab_dir, vocab_manifest, mapping = check_vocab(args, data_dir, data_manifest)
-    info, aux_layers = check_verifier(args, data_dir, data_manifest)
+    samples = None
+    if args.online:
+        from common.train.online import check_online_source
+
+        data_dir = None
+        data_manifest, entries, samples, name = check_online_source(args, log)
+    else:
+        data_dir, data_manifest, entries = check_hidden_states(args)
+        check_states_flags(args, data_dir, data_manifest)
+        name = str(data_dir / MANIFEST)
+    vocab_dir, vocab_manifest, mapping = check_vocab(args, name, data_manifest)
+    info, aux_layers = check_verifier(args, name, data_manifest)
     overrides = check_drafter_config(args, info, mapping, aux_layers)
     check_finetune(args, data_manifest, info, mapping, overrides)
     check_layer_init(args, info, mapping, aux_layers, overrides)
@@ -263,19 +318,20 @@ def check_inputs(args, log) -> Inputs:
     if device.startswith("cuda") and args.dtype == "float16":
         raise UsageError("--dtype float16: stage 04 trains in bfloat16 (or float32); float16 would need loss "
                          "scaling. Use --dtype bfloat16")
-    log.info("inputs: %d hidden-state samples (%s, aux layers %s), draft vocabulary %d of %d, verifier %s",
-             len(entries), data_dir, aux_layers, len(mapping.d2t), len(mapping.t2d), info.path)
+    log.info("inputs: %d %s samples (%s, aux layers %s), draft vocabulary %d of %d, verifier %s", len(entries),
+             "prepared (--online: states computed in training)" if args.online else "hidden-state",
+             args.prepared_data if args.online else data_dir, aux_layers, len(mapping.d2t), len(mapping.t2d), info.path)
     return Inputs(data_dir, data_manifest, entries, vocab_dir, vocab_manifest, mapping, info, aux_layers,
-                  max_tokens, max_sequences, overrides, pad_to)
+                  max_tokens, max_sequences, overrides, pad_to, samples)
 
 
 def apply_min_steps(args, inputs: Inputs, world_size: int, log) -> None:
     """--min-steps: cap the sequences of a micro-batch (inputs.max_sequences) when the plan gives too few steps."""
-    from common.train.data import sequences_for_min_steps, split_datasets
+    from common.train.data import sequences_for_min_steps
 
     if not args.min_steps:
         return
-    train_set, _ = split_datasets(inputs.data_dir, inputs.entries, args.val_ratio, args.seed, args.max_seq_len)
+    train_set, _ = inputs.split(args.val_ratio, args.seed, args.max_seq_len)
     capped = sequences_for_min_steps(train_set.lengths(), inputs.max_tokens, inputs.max_sequences, args.epochs,
                                      args.grad_accum * world_size, args.min_steps, args.seed, inputs.pad_to)
     if capped != inputs.max_sequences:
@@ -298,9 +354,20 @@ def run_config_of(args, inputs: Inputs, world_size: int = 1) -> dict:
         "drafter_config": inputs.drafter_overrides,
         "init_from_verifier_layer": bool(args.init_from_verifier_layer),
         "compute_dtype": compute_dtype_for(pick_device(args.device), args.dtype),
-        "hidden_states_index_sha256": sha256_file(_index_path(inputs.data_dir, inputs.data_manifest)),
+        **states_identity(args, inputs),
         "vocab_mapping_sha256": sha256_file(inputs.vocab_dir / "vocab_mapping.safetensors"),
     }
+
+
+def states_identity(args, inputs: Inputs) -> dict:
+    """What decides the states trained on, for --resume: stage 02's index, or (--online) the prepared data and how
+    the states are computed from it."""
+    if not inputs.online:
+        return {"hidden_states_index_sha256": sha256_file(_index_path(inputs.data_dir, inputs.data_manifest))}
+    states = inputs.data_manifest
+    return {"prepared_data_sha256": sha256_file(args.prepared_data),
+            "online_states": {key: states.get(key) for key in ("aux_layers", "dtype", "compute_dtype", "storage",
+                                                               "verifier_weights")}}
 
 
 def _index_path(data_dir: Path, data_manifest: dict) -> Path:

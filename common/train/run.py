@@ -10,10 +10,11 @@ from common.formats.manifest import MANIFEST, Manifest
 from common.formats.files import write_json_atomic
 from common.model.drafter import Eagle3Drafter
 from common.formats.checkpoint import check_drafter_dir, load_drafter
-from common.train.data import VAL_SPLIT_FILE, split_datasets
+from common.train.data import VAL_SPLIT_FILE, to_device
 from common.train.checkpoints import seed_everything
 from common.train.data_parallel import make_data_parallel
 from common.train.inputs import STAGE, Inputs
+from common.train.online import load_online_states
 from common.train.parameters import cast_parameters
 from common.train.plots import CURVES_FILE, training_title, write_training_curves
 from common.train.step import TrainConfig
@@ -82,7 +83,11 @@ def train_drafter(args, log, inputs: Inputs, run_config: dict, resume_from: Path
     `hooks` are called as hook(trainer) after every optimizer step."""
     output_dir = Path(args.output_dir)
     manifest = Manifest(output_dir, STAGE, vars(args))
-    manifest.add_input("hidden_states", inputs.data_dir, inputs.data_dir / MANIFEST)
+    if inputs.online:  # the states' description stands in for stage 02's manifest
+        manifest.add_input("prepared_data", args.prepared_data, Path(args.prepared_data).parent / MANIFEST)
+        manifest.data["states"] = {key: value for key, value in inputs.data_manifest.items() if key != "inputs"}
+    else:
+        manifest.add_input("hidden_states", inputs.data_dir, inputs.data_dir / MANIFEST)
     manifest.add_input("vocab_mapping", inputs.vocab_dir, inputs.vocab_dir / MANIFEST)
     if args.finetune_from:
         manifest.add_input("finetune_from", args.finetune_from, Path(args.finetune_from) / MANIFEST)
@@ -94,8 +99,10 @@ def train_drafter(args, log, inputs: Inputs, run_config: dict, resume_from: Path
     if rank.is_main:
         manifest.write()
 
-    seed_everything(args.seed)  # the same on every rank: the same initial drafter
-    log.info("reading embed_tokens and lm_head of %s (the verifier itself is not loaded)", args.model_path)
+    states = load_online_states(args, inputs, device, run_config["compute_dtype"], log) if inputs.online else None
+    seed_everything(args.seed)  # the same on every rank: the same initial drafter (after the verifier's load)
+    log.info("reading embed_tokens and lm_head of %s%s", args.model_path,
+             "" if inputs.online else " (the verifier itself is not loaded)")
     tensors = read_embedding_tensors(args.model_path)
     compute_dtype = run_config["compute_dtype"]
     dtype = getattr(torch, compute_dtype)
@@ -127,7 +134,7 @@ def train_drafter(args, log, inputs: Inputs, run_config: dict, resume_from: Path
              sum(p.numel() for p in model.parameters() if p.requires_grad) / 1e6, compute_dtype, device,
              f" (rank 0 of {rank.world_size}, {'FSDP' if args.fsdp else 'DDP'})" if rank.distributed else "")
 
-    train_set, val_set = split_datasets(inputs.data_dir, inputs.entries, args.val_ratio, args.seed, args.max_seq_len)
+    train_set, val_set = inputs.split(args.val_ratio, args.seed, args.max_seq_len)
     if rank.is_main:
         write_json_atomic(output_dir / VAL_SPLIT_FILE, {"seed": args.seed, "val_ratio": args.val_ratio,
                                                         "train_samples": len(train_set),
@@ -152,7 +159,7 @@ def train_drafter(args, log, inputs: Inputs, run_config: dict, resume_from: Path
                       validate_checkpoint=lambda path: check_drafter_dir(path, data_manifest=inputs.data_manifest,
                                                                          verifier_info=inputs.verifier),
                       is_main=rank.is_main, hooks=[*hooks, *signal_hooks_for_tests(rank.rank), *filter(None, [curves, profiler])],
-                      parallel=parallel)
+                      parallel=parallel, batch_to_device=states or to_device)
     if resume_from is not None:
         trainer.load_training_state(resume_from)
         log.info("resumed from %s: step %d, epoch %d, %d batches of that epoch done", resume_from,
@@ -167,6 +174,8 @@ def train_drafter(args, log, inputs: Inputs, run_config: dict, resume_from: Path
     finally:  # the curves also for a run stopped by a signal or a failure, up to its last metrics line
         if curves is not None:
             curves.draw(trainer)
+        if states is not None:
+            states.close()
     if not rank.is_main:
         return
     manifest.data.update(best=result.get("best"), best_val_sim_accept_len=result.get("best_value"),

@@ -32,7 +32,7 @@ class TrainConfig:
 
 def train_step(model: torch.nn.Module, batch: dict | Sequence[dict], optimizer: torch.optim.Optimizer,
                scheduler, verifier_lm_head: torch.Tensor, cfg: TrainConfig, parallel=None,
-               weights: Sequence[float] | None = None) -> dict[str, Any]:
+               weights: Sequence[float] | None = None, batch_to_device: Callable = to_device) -> dict[str, Any]:
     """One optimizer step over one batch or a list of micro-batches (gradient accumulation).
 
     Returns "loss" (mean over micro-batches of the TTT loss), "grad_norm" (before clipping), "sums" (per
@@ -44,6 +44,9 @@ def train_step(model: torch.nn.Module, batch: dict | Sequence[dict], optimizer: 
     `weights[i]` each micro-batch's share of the step's mean loss over all ranks (0 for a stand-in that only
     takes part in the gradient reduction); "loss", "sums" and "tokens" are then this rank's parts, to be
     summed over the ranks, and "grad_norm" and "finite" are global.
+
+    `batch_to_device(batch, device)` moves a loader's batch to the device with its states: stored ones decoded
+    (common.train.data.to_device), or computed by the verifier (stage 04 --online, common.train.online).
     """
     from common.train.loss import ttt_loss
 
@@ -56,7 +59,7 @@ def train_step(model: torch.nn.Module, batch: dict | Sequence[dict], optimizer: 
     total_loss = torch.zeros((), device=device)
     sums, tokens = None, torch.zeros((), device=device, dtype=torch.long)
     for index, micro in enumerate(micro_batches):
-        micro = to_device(micro, device)
+        micro = batch_to_device(micro, device)
         if parallel is None:
             loss, metrics = ttt_loss(model, micro, verifier_lm_head, cfg.ttt_steps, decay=cfg.ttt_decay,
                                      noise_std=cfg.noise_std, objective=cfg.loss)
@@ -106,7 +109,8 @@ def _as_batches(loader_or_samples: Iterable) -> Iterable[dict]:
 def evaluate(model: torch.nn.Module, loader_or_samples: Iterable, verifier_lm_head: torch.Tensor,
              ttt_steps: int, device: str | torch.device | None = None, decay: float = 0.8,
              reduce: Callable[[dict], dict] | None = None, amp_dtype: str | None = None,
-             chain_draft_tokens: int = DEFAULT_NUM_STEPS, chain_max_new_tokens: int | None = None) -> dict[str, Any]:
+             chain_draft_tokens: int = DEFAULT_NUM_STEPS, chain_max_new_tokens: int | None = None,
+             batch_to_device: Callable = to_device) -> dict[str, Any]:
     """Validation metrics of a drafter: per-TTT-step loss and top-1 agreement with the verifier, the
     weighted loss, the simulated acceptance length 1 + sum_k prod_{j<=k} acc_j, and the simulated chain tau:
     greedy chain decoding with `chain_draft_tokens` drafts a step (SGLang's default, 3) walked over the
@@ -116,7 +120,8 @@ def evaluate(model: torch.nn.Module, loader_or_samples: Iterable, verifier_lm_he
     load_sample returns them. `reduce` all-reduces the sums in a distributed run (it gets None from a rank
     without batches). `amp_dtype` runs the forward under torch.autocast, for callers that keep float32
     weights (no backward here, so the drafter's fused functions are fine with it); stage 04 validates in
-    the parameters' own dtype instead. Used by stage 04's validation and stage 05's --mode eval.
+    the parameters' own dtype instead. `batch_to_device` as in train_step. Used by stage 04's validation and stage
+    05's --mode eval.
     """
     from common.train.loss import real_loss_mask, ttt_loss
 
@@ -126,7 +131,7 @@ def evaluate(model: torch.nn.Module, loader_or_samples: Iterable, verifier_lm_he
     sums = None
     try:
         for batch in _as_batches(loader_or_samples):
-            batch = to_device(batch, device)
+            batch = batch_to_device(batch, device)
             hits = []
             with _autocast(device, amp_dtype):
                 _, metrics = ttt_loss(model, batch, verifier_lm_head, ttt_steps, decay=decay, noise_std=0.0,

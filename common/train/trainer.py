@@ -13,7 +13,7 @@ import torch
 from common.cli.stage import Progress, get_logger
 from common.train.checkpoints import (BEST, TRAINING_STATE, CheckpointManager, capture_rng_state, checkpoint_name,
     load_optimizer_state, load_weights_exactly, restore_rng_state)
-from common.train.data import HiddenStateDataset, make_loader, plan_batches, step_shares, steps_in_epoch
+from common.train.data import HiddenStateDataset, make_loader, plan_batches, step_shares, steps_in_epoch, to_device
 from common.train.metrics import MetricsWindow, MetricsWriter
 from common.train.parameters import model_device
 from common.train.step import TrainConfig, evaluate, train_step
@@ -65,8 +65,9 @@ class Trainer:
                  loop: LoopConfig, train_set: HiddenStateDataset, val_set: HiddenStateDataset | None,
                  output_dir: str | Path, keep_last: int, run_config: dict[str, Any],
                  validate_checkpoint: Callable[[Path], list[str]] | None = None, is_main: bool = True,
-                 hooks: Sequence[Callable[["Trainer"], None]] = (), parallel=None):
+                 hooks: Sequence[Callable[["Trainer"], None]] = (), parallel=None, batch_to_device=to_device):
         self.model, self.verifier_lm_head, self.cfg, self.loop = model, verifier_lm_head, cfg, loop
+        self.batch_to_device = batch_to_device  # stored states to the device, or the verifier's (--online)
         self.train_set, self.val_set = train_set, val_set
         self.output_dir = Path(output_dir)
         self.run_config = run_config
@@ -157,7 +158,8 @@ class Trainer:
                         # each rank its own noise, drawn alike when a run with the same ranks is resumed
                         torch.manual_seed((loop.seed * 1_000_003 + state.step) * 1_009 + self.rank)
                     out = train_step(self.model, group, self.optimizer, self.scheduler, self.verifier_lm_head, cfg,
-                                     parallel=self.parallel, weights=[weight for _, weight in share])
+                                     parallel=self.parallel, weights=[weight for _, weight in share],
+                                     batch_to_device=self.batch_to_device)
                     self._check_finite(out, group, [plan[i] for i, _ in share])
                     state.step += 1
                     state.batches_consumed = end  # global: the plan position, whatever the number of ranks
@@ -191,6 +193,8 @@ class Trainer:
         bad = [entries[p]["id"] for batch, micro in zip(positions, group) for row, p in enumerate(batch)
                if not all(bool(torch.isfinite(micro[key][row].float()).all())
                           for key in ("aux", "final", "aux_scale", "topk_logprobs") if key in micro)]
+        if not any(key in micro for micro in group for key in ("aux", "aux_scale")):  # --online: not kept
+            return f"Its states were computed online; its samples (this rank): {', '.join(map(repr, ids[:50]))}"
         if bad:
             return (f"Samples with NaN/inf in their stored hidden states: {', '.join(map(repr, bad[:20]))}; the "
                     f"verifier produced them (check its weights and dtype), and stage 02 now refuses such samples: "
@@ -250,7 +254,8 @@ class Trainer:
         started = time.time()
         with self.parallel.full_parameters() if self.parallel is not None else nullcontext():
             result = evaluate(self.model, loader, self.verifier_lm_head, self.cfg.ttt_steps, decay=self.cfg.ttt_decay,
-                              reduce=self._reduce_sums if self.parallel is not None else None)
+                              reduce=self._reduce_sums if self.parallel is not None else None,
+                              batch_to_device=self.batch_to_device)
         result = {"kind": "eval", "step": self.state.step, "epoch": epoch, **result,
                   "seconds": round(time.time() - started, 3)}
         self.metrics.write(result)

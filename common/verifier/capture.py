@@ -80,6 +80,34 @@ def run_base(text: TextModel, input_ids: torch.Tensor) -> torch.Tensor:
     return out.last_hidden_state if hasattr(out, "last_hidden_state") else out[0]
 
 
+# --- the capture of one batch ---------------------------------------------------------------
+
+class TokenSelector:
+    """Gathers the real (unpadded) tokens of a [B, S, H] batch into [N, H] in the stored dtype, per device."""
+
+    def __init__(self, flat_index_cpu: torch.Tensor, store_dtype: torch.dtype | None):
+        self.index_cpu = flat_index_cpu
+        self.store_dtype = store_dtype
+        self._on: dict[torch.device, torch.Tensor] = {}
+
+    def __call__(self, hidden: torch.Tensor) -> torch.Tensor:
+        index = self._on.get(hidden.device)
+        if index is None:
+            index = self.index_cpu.to(hidden.device, non_blocking=True)
+            self._on[hidden.device] = index
+        rows = hidden.reshape(-1, hidden.shape[-1]).index_select(0, index)
+        return rows if self.store_dtype is None else rows.to(self.store_dtype)  # None: as computed
+
+
+def capture_batch(text: TextModel, capture: "LayerInputCapture", input_ids: torch.Tensor,
+                  select: Callable[[torch.Tensor], torch.Tensor]) -> list[torch.Tensor]:
+    """One forward of the verifier's base model with `capture` armed with `select`: [aux_0, aux_1, aux_2, final],
+    each as `select` returns it. Stage 02 stores these; stage 04 --online trains on them at once."""
+    capture.arm(select)
+    final = run_base(text, input_ids)
+    return capture.take() + [select(final)]
+
+
 # --- the hook ----------------------------------------------------------------------------------------
 
 class LayerInputCapture:
