@@ -8,10 +8,13 @@ in --gpus (default 1,2):
             time (the manifest's last_run; model loading excluded), and the wall time of the whole command;
   stage 04  one epoch on the hidden states of the first G, with the same global batch for every G
             (--grad-accum = --global-accum / G); tokens/s from metrics.jsonl over the training windows after
-            the first (which holds torch.compile and warm-up); DDP, plus FSDP with --fsdp.
+            the first (which holds torch.compile and warm-up); DDP, plus FSDP with --fsdp; with --online also
+            stage 04 --online (each rank runs its own verifier on its batches) on the same prepared data, and
+            its tokens/s against the offline run's of the same G (the same batches), with both peak memories.
 
     python scripts/bench_scaling.py --random-llama 8b                     # 2 GPUs: 8B-shaped random verifier
     python scripts/bench_scaling.py --model-path /models/Llama-3.1-8B-Instruct --gpus 1,2,4
+    python scripts/bench_scaling.py --random-llama 8b --gpus 1 --online --ttt-steps 3   # online against offline
     python scripts/bench_scaling.py --device cpu --random-llama tiny --num-samples 24 \\
         --min-len 32 --max-len 96 --max-tokens-per-batch 512      # CPU smoke run (gloo, 2 processes)
 
@@ -69,6 +72,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--ttt-steps", type=int, default=7)
     parser.add_argument("--log-interval", type=int, default=2, help="stage 04's metrics window, in steps")
     parser.add_argument("--fsdp", action="store_true", help="also time stage 04 with --fsdp for each G > 1")
+    parser.add_argument("--online", action="store_true",
+                        help="also time stage 04 --online for each G, against the offline run of the same G")
     parser.add_argument("--skip-02", action="store_true",
                         help="time stage 04 only (extracts on G=1 unless --work-dir already holds that)")
     parser.add_argument("--work-dir", default=None, help="scratch folder (default: a new one under the temp dir)")
@@ -191,13 +196,16 @@ def extract(args, run: Path, model: str, data: Path, gpus: int, fresh: bool = Tr
     return record
 
 
-def train(args, run: Path, model: str, data_dir: Path, gpus: int, fsdp: bool, global_accum: int) -> dict:
-    out = run / f"checkpoints_{gpus}{'_fsdp' if fsdp else ''}"
+def train(args, run: Path, model: str, data_dir: Path, gpus: int, fsdp: bool, global_accum: int,
+          online_from: Path | None = None) -> dict:
+    """Stage 04 for one epoch on stage 02's `data_dir`, or with `online_from` on that prepared data (--online)."""
+    out = run / f"checkpoints_{gpus}{'_fsdp' if fsdp else ''}{'_online' if online_from else ''}"
     shutil.rmtree(out, ignore_errors=True)
     if global_accum % gpus:
         raise SystemExit(f"--global-accum {global_accum} is not a multiple of {gpus} GPUs")
+    source = ["--online", "--prepared-data", str(online_from)] if online_from else ["--data-dir", str(data_dir)]
     wall, _ = launch("04_train.py", gpus, [
-        "--data-dir", str(data_dir), "--vocab-mapping-dir", str(run / "vocab"), "--output-dir", str(out),
+        *source, "--vocab-mapping-dir", str(run / "vocab"), "--output-dir", str(out),
         "--model-path", model, "--device", args.device, "--epochs", "1", "--grad-accum", str(global_accum // gpus),
         "--max-tokens-per-batch", str(args.max_tokens_per_batch), "--ttt-steps", str(args.ttt_steps),
         "--val-ratio", "0", "--save-interval", "1000000", "--log-interval", str(args.log_interval),
@@ -208,9 +216,10 @@ def train(args, run: Path, model: str, data_dir: Path, gpus: int, fsdp: bool, gl
     tokens = sum(w["tokens"] for w in timed)
     seconds = sum(w["tokens"] / w["tokens_per_s"] for w in timed if w["tokens_per_s"] > 0)
     record = {"stage": "04", "gpus": gpus, "parallelism": "fsdp" if fsdp else ("ddp" if gpus > 1 else "single"),
-              "grad_accum": global_accum // gpus, "optimizer_steps": windows[-1]["step"] if windows else 0,
+              "source": "online" if online_from else "offline", "grad_accum": global_accum // gpus, "optimizer_steps": windows[-1]["step"] if windows else 0,
               "timed_tokens": tokens, "tokens_per_s": round(tokens / seconds, 1) if seconds else 0.0,
-              "final_loss": windows[-1]["loss"] if windows else None, "wall_s": round(wall, 1)}
+              "final_loss": windows[-1]["loss"] if windows else None, "wall_s": round(wall, 1),
+              "max_memory_gib": max((w["max_memory_gib"] for w in windows if "max_memory_gib" in w), default=None)}
     emit(record)
     return record
 
@@ -218,7 +227,18 @@ def train(args, run: Path, model: str, data_dir: Path, gpus: int, fsdp: bool, gl
 def ratios(records: list[dict], key: str = "tokens_per_s") -> dict:
     base = next((r[key] for r in records if r["gpus"] == 1), None)
     return {f"{r['gpus']}{'_fsdp' if r.get('parallelism') == 'fsdp' else ''}": round(r[key] / base, 3)
-            for r in records if base}
+            for r in records if base and r.get("source", "offline") == "offline"}
+
+
+def online_against_offline(records: list[dict]) -> dict:
+    """Per G (and parallelism): the online run's tokens/s over the offline run's, and both peak memories."""
+    offline = {(r["gpus"], r["parallelism"]): r for r in records if r["source"] == "offline"}
+    return {f"{r['gpus']}{'_fsdp' if r['parallelism'] == 'fsdp' else ''}": {
+        "tokens_per_s_ratio": round(r["tokens_per_s"] / base["tokens_per_s"], 3) if base["tokens_per_s"] else None,
+        "max_memory_gib": {"offline": base.get("max_memory_gib"), "online": r.get("max_memory_gib")},
+        "same_final_loss": base["final_loss"] is not None and r["final_loss"] is not None
+        and abs(base["final_loss"] - r["final_loss"]) <= 1e-2 * abs(base["final_loss"])}
+        for r in records if r["source"] == "online" and (base := offline.get((r["gpus"], r["parallelism"])))}
 
 
 def main(argv=None) -> int:
@@ -251,13 +271,16 @@ def main(argv=None) -> int:
     training = []
     for gpus in gpu_counts:
         training.append(train(args, run, model, run / "hidden_states_1", gpus, False, global_accum))
+        if args.online:
+            training.append(train(args, run, model, run / "hidden_states_1", gpus, False, global_accum, data))
         if args.fsdp and gpus > 1:
             training.append(train(args, run, model, run / "hidden_states_1", gpus, True, global_accum))
 
     result = {"bench": "bench_scaling", "device": args.device, "verifier": args.random_llama or args.model_path,
               "samples": args.num_samples, "tokens": extraction[0]["tokens"] if extraction else None,
               "stage02": {"runs": extraction, "tokens_per_s_ratio": ratios(extraction)},
-              "stage04": {"runs": training, "tokens_per_s_ratio": ratios(training), "global_accum": global_accum},
+              "stage04": {"runs": training, "tokens_per_s_ratio": ratios(training), "global_accum": global_accum,
+                          "online_against_offline": online_against_offline(training)},
               "work_dir": str(work)}
     try:
         import torch

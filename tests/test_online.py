@@ -264,3 +264,20 @@ def test_smollm2_online_trains_as_offline(smollm2, sharegpt_path, stage02, stage
     assert stage04.main(online_argv(run, online, smollm2, **flags)) == 0
     assert len(comparable(online)) >= 4
     assert_same_training(online, offline)
+
+
+@pytest.mark.slow
+def test_bench_scaling_times_online_against_offline_on_the_same_batches(tmp_path):
+    """scripts/bench_scaling.py --online (the GPU benchmark of the online source), run small on the CPU: both
+    stage 04 runs train the same batches to the same loss, and the ratio is reported per process count."""
+    done = run_script("scripts/bench_scaling.py", "--device", "cpu", "--random-llama", "tiny", "--num-samples", "24",
+                      "--min-len", "32", "--max-len", "96", "--max-tokens-per-batch", "512", "--gpus", "1", "--online",
+                      "--ttt-steps", "2", "--draft-vocab-size", "256", "--work-dir", str(tmp_path / "work"),
+                      env={"OUT": str(tmp_path / "out")})
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    result = read_json(tmp_path / "out" / "bench_scaling.json")
+    runs = result["stage04"]["runs"]
+    assert [r["source"] for r in runs] == ["offline", "online"]
+    assert runs[0]["timed_tokens"] == runs[1]["timed_tokens"] > 0 and runs[0]["final_loss"] == runs[1]["final_loss"]
+    compared = result["stage04"]["online_against_offline"]["1"]
+    assert compared["same_final_loss"] and compared["tokens_per_s_ratio"] > 0

@@ -222,8 +222,11 @@ class Trainer:
 
     def _write_train_line(self, window: MetricsWindow, epoch: int) -> None:
         reduce = self._reduce_window if self.parallel is not None else None
-        self.metrics.write({"kind": "train", "step": self.state.step, "epoch": epoch,
-                            **window.flush(self.cfg.ttt_decay, reduce)})
+        line = {"kind": "train", "step": self.state.step, "epoch": epoch, **window.flush(self.cfg.ttt_decay, reduce)}
+        device = model_device(self.model)
+        if device.type == "cuda":  # this rank's peak so far (the verifier's weights included when --online)
+            line["max_memory_gib"] = round(torch.cuda.max_memory_allocated(device) / 2 ** 30, 2)
+        self.metrics.write(line)
 
     def _stop_requested(self, stop: StopRequests) -> bool:
         if self.parallel is None:

@@ -1,0 +1,31 @@
+#!/usr/bin/env bash
+# Stage 04 --online against offline stage 04 on one GPU, side by side on the same prepared data and batches
+# (scripts/bench_scaling.py --online): SmolLM2-135M-Instruct's real weights and a random Llama-3.1-8B shape,
+# both at stage 04's defaults (TTT 3, micro-batches of 8192 tokens, bf16).
+#
+#   scripts/device_bench_online.sh SMOLLM2_DIR [PART ...]
+#     SMOLLM2_DIR  a dense Hugging Face folder of SmolLM2-135M-Instruct (common.verifier.loading.densify_gguf
+#                  writes one from the GGUF of ../shared/tools/device_smollm2.md)
+#     PART         smollm2 and/or llama8b (default: both), each a few minutes on an H200
+# Writes $OUT/online_PART.json (bench_scaling's result) and $OUT/online_PART.err (its log); the last lines
+# printed are the tokens/s ratio and both peak memories.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+SMOLLM2=$1; shift
+PARTS=${*:-smollm2 llama8b}
+OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
+WORK=${WORK:-/tmp/bench_online}
+export PYTHONUNBUFFERED=1
+nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
+for part in $PARTS; do
+  case $part in
+    smollm2) source=(--model-path "$SMOLLM2"); samples=2048 ;;
+    llama8b) source=(--random-llama 8b); samples=512 ;;
+    *) echo "unknown part $part (smollm2, llama8b)" >&2; exit 2 ;;
+  esac
+  OUT= python3 scripts/bench_scaling.py "${source[@]}" --gpus 1 --online --ttt-steps 3 --num-samples $samples \
+    --max-tokens-per-batch 8192 --work-dir "$WORK/$part" > "$OUT/online_$part.jsonl" 2> "$OUT/online_$part.err"
+  tail -n 1 "$OUT/online_$part.jsonl" > "$OUT/online_$part.json"
+  python3 -c "import json,sys; r=json.load(open(sys.argv[1])); print(sys.argv[2], json.dumps(r['stage04']['online_against_offline']), [(x['source'], x['tokens_per_s']) for x in r['stage04']['runs']], 'stage02', r['stage02']['runs'][0]['tokens_per_s'])" "$OUT/online_$part.json" "$part"
+  rm -rf "${WORK:?}/$part"  # the disk: the next part's hidden states need it
+done
