@@ -68,6 +68,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--max-tokens-per-batch", type=int, default=16384, help="stage 04's micro-batch")
     parser.add_argument("--global-accum", type=int, default=0,
                         help="micro-batches per optimizer step over all ranks (default: the largest G)")
+    parser.add_argument("--min-steps", type=int, default=None,
+                        help="stage 04's --min-steps (default: the stage's; 0 keeps whole micro-batches on small data)")
     parser.add_argument("--draft-vocab-size", type=int, default=32000)
     parser.add_argument("--ttt-steps", type=int, default=7)
     parser.add_argument("--log-interval", type=int, default=2, help="stage 04's metrics window, in steps")
@@ -209,7 +211,8 @@ def train(args, run: Path, model: str, data_dir: Path, gpus: int, fsdp: bool, gl
         "--model-path", model, "--device", args.device, "--epochs", "1", "--grad-accum", str(global_accum // gpus),
         "--max-tokens-per-batch", str(args.max_tokens_per_batch), "--ttt-steps", str(args.ttt_steps),
         "--val-ratio", "0", "--save-interval", "1000000", "--log-interval", str(args.log_interval),
-        "--num-workers", "4", "--seed", str(args.seed), *(["--fsdp"] if fsdp else [])])
+        "--num-workers", "4", "--seed", str(args.seed), *(["--fsdp"] if fsdp else []),
+        *(["--min-steps", str(args.min_steps)] if args.min_steps is not None else [])])
     lines = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     windows = [line for line in lines if line["kind"] == "train"]
     timed = windows[1:] or windows  # the first window holds compilation and warm-up
