@@ -4,8 +4,10 @@
 For micro-batches planned as stage 04 plans them (random token ids, lengths between --min-len and --max-len,
 at most --max-tokens-per-batch padded tokens, lengths rounded up to --pad-to), side by side in one run:
   forward   the verifier's base model alone (common.verifier.capture.run_base), nothing kept;
-  states    common.train.online.OnlineStates, what the online run calls: the forward with the aux-layer
-            capture, the rows gathered and laid out as a collated batch on the device;
+  states    common.train.online.OnlineStates.complete: one micro-batch's states (the forward with the aux-layer
+            capture, the rows gathered and laid out as a collated batch on the device), as validation makes them;
+  pass      OnlineStates.complete_all over --batches-per-pass micro-batches at once, as training makes them
+            (default: the number stage 04 takes for this verifier), per micro-batch;
 each after --warmup batches, with a device sync after every batch, as ms per batch and tokens/s. With
 --profile the states part also runs under torch.profiler and its top operations by host time are printed.
 
@@ -29,7 +31,7 @@ from common.formats.layer_ids import default_aux_layers  # noqa: E402
 from common.formats.storage import StorageFormat  # noqa: E402
 from common.model.kernels import sdpa_without_cudnn  # noqa: E402
 from common.train.data import collate, plan_batches  # noqa: E402
-from common.train.online import OnlineStates  # noqa: E402
+from common.train.online import OnlineStates, batches_per_pass  # noqa: E402
 from common.verifier.capture import find_text_model, run_base  # noqa: E402
 from common.verifier.loading import load_verifier_model, read_verifier_info  # noqa: E402
 
@@ -45,6 +47,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--pad-to", type=int, default=64)
     parser.add_argument("--batches", type=int, default=40)
     parser.add_argument("--warmup", type=int, default=5)
+    parser.add_argument("--batches-per-pass", type=int, default=0, help="default: common.train.online.batches_per_pass")
     parser.add_argument("--profile", action="store_true")
     return parser.parse_args(argv)
 
@@ -67,19 +70,22 @@ def micro_batches(vocab_size: int, args) -> list[dict]:
     return batches
 
 
-def timed(name: str, batches: list[dict], run, args) -> dict:
-    for batch in batches[: args.warmup]:
-        run(batch)
-    synchronize(args.device)
-    seconds, tokens = [], 0
-    for batch in batches[args.warmup:]:
+def timed(name: str, items: list, run, warmup: int, device: str) -> dict:
+    """ms per micro-batch and tokens/s of `run` over `items` (micro-batches, or lists of them) after `warmup`."""
+    for item in items[:warmup]:
+        run(item)
+    synchronize(device)
+    seconds, tokens, count = [], 0, 0
+    for item in items[warmup:]:
         started = time.perf_counter()
-        run(batch)
-        synchronize(args.device)
+        run(item)
+        synchronize(device)
         seconds.append(time.perf_counter() - started)
-        tokens += int(batch["attention_mask"].sum())
+        group = item if isinstance(item, list) else [item]
+        tokens += sum(int(batch["attention_mask"].sum()) for batch in group)
+        count += len(group)
     total = sum(seconds)
-    return {"part": name, "batches": len(seconds), "ms_per_batch": round(1000 * total / len(seconds), 2),
+    return {"part": name, "micro_batches": count, "ms_per_micro_batch": round(1000 * total / count, 2),
             "tokens_per_s": round(tokens / total, 1)}
 
 
@@ -95,8 +101,13 @@ def main(argv=None) -> int:
         with torch.no_grad(), sdpa_without_cudnn():
             run_base(text, batch["input_ids"].to(args.device))
 
-    results = [timed("forward", batches, forward, args),
-               timed("states", batches, lambda batch: states(batch, args.device), args)]
+    per_pass = args.batches_per_pass or batches_per_pass(sum(p.numel() for p in text.base.parameters()))
+    states.pass_tokens = per_pass * args.max_tokens_per_batch
+    passes = [batches[i:i + per_pass] for i in range(0, len(batches) - per_pass + 1, per_pass)]
+    results = [timed("forward", batches, forward, args.warmup, args.device),
+               timed("states", batches, lambda batch: states.complete(batch, args.device), args.warmup, args.device),
+               timed(f"pass of {per_pass}", passes, lambda group: states.complete_all(group, args.device), 1,
+                     args.device)]
     for result in results:
         print(json.dumps(result), flush=True)
     if args.profile:
@@ -105,7 +116,7 @@ def main(argv=None) -> int:
         activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if args.device.startswith("cuda") else [])
         with profile(activities=activities) as prof:
             for batch in batches[args.warmup: args.warmup + 5]:
-                states(batch, args.device)
+                states.complete(batch, args.device)
             synchronize(args.device)
         print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=25))
     return 0

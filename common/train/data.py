@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import functools
 import math
+import time
 from pathlib import Path
-from typing import Sequence
+from typing import Iterator, Sequence
 
 import numpy as np
 import torch
@@ -165,6 +166,27 @@ def make_loader(dataset: Dataset, batches: Sequence[list[int]], num_workers: int
                       num_workers=num_workers,
                       pin_memory=str(device).startswith("cuda"), generator=generator,
                       prefetch_factor=4 if num_workers > 0 else None)
+
+
+class StoredStates:
+    """Where an offline run's states come from: the loader's batches of stage 02's files, as they are; train_step
+    and evaluate move them to the device (to_device). common.train.online.OnlineStates is the online one."""
+
+    online = False
+    steps_per_pass = 1  # optimizer steps whose batches are made ready together
+
+    def step_batches(self, batches: Iterator[dict], steps: Sequence, first: int, device) -> Iterator[tuple]:
+        """(plan position after the step, its share, its micro-batches, seconds waited for them) for each of
+        `steps` from the `first`-th on; `batches` yields their micro-batches in order."""
+        for end, share in steps[first:]:
+            waited = time.time()
+            group = [next(batches) for _ in share]
+            yield end, share, group, time.time() - waited
+
+    @staticmethod
+    def complete(batch: dict[str, torch.Tensor], device) -> dict[str, torch.Tensor]:
+        """A loader's batch on the device, ready for the drafter (validation)."""
+        return to_device(batch, device)
 
 
 def to_device(batch: dict[str, torch.Tensor], device: torch.device | str) -> dict[str, torch.Tensor]:

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import time
 from pathlib import Path
-from typing import Sequence
+from typing import Iterator, Sequence
 
 import torch
 from torch.utils.data import Dataset
@@ -48,45 +48,103 @@ class PreparedDataset(Dataset):
 
 
 _SAME_SIZE_INT = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+# A verifier's forward costs a fixed host time (SmolLM2's 30 layers launch about 1,000 kernels, about 20 ms on an
+# H200) besides its FLOPs: a pass takes the micro-batches of several steps when the verifier is small.
+PASS_PARAMETERS = 1_000_000_000  # micro-batches a pass = this // the verifier's parameters, 1 to MAX_BATCHES_PER_PASS
+MAX_BATCHES_PER_PASS = 8
 
 
-def place_rows(values: torch.Tensor, rows: torch.Tensor, count: int) -> torch.Tensor:
-    """values [N, ...] at `rows` of a zero tensor [count, ...]: the padding of a collated batch. The bytes are
-    copied as integers of the same size, since FP8 and unsigned ids have no index_copy on every device."""
-    bits = _SAME_SIZE_INT[values.element_size()]
-    padded = torch.zeros(count, *values.shape[1:], dtype=bits, device=values.device)
-    return padded.index_copy_(0, rows, values.view(bits)).view(values.dtype)
+def batches_per_pass(parameters: int) -> int:
+    """How many micro-batches one pass of a verifier of this size makes ready (1 from 1B parameters on)."""
+    return max(1, min(MAX_BATCHES_PER_PASS, PASS_PARAMETERS // max(parameters, 1)))
+
+
+def rows_of(micro_batches: Sequence[dict]) -> list[Sample]:
+    """Every real row of the micro-batches, as stage 02's plan takes samples (position = its order here)."""
+    rows = []
+    for batch in micro_batches:
+        for ids, mask, length in zip(batch["input_ids"], batch["loss_mask"], batch["attention_mask"].sum(1).tolist()):
+            rows.append(Sample(position=len(rows), id=str(len(rows)), input_ids=ids[:length], loss_mask=mask[:length]))
+    return rows
 
 
 class OnlineStates:
-    """The batch_to_device of an online run: a collated batch of token ids goes to the device and gets the
-    verifier's states for its real tokens (the padding stays zero, as collate pads stored states).
+    """Where an online run's states come from: the verifier computes them for the loader's batches of token ids.
 
-    The verifier's forward runs without autograd; only the captured rows outlive it, so its activations are
-    freed before the drafter's step begins.
+    The micro-batches of `steps_per_pass` optimizer steps are made ready together: their rows go through the
+    verifier as stage 02 would batch them (longest first, at most `pass_tokens` padded tokens a forward), so a small
+    verifier's fixed cost per forward is paid once for several micro-batches. A run resumed within a pass computes
+    that pass whole (the Trainer starts its loader at the pass's first step), so the states are bit for bit those
+    of the uninterrupted run. Each micro-batch is laid out as collate lays out stored samples (padding zero). The
+    verifier's forward runs without autograd: only the captured rows outlive it.
     """
 
+    online = True
+
     def __init__(self, text: TextModel, aux_layers: Sequence[int], storage: StorageFormat,
-                 lm_head: torch.Tensor | None):
+                 lm_head: torch.Tensor | None, steps_per_pass: int = 1, pass_tokens: int = 1 << 30):
         self.text, self.storage, self.lm_head = text, storage, lm_head
+        self.steps_per_pass, self.pass_tokens = steps_per_pass, pass_tokens
         self.capture = LayerInputCapture(text.layers, aux_layers)
         self.store_dtype = getattr(torch, storage.dtype)
 
-    def __call__(self, batch: dict[str, torch.Tensor], device: torch.device | str) -> dict[str, torch.Tensor]:
-        real = batch["attention_mask"].flatten().nonzero().squeeze(1)  # on the host: no device sync
+    def step_batches(self, batches: Iterator[dict], steps: Sequence, first: int, device) -> Iterator[tuple]:
+        """As StoredStates.step_batches, with the micro-batches on the device and their states added."""
+        for begin in range(0, len(steps), self.steps_per_pass):
+            chunk = steps[begin:begin + self.steps_per_pass]
+            waited = time.time()
+            groups = [[next(batches) for _ in share] for _, share in chunk]
+            waited = time.time() - waited
+            ready = iter(self.complete_all([batch for group in groups for batch in group], device))
+            for index, ((end, share), group) in enumerate(zip(chunk, groups)):
+                done = [next(ready) for _ in group]
+                if begin + index >= first:
+                    yield end, share, done, waited
+                    waited = 0.0
+
+    def complete(self, batch: dict[str, torch.Tensor], device) -> dict[str, torch.Tensor]:
+        """One loader batch on the device with its states (validation)."""
+        return self.complete_all([batch], device)[0]
+
+    def complete_all(self, micro_batches: Sequence[dict], device) -> list[dict[str, torch.Tensor]]:
+        """Loader batches on the device with their states, from as few verifier forwards as stage 02's plan gives."""
+        from common.extract.plan import batch_inputs, plan_batches
+
         non_blocking = torch.device(device).type == "cuda"
-        batch = {key: value.to(device, non_blocking=non_blocking) for key, value in batch.items()}
-        # stage 02's rule: cast to --dtype as gathered, or keep the computed values when the format encodes them
+        rows = rows_of(micro_batches)
+        shapes = [tuple(batch["input_ids"].shape) for batch in micro_batches]
+        starts = [0]  # each micro-batch's first place in the flat buffers, [B x S] places each
+        for count, width in shapes:
+            starts.append(starts[-1] + count * width)
+        place = [starts[index] + row * width for index, (count, width) in enumerate(shapes) for row in range(count)]
+        buffers: dict[str, torch.Tensor] = {}
+        dtypes: dict[str, torch.dtype] = {}
+        for members in plan_batches(rows, 1 << 30, self.pass_tokens):
+            ids, real = batch_inputs(rows, members, pin=non_blocking)
+            into = torch.cat([place[j] + torch.arange(rows[j].num_tokens) for j in members])
+            for key, values in self.states(ids, real, device).items():
+                bits = _SAME_SIZE_INT[values.element_size()]  # FP8 and unsigned ids have no index_copy everywhere
+                if key not in buffers:
+                    buffers[key] = torch.zeros(starts[-1], *values.shape[1:], dtype=bits, device=values.device)
+                    dtypes[key] = values.dtype
+                buffers[key].index_copy_(0, into.to(values.device, non_blocking=non_blocking), values.view(bits))
+        ready = []
+        for index, batch in enumerate(micro_batches):
+            batch = {key: value.to(device, non_blocking=non_blocking) for key, value in batch.items()}
+            for key, buffer in buffers.items():
+                batch[key] = buffer[starts[index]:starts[index + 1]].view(dtypes[key]).unflatten(0, shapes[index])
+            ready.append(dequantize_batch(batch))
+        return ready
+
+    def states(self, ids: torch.Tensor, real: torch.Tensor, device) -> dict[str, torch.Tensor]:
+        """One verifier forward over right-padded `ids`: the rows of its real tokens (flat positions `real`) under
+        load_sample's keys, cast or encoded as stage 02 stores them."""
         select = TokenSelector(real, self.store_dtype if self.storage.as_computed else None)
         with torch.no_grad(), sdpa_without_cudnn():
-            packed = capture_batch(self.text, self.capture, batch["input_ids"], select)
+            packed = capture_batch(self.text, self.capture, ids.to(device, non_blocking=True), select)
             if not self.storage.as_computed:
                 packed = encode(self.storage, packed[:-1], packed[-1], self.lm_head)
-        rows = real.to(packed[0].device, non_blocking=non_blocking)
-        shape = batch["input_ids"].shape
-        for key, values in as_sample(self.storage, packed).items():
-            batch[key] = place_rows(values, rows, shape.numel()).unflatten(0, tuple(shape))
-        return dequantize_batch(batch)
+        return as_sample(self.storage, packed)
 
     def close(self) -> None:
         self.capture.remove()
@@ -108,9 +166,12 @@ def load_online_states(args, inputs, device: str, compute_dtype: str, log) -> On
     for parameter in model.parameters():
         parameter.requires_grad_(False)
     lm_head = getattr(text.lm_head, "weight", None) if storage.targets == "topk" else None
-    log.info("--online: verifier loaded in %.0f s (text model at %s); aux layers %s, stored format %s (%s)",
-             time.time() - started, text.name, list(aux_layers), storage.key(), storage.dtype)
-    return OnlineStates(text, aux_layers, storage, lm_head)
+    per_pass = batches_per_pass(sum(parameter.numel() for parameter in text.base.parameters()))
+    steps_per_pass = max(1, per_pass // args.grad_accum)
+    log.info("--online: verifier loaded in %.0f s (text model at %s); aux layers %s, stored format %s (%s); the "
+             "states of %d optimizer step(s) a pass, forwards of at most %d padded tokens", time.time() - started,
+             text.name, list(aux_layers), storage.key(), storage.dtype, steps_per_pass, per_pass * inputs.max_tokens)
+    return OnlineStates(text, aux_layers, storage, lm_head, steps_per_pass, per_pass * inputs.max_tokens)
 
 
 def check_online_source(args, log) -> tuple[dict, list[dict], list[Sample], str]:

@@ -10,7 +10,7 @@ from common.formats.manifest import MANIFEST, Manifest
 from common.formats.files import write_json_atomic
 from common.model.drafter import Eagle3Drafter
 from common.formats.checkpoint import check_drafter_dir, load_drafter
-from common.train.data import VAL_SPLIT_FILE, to_device
+from common.train.data import VAL_SPLIT_FILE
 from common.train.checkpoints import seed_everything
 from common.train.data_parallel import make_data_parallel
 from common.train.inputs import STAGE, Inputs
@@ -159,7 +159,7 @@ def train_drafter(args, log, inputs: Inputs, run_config: dict, resume_from: Path
                       validate_checkpoint=lambda path: check_drafter_dir(path, data_manifest=inputs.data_manifest,
                                                                          verifier_info=inputs.verifier),
                       is_main=rank.is_main, hooks=[*hooks, *signal_hooks_for_tests(rank.rank), *filter(None, [curves, profiler])],
-                      parallel=parallel, batch_to_device=states or to_device)
+                      parallel=parallel, source=states)
     if resume_from is not None:
         trainer.load_training_state(resume_from)
         log.info("resumed from %s: step %d, epoch %d, %d batches of that epoch done", resume_from,

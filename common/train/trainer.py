@@ -13,7 +13,8 @@ import torch
 from common.cli.stage import Progress, get_logger
 from common.train.checkpoints import (BEST, TRAINING_STATE, CheckpointManager, capture_rng_state, checkpoint_name,
     load_optimizer_state, load_weights_exactly, restore_rng_state)
-from common.train.data import HiddenStateDataset, make_loader, plan_batches, step_shares, steps_in_epoch, to_device
+from common.train.data import (HiddenStateDataset, StoredStates, make_loader, plan_batches, step_shares,
+    steps_in_epoch)
 from common.train.metrics import MetricsWindow, MetricsWriter
 from common.train.parameters import model_device
 from common.train.step import TrainConfig, evaluate, train_step
@@ -65,9 +66,9 @@ class Trainer:
                  loop: LoopConfig, train_set: HiddenStateDataset, val_set: HiddenStateDataset | None,
                  output_dir: str | Path, keep_last: int, run_config: dict[str, Any],
                  validate_checkpoint: Callable[[Path], list[str]] | None = None, is_main: bool = True,
-                 hooks: Sequence[Callable[["Trainer"], None]] = (), parallel=None, batch_to_device=to_device):
+                 hooks: Sequence[Callable[["Trainer"], None]] = (), parallel=None, source=None):
         self.model, self.verifier_lm_head, self.cfg, self.loop = model, verifier_lm_head, cfg, loop
-        self.batch_to_device = batch_to_device  # stored states to the device, or the verifier's (--online)
+        self.source = source or StoredStates()  # stage 02's files, or the verifier's states (--online)
         self.train_set, self.val_set = train_set, val_set
         self.output_dir = Path(output_dir)
         self.run_config = run_config
@@ -145,21 +146,21 @@ class Trainer:
                 plan = self.epoch_plans[epoch]
                 start = state.batches_consumed if epoch == state.epoch else 0
                 state.epoch, state.batches_consumed = epoch, start
-                steps = step_shares(len(plan), start, self.micro_per_step, self.world_size, self.rank)
+                # from the start of the source's pass that holds `start` (its batches are made ready together)
+                chunk = self.micro_per_step * self.source.steps_per_pass
+                steps = step_shares(len(plan), start - start % chunk, self.micro_per_step, self.world_size, self.rank)
                 loader = make_loader(self.train_set, [plan[i] for _, share in steps for i, _ in share],
                                      loop.num_workers, cfg.device, loop.seed * 1000 + epoch,
                                      pad_to=loop.pad_to)
-                batches = iter(loader)
-                for end, share in steps:
-                    waited = time.time()
-                    group = [next(batches) for _ in share]
-                    window.data_wait_s += time.time() - waited
+                ready = self.source.step_batches(iter(loader), steps, (start % chunk) // self.micro_per_step,
+                                                 cfg.device)
+                for end, share, group, waited in ready:
+                    window.data_wait_s += waited
                     if self.parallel is not None and cfg.noise_std > 0:
                         # each rank its own noise, drawn alike when a run with the same ranks is resumed
                         torch.manual_seed((loop.seed * 1_000_003 + state.step) * 1_009 + self.rank)
                     out = train_step(self.model, group, self.optimizer, self.scheduler, self.verifier_lm_head, cfg,
-                                     parallel=self.parallel, weights=[weight for _, weight in share],
-                                     batch_to_device=self.batch_to_device)
+                                     parallel=self.parallel, weights=[weight for _, weight in share])
                     self._check_finite(out, group, [plan[i] for i, _ in share])
                     state.step += 1
                     state.batches_consumed = end  # global: the plan position, whatever the number of ranks
@@ -193,8 +194,9 @@ class Trainer:
         bad = [entries[p]["id"] for batch, micro in zip(positions, group) for row, p in enumerate(batch)
                if not all(bool(torch.isfinite(micro[key][row].float()).all())
                           for key in ("aux", "final", "aux_scale", "topk_logprobs") if key in micro)]
-        if not any(key in micro for micro in group for key in ("aux", "aux_scale")):  # --online: not kept
-            return f"Its states were computed online; its samples (this rank): {', '.join(map(repr, ids[:50]))}"
+        if bad and self.source.online:
+            return (f"Samples whose states the verifier computed with NaN/inf: {', '.join(map(repr, bad[:20]))}; check "
+                    f"the verifier's weights and --dtype")
         if bad:
             return (f"Samples with NaN/inf in their stored hidden states: {', '.join(map(repr, bad[:20]))}; the "
                     f"verifier produced them (check its weights and dtype), and stage 02 now refuses such samples: "
@@ -258,7 +260,7 @@ class Trainer:
         with self.parallel.full_parameters() if self.parallel is not None else nullcontext():
             result = evaluate(self.model, loader, self.verifier_lm_head, self.cfg.ttt_steps, decay=self.cfg.ttt_decay,
                               reduce=self._reduce_sums if self.parallel is not None else None,
-                              batch_to_device=self.batch_to_device)
+                              batch_to_device=self.source.complete)
         result = {"kind": "eval", "step": self.state.step, "epoch": epoch, **result,
                   "seconds": round(time.time() - started, 3)}
         self.metrics.write(result)
