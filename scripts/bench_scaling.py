@@ -210,10 +210,12 @@ def train(args, run: Path, model: str, data_dir: Path, gpus: int, fsdp: bool, gl
         *source, "--vocab-mapping-dir", str(run / "vocab"), "--output-dir", str(out),
         "--model-path", model, "--device", args.device, "--epochs", "1", "--grad-accum", str(global_accum // gpus),
         "--max-tokens-per-batch", str(args.max_tokens_per_batch), "--ttt-steps", str(args.ttt_steps),
-        "--val-ratio", "0", "--save-interval", "1000000", "--log-interval", str(args.log_interval),
+        "--val-ratio", "0", "--save-interval", "1000000", "--keep-last", "1", "--log-interval", str(args.log_interval),
         "--num-workers", "4", "--seed", str(args.seed), *(["--fsdp"] if fsdp else []),
         *(["--min-steps", str(args.min_steps)] if args.min_steps is not None else [])])
     lines = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    for checkpoint in [*out.glob("epoch_*"), *out.glob("step_*")]:  # the disk: an 8B-shaped drafter's is 7 GB
+        shutil.rmtree(checkpoint)
     windows = [line for line in lines if line["kind"] == "train"]
     timed = windows[1:] or windows  # the first window holds compilation and warm-up
     tokens = sum(w["tokens"] for w in timed)

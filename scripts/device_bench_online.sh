@@ -6,7 +6,9 @@
 #   scripts/device_bench_online.sh SMOLLM2_DIR [PART ...]
 #     SMOLLM2_DIR  a dense Hugging Face folder of SmolLM2-135M-Instruct (common.verifier.loading.densify_gguf
 #                  writes one from the GGUF of ../shared/tools/device_smollm2.md)
-#     PART         smollm2 and/or llama8b (default: both), each a few minutes on an H200
+#     PART         smollm2 and/or llama8b (default: both), each a few minutes on an H200: SmolLM2 at stage 04's
+#                  --min-steps (2048 samples: micro-batches of one sequence, as the first run), the 8B shape with
+#                  whole 8192-token micro-batches (--min-steps 0)
 # Writes $OUT/online_PART.json (bench_scaling's result) and $OUT/online_PART.err (its log); the last lines
 # printed are the tokens/s ratio and both peak memories.
 set -uo pipefail
@@ -20,7 +22,7 @@ nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
 for part in $PARTS; do
   case $part in
     smollm2) source=(--model-path "$SMOLLM2"); samples=2048 ;;
-    llama8b) source=(--random-llama 8b); samples=512 ;;
+    llama8b) source=(--random-llama 8b --min-steps 0); samples=384 ;;
     *) echo "unknown part $part (smollm2, llama8b)" >&2; exit 2 ;;
   esac
   OUT= python3 scripts/bench_scaling.py "${source[@]}" --gpus 1 --online --ttt-steps 3 --num-samples $samples \
