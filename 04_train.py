@@ -15,11 +15,12 @@ import sys
 from common.cli.flags import parse_stage_args
 from common.cli.stage import run_stage
 from common.train.inputs import (STAGE, apply_min_steps, check_disk, check_fp8, check_inputs, check_output,
-    rank_device, run_config_of)
+    rank_device, resolve_machine_defaults, run_config_of)
 
 
 def parse(argv):
-    return parse_stage_args(STAGE, __doc__, argv)
+    """The flags, with the defaults that depend on the machine resolved (run_pipeline.py parses them so too)."""
+    return resolve_machine_defaults(parse_stage_args(STAGE, __doc__, argv))
 
 
 def work(args, log, hooks=()):

@@ -172,7 +172,7 @@ def test_online_run_skips_stage_02_and_reruns_skip_everything(tmp_path, texts, s
     run = tmp_path / "run"
     common = ["--run-dir", str(run), "--model-path", str(stories260k), "--dataset", str(texts),
               "--draft-vocab-size", "100", "--skip", "05", "--epochs", "1", "--online",
-              "--stage-args", "04", "--num-workers 0 --pad-batches-to 1"]  # (its CPU default, given: see issue 45)
+              "--stage-args", "04", "--num-workers 0"]
     first = run_pipeline(*common)
     assert first.returncode == 0, first.stdout[-3000:] + first.stderr[-3000:]
     assert "02_extract_hidden_states: not needed, skipped (stage 04 computes the verifier's states itself" \
@@ -185,3 +185,49 @@ def test_online_run_skips_stage_02_and_reruns_skip_everything(tmp_path, texts, s
     second = run_pipeline(*common)
     assert second.returncode == 0 and second.stdout.count("complete with these flags, skipped") == 3, \
         second.stdout[-3000:]
+
+
+def test_a_rerun_with_nothing_changed_skips_every_stage(tmp_path, stories260k):
+    """Stages 01-05 on a CPU with the defaults the machine decides (stage 04's --pad-batches-to) and the values stage
+    05 takes from the run directory; the same command again skips all five. Every flag a stage recorded with
+    another value than its plain parse gives (a default resolved at run time) comes out of the stage's own parse,
+    which the staleness check uses, as recorded."""
+    from common.cli.flags import parse_stage_args
+    from common.cli.pipeline import STAGES, in_run_terms, output_manifest, stage_parser
+    from conftest import STORIES_TEMPLATE
+
+    template = tmp_path / "stories.jinja"
+    template.write_text(STORIES_TEMPLATE)
+    chats = tmp_path / "chats.jsonl"
+    chats.write_text("".join(json.dumps({"id": f"c{i}", "conversations": [
+        {"from": "human", "value": f"Tell me a story about the {thing} ({i})."},
+        {"from": "gpt", "value": "Once upon a time there was a little girl."}]}) + "\n"
+        for i, thing in enumerate(["ball", "dog", "tree", "car", "cake", "boat"] * 6)))
+    run = tmp_path / "run"
+    common = ["--run-dir", str(run), "--model-path", str(stories260k), "--dataset", str(chats), "--chat-template",
+              str(template), "--eval-ratio", "0.15", "--draft-vocab-size", "256", "--epochs", "1", "--max-new-tokens",
+              "16", "--num-prompts", "2", "--tau-only", "--num-workers", "0"]
+    first = run_pipeline(*common)
+    assert first.returncode == 0, first.stdout[-3000:] + first.stderr[-3000:]
+    second = run_pipeline(*common)
+    assert second.returncode == 0, second.stdout[-3000:]
+    assert second.stdout.count("complete with these flags, skipped") == 5, second.stdout[-3000:]
+    resolved_at_run_time = []
+    for stage in STAGES:
+        recorded = output_manifest(run, stage)["flags"]
+        argv = ["--run-dir", str(run), *[a for a in common[2:]]]
+        plain, own = parse_stage_args(stage, "", _stage_argv(stage, argv)), stage_parser(stage)(_stage_argv(stage, argv))
+        for dest, value in vars(own).items():
+            if in_run_terms(recorded.get(dest), recorded.get("run_dir")) != in_run_terms(getattr(plain, dest), str(run)):
+                resolved_at_run_time.append((stage, dest))
+                assert in_run_terms(value, str(run)) == in_run_terms(recorded.get(dest), recorded.get("run_dir")), \
+                    (stage, dest, value, recorded.get(dest))
+    assert ("04_train", "pad_batches_to") in resolved_at_run_time
+
+
+def _stage_argv(stage: str, argv: list[str]) -> list[str]:
+    """The part of a runner's command line that reaches `stage` (as run_pipeline.py routes it)."""
+    from common.cli.pipeline import split_shared_flags, stage_argv
+
+    shared = split_shared_flags(argv[2:], pytest.fail, [])
+    return stage_argv(stage, argv[1], shared, {})

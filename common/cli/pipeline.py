@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Callable, Sequence
 
 from common.cli.errors import USAGE_ERROR
-from common.cli.flags import FLAGS, RUN_LAYOUT, STAGE_FLAGS, _all_option_strings, parse_stage_args
+from common.cli.flags import FLAGS, RUN_LAYOUT, STAGE_FLAGS, _all_option_strings
 from common.formats.files import read_json
 from common.formats.manifest import MANIFEST, STATUS_COMPLETE
 
@@ -81,14 +81,29 @@ def stage_argv(stage: str, run_dir: str, shared: dict[str, list[str]], extra: di
     return ["--run-dir", run_dir, *shared[stage], *extra.get(stage, [])]
 
 
+def stage_parser(stage: str) -> Callable[[list[str]], argparse.Namespace]:
+    """The stage script's own `parse`: its flags with every default it resolves before recording them (the machine's
+    device, values taken from the run directory), so that a finished stage is compared with what it would record."""
+    import importlib.util
+
+    name = f"_stage_{stage}"
+    if name not in sys.modules:
+        spec = importlib.util.spec_from_file_location(name, REPO / f"{stage}.py")
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[name] = module
+        spec.loader.exec_module(module)
+    return sys.modules[name].parse
+
+
 def check_all_flags(argvs: dict[str, list[str]]) -> dict[str, argparse.Namespace]:
-    """Parse every stage's flags now, so a typo for stage 04 fails before stage 01 runs for hours."""
+    """Parse every stage's flags now (through the stage's own parse), so a typo for stage 04 fails before stage 01
+    runs for hours."""
     resolved = {}
     for stage, argv in argvs.items():
         err = io.StringIO()
         try:
             with contextlib.redirect_stderr(err):
-                resolved[stage] = parse_stage_args(stage, "", argv)
+                resolved[stage] = stage_parser(stage)(argv)
         except SystemExit:
             sys.stderr.write(f"run_pipeline: flags for {stage} are wrong:\n{err.getvalue()}")
             sys.exit(USAGE_ERROR)

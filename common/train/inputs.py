@@ -262,6 +262,17 @@ def check_layer_init(args, info: VerifierInfo, mapping, aux_layers: list[int], o
                          f"({'; '.join(problems)}); drop the flag or the --drafter-config that changes the shape")
 
 
+def resolve_machine_defaults(args):
+    """--pad-batches-to when not given, resolved for this machine's device before the run records its flags: the
+    stage and run_pipeline.py's staleness check (which parses through the stage's own parse) then see one value."""
+    if args.pad_batches_to is None:
+        try:
+            args.pad_batches_to = default_pad_batches_to(pick_device(args.device))
+        except UsageError:  # no such device here: check_inputs says so, as an input error
+            pass
+    return args
+
+
 def default_pad_batches_to(device: str) -> int:
     """--pad-batches-to when not given: on a GPU, repeating shapes spare the host per-shape work; a CPU has none."""
     return 64 if str(device).startswith("cuda") else 1
