@@ -3,7 +3,8 @@ device, as stage 02 would have stored them, so nothing but checkpoints and metri
 
 The states come from stage 02's own pieces: the capture rule and hook (common.verifier.capture), and the storage
 format's rounding (common.formats.storage: bf16 or FP8 aux, final or top-k targets). A batch completed here holds
-the very tensors that reading stage 02's files for the same samples would give, laid out as collate lays them.
+the tensors that reading stage 02's files for the same samples would give, laid out as collate lays them (to float
+rounding: the verifier's forward sees other batches than stage 02's).
 """
 from __future__ import annotations
 
