@@ -51,9 +51,19 @@ def runner_parser() -> StageArgumentParser:
     return parser
 
 
+def shielded_stage_args(argv: list[str]) -> list[str]:
+    """argv with each --stage-args value kept as a value: argparse takes a lone "--tau-only" (a dash, no space) for an
+    option and stops with "expected 2 arguments"; a leading space makes it a value (shlex drops the space)."""
+    out = list(argv)
+    for i, token in enumerate(out[:-2]):
+        if token == "--stage-args" and out[i + 2].startswith("-") and " " not in out[i + 2]:
+            out[i + 2] = " " + out[i + 2]
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = runner_parser()
-    args, rest = parser.parse_known_args(argv)
+    args, rest = parser.parse_known_args(shielded_stage_args(sys.argv[1:] if argv is None else argv))
     if args.nproc_per_node < 1:
         parser.error(f"--nproc-per-node {args.nproc_per_node}: give 1 or more processes")
     # torchrun passes a SIGINT/SIGTERM on to its ranks but kills them 30 s later by default: too soon for stage

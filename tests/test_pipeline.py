@@ -65,6 +65,17 @@ def test_a_bad_flag_for_a_late_stage_stops_before_the_first(tmp_path, texts, sto
     assert not (run / "data").exists()
 
 
+def test_stage_args_take_a_lone_flag(tmp_path, texts, stories260k):
+    """--stage-args 03 "--overwrite" (one flag, no space) reaches stage 03; argparse alone refused it."""
+    run = tmp_path / "run"
+    common = ["--run-dir", str(run), "--model-path", str(stories260k), "--dataset", str(texts), "--skip", "02",
+              "--skip", "04", "--skip", "05"]
+    assert run_pipeline(*common).returncode == 0
+    again = run_pipeline(*common, "--only", "03", "--stage-args", "03", "--overwrite")
+    assert again.returncode == 0, again.stdout[-2000:] + again.stderr[-2000:]
+    assert "03_build_vocab_mapping.py --run-dir" in again.stdout and "--overwrite" in again.stdout
+
+
 def test_unknown_flag_to_the_runner_is_named(tmp_path):
     result = run_pipeline("--run-dir", str(tmp_path), "--verifer-path", "x")
     assert result.returncode == 2 and "--verifer-path" in result.stderr and "did you mean" in result.stderr
