@@ -17,6 +17,10 @@ from pathlib import Path
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
+from common.cli.errors import report_missing_packages  # noqa: E402
+
+report_missing_packages()  # a missing package: one line naming it and the setup command
+
 from common.cli import distributed  # noqa: E402
 from common.cli.errors import UsageError  # noqa: E402
 from common.cli.flags import parse_stage_args, require  # noqa: E402

@@ -11,6 +11,10 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
+from common.cli.errors import report_missing_packages  # noqa: E402
+
+report_missing_packages()  # a missing package: one line naming it and the setup command
+
 from common.cli.errors import UsageError
 from common.cli.flags import parse_stage_args, require
 from common.cli.stage import Progress, run_stage

@@ -20,6 +20,10 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
+from common.cli.errors import report_missing_packages  # noqa: E402
+
+report_missing_packages()  # a missing package: one line naming it and the setup command
+
 from common.bench.drafter_check import check_verifier_weights
 from common.bench.eval_mode import eval_summary_line, run_eval
 from common.bench.lineage import DATA_STAGE, check_overlap

@@ -25,11 +25,15 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+from common.cli.errors import report_missing_packages  # noqa: E402
+
+report_missing_packages()  # a missing package: one line naming it and the setup command
+
 from common.cli.errors import USAGE_ERROR, UsageError  # noqa: E402
 from common.cli.flags import StageArgumentParser  # noqa: E402
 from common.cli.lock import OutputLock  # noqa: E402
-from common.cli.pipeline import (STAGES, check_all_flags, is_current, output_manifest, run_one,  # noqa: E402
-    split_shared_flags, stage_argv, stage_command, stage_named, tail)
+from common.cli.pipeline import (STAGES, check_all_flags, is_current, log_size, output_manifest,  # noqa: E402
+    run_one, split_shared_flags, stage_argv, stage_command, stage_named, tail)
 from common.cli.run_status import print_status  # noqa: E402
 from common.formats.manifest import STATUS_COMPLETE  # noqa: E402
 
@@ -116,10 +120,11 @@ def main(argv: list[str] | None = None) -> int:
         if stage == "04_train" and manifest and manifest.get("status") != STATUS_COMPLETE \
                 and "--resume" not in argv_now and "--overwrite" not in argv_now:
             argv_now.append("--resume")  # an interrupted training run continues where it stopped
+        stage_log = run_dir / "logs" / f"{stage}.log"
+        logged_before = log_size(stage_log)
         code = run_one(stage, stage_command(stage, argv_now, resolved[stage], args.nproc_per_node), log)
         if code != 0:
-            log(f"{stage} failed (exit {code}); last lines of {run_dir / 'logs' / (stage + '.log')}:\n"
-                f"{tail(run_dir / 'logs' / (stage + '.log'))}\n"
+            log(f"{stage} failed (exit {code}); last lines of {stage_log}:\n{tail(stage_log, since=logged_before)}\n"
                 f"Fix the cause and rerun the same command: finished stages are skipped.")
             return code
     log("pipeline finished")

@@ -76,6 +76,30 @@ def test_stage_args_take_a_lone_flag(tmp_path, texts, stories260k):
     assert "03_build_vocab_mapping.py --run-dir" in again.stdout and "--overwrite" in again.stdout
 
 
+def test_a_failing_stage_shows_its_own_log_lines_never_an_earlier_runs(tmp_path, stories260k):
+    """A stage's log keeps earlier runs' lines; a failure shows only what this run wrote."""
+    run = tmp_path / "run"
+    (run / "logs").mkdir(parents=True)
+    (run / "logs" / "03_build_vocab_mapping.log").write_text("EARLIER RUN: vocabulary map written\n" * 5)
+    result = run_pipeline("--run-dir", str(run), "--model-path", str(stories260k), "--only", "03")
+    assert result.returncode == 2
+    shown = result.stdout.split("03_build_vocab_mapping failed")[1]
+    assert "no such file; run 01_prepare_data.py first" in shown and "EARLIER RUN" not in shown, shown
+
+
+@pytest.mark.parametrize("script", ["04_train.py", "run_pipeline.py"])
+def test_a_missing_package_is_one_line_naming_it_and_the_setup(script, tmp_path):
+    """The scripts run by a Python without the packages (-S: no site-packages, as a system Python without the
+    setup's .venv): one line on stderr, no traceback."""
+    args = ["--help"] if script != "run_pipeline.py" else ["--run-dir", str(tmp_path), "--model-path", "m"]
+    result = subprocess.run([sys.executable, "-S", str(REPO / script), *args], capture_output=True, text=True,
+                            timeout=60, cwd=str(REPO))
+    assert result.returncode != 0 and "Traceback" not in result.stderr, result.stderr
+    [line] = result.stderr.strip().splitlines()
+    assert line.startswith(f"{script}: the Python package ") and "is missing from" in line
+    assert "bash scripts/setup_env.sh" in line and ".venv/bin/python" in line
+
+
 def test_unknown_flag_to_the_runner_is_named(tmp_path):
     result = run_pipeline("--run-dir", str(tmp_path), "--verifer-path", "x")
     assert result.returncode == 2 and "--verifer-path" in result.stderr and "did you mean" in result.stderr

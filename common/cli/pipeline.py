@@ -139,11 +139,25 @@ def is_current(manifest: dict | None, args: argparse.Namespace) -> bool:
                for k, v in wanted.items())
 
 
-def tail(path: Path, lines: int = TAIL_LINES) -> str:
+def log_size(path: Path) -> int:
+    """Bytes in a stage's log now: where the lines of the run about to start begin."""
     try:
-        return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
+        return path.stat().st_size
     except OSError:
-        return "(no log)"
+        return 0
+
+
+def tail(path: Path, lines: int = TAIL_LINES, since: int = 0) -> str:
+    """The last lines the log got from byte `since` on (an earlier run's lines are never shown as this run's)."""
+    try:
+        with open(path, "rb") as handle:
+            handle.seek(since)
+            text = handle.read().decode(errors="replace")
+    except OSError:
+        text = ""
+    if not text.strip():
+        return "(the stage wrote nothing to its log this time: its own output above says why)"
+    return "\n".join(text.splitlines()[-lines:])
 
 
 def run_one(stage: str, command: list[str], log) -> int:

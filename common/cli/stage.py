@@ -19,7 +19,7 @@ from typing import Callable
 from tqdm import tqdm
 
 from common.formats.files import atomic_path, write_json_atomic
-from common.cli.errors import FAILURE, USAGE_ERROR, StageFailure, UsageError
+from common.cli.errors import FAILURE, USAGE_ERROR, StageFailure, UsageError, missing_package_message
 from common.cli.flags import log_dir_for
 from common.cli.lock import OutputLock
 
@@ -128,6 +128,13 @@ def run_stage(stage: str, parse: Callable[[list[str] | None], argparse.Namespace
     except KeyboardInterrupt:
         logger.error("%s interrupted; rerun the same command to resume", stage)
         return 130
+    except ModuleNotFoundError as err:  # a package imported on the way (our own modules keep their traceback)
+        message = missing_package_message(err)
+        if message is None:
+            logger.error("%s failed:\n%s", stage, traceback.format_exc())
+        else:
+            logger.error("%s", message)
+        return FAILURE
     except Exception:  # noqa: BLE001 - every other failure is reported with its traceback
         logger.error("%s failed:\n%s", stage, traceback.format_exc())
         return FAILURE
