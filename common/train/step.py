@@ -32,7 +32,7 @@ class TrainConfig:
 
 def train_step(model: torch.nn.Module, batch: dict | Sequence[dict], optimizer: torch.optim.Optimizer,
                scheduler, verifier_lm_head: torch.Tensor, cfg: TrainConfig, parallel=None,
-               weights: Sequence[float] | None = None, batch_to_device: Callable = to_device) -> dict[str, Any]:
+               weights: Sequence[float] | None = None) -> dict[str, Any]:
     """One optimizer step over one batch or a list of micro-batches (gradient accumulation).
 
     Returns "loss" (mean over micro-batches of the TTT loss), "grad_norm" (before clipping), "sums" (per
@@ -44,9 +44,6 @@ def train_step(model: torch.nn.Module, batch: dict | Sequence[dict], optimizer: 
     `weights[i]` each micro-batch's share of the step's mean loss over all ranks (0 for a stand-in that only
     takes part in the gradient reduction); "loss", "sums" and "tokens" are then this rank's parts, to be
     summed over the ranks, and "grad_norm" and "finite" are global.
-
-    `batch_to_device(batch, device)` moves a loader's batch to the device with its states: stored ones decoded
-    (common.train.data.to_device), or computed by the verifier (stage 04 --online, common.train.online).
     """
     from common.train.loss import ttt_loss
 
@@ -59,7 +56,7 @@ def train_step(model: torch.nn.Module, batch: dict | Sequence[dict], optimizer: 
     total_loss = torch.zeros((), device=device)
     sums, tokens = None, torch.zeros((), device=device, dtype=torch.long)
     for index, micro in enumerate(micro_batches):
-        micro = batch_to_device(micro, device)
+        micro = to_device(micro, device)  # (an online run's batches are on the device with their states already)
         if parallel is None:
             loss, metrics = ttt_loss(model, micro, verifier_lm_head, cfg.ttt_steps, decay=cfg.ttt_decay,
                                      noise_std=cfg.noise_std, objective=cfg.loss)
@@ -120,8 +117,9 @@ def evaluate(model: torch.nn.Module, loader_or_samples: Iterable, verifier_lm_he
     load_sample returns them. `reduce` all-reduces the sums in a distributed run (it gets None from a rank
     without batches). `amp_dtype` runs the forward under torch.autocast, for callers that keep float32
     weights (no backward here, so the drafter's fused functions are fine with it); stage 04 validates in
-    the parameters' own dtype instead. `batch_to_device` as in train_step. Used by stage 04's validation and stage
-    05's --mode eval.
+    the parameters' own dtype instead. `batch_to_device(batch, device)` moves a batch to the device with its
+    states: stored ones decoded (to_device), or computed by the verifier (stage 04 --online, common.train.online).
+    Used by stage 04's validation and stage 05's --mode eval.
     """
     from common.train.loss import real_loss_mask, ttt_loss
 
