@@ -6,9 +6,11 @@
 #   scripts/device_bench_online.sh SMOLLM2_DIR [PART ...]
 #     SMOLLM2_DIR  a dense Hugging Face folder of SmolLM2-135M-Instruct (common.verifier.loading.densify_gguf
 #                  writes one from the GGUF of ../shared/tools/device_smollm2.md)
-#     PART         smollm2 and/or llama8b (default: both), each a few minutes on an H200: SmolLM2 at stage 04's
-#                  --min-steps (2048 samples: micro-batches of one sequence, as the first run), the 8B shape with
-#                  whole 8192-token micro-batches (--min-steps 0)
+#     PART         any of smollm2, smollm2_whole, llama8b, states (default: smollm2 llama8b), each a few minutes
+#                  on an H200: SmolLM2 at stage 04's --min-steps (2048 samples: micro-batches of one sequence, as
+#                  the first run), SmolLM2 and the 8B shape with whole 8192-token micro-batches (--min-steps 0);
+#                  states times SmolLM2's states alone (scripts/bench_online_states.py: forward, one micro-batch,
+#                  a pass)
 # Writes $OUT/online_PART.json (bench_scaling's result) and $OUT/online_PART.err (its log); the last lines
 # printed are the tokens/s ratio and both peak memories.
 set -uo pipefail
@@ -22,8 +24,11 @@ nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
 for part in $PARTS; do
   case $part in
     smollm2) source=(--model-path "$SMOLLM2"); samples=2048 ;;
+    smollm2_whole) source=(--model-path "$SMOLLM2" --min-steps 0); samples=2048 ;;
     llama8b) source=(--random-llama 8b --min-steps 0); samples=384 ;;
-    *) echo "unknown part $part (smollm2, llama8b)" >&2; exit 2 ;;
+    states) python3 scripts/bench_online_states.py --model-path "$SMOLLM2" --device cuda > "$OUT/online_states.json" \
+              2> "$OUT/online_states.err"; tail -n 3 "$OUT/online_states.json"; continue ;;
+    *) echo "unknown part $part (smollm2, smollm2_whole, llama8b, states)" >&2; exit 2 ;;
   esac
   OUT= python3 scripts/bench_scaling.py "${source[@]}" --gpus 1 --online --ttt-steps 3 --num-samples $samples \
     --max-tokens-per-batch 8192 --work-dir "$WORK/$part" > "$OUT/online_$part.jsonl" 2> "$OUT/online_$part.err"
