@@ -17,7 +17,7 @@ from common.cli.errors import report_missing_packages  # noqa: E402
 
 report_missing_packages()  # a missing package: one line naming it and the setup command
 
-from common.cli.flags import parse_stage_args  # noqa: E402
+from common.cli.parser import parse_stage_args  # noqa: E402
 from common.cli.stage import run_stage  # noqa: E402
 from common.data.inputs import STAGE, already_complete, check_inputs  # noqa: E402
 from common.data.prepare import prepare_data  # noqa: E402

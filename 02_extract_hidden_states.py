@@ -23,7 +23,7 @@ report_missing_packages()  # a missing package: one line naming it and the setup
 
 from common.cli import distributed  # noqa: E402
 from common.cli.errors import UsageError  # noqa: E402
-from common.cli.flags import parse_stage_args, require  # noqa: E402
+from common.cli.parser import parse_stage_args, require  # noqa: E402
 from common.cli.stage import run_stage  # noqa: E402
 from common.formats.layer_ids import check_aux_layers, default_aux_layers  # noqa: E402
 from common.verifier.loading import pick_device, read_verifier_info  # noqa: E402
@@ -45,17 +45,21 @@ def work(args, log) -> None:
         return verify_output(Path(args.output_dir), log)
     require(args, "model_path", "prepared_data")
     if args.backend == "sglang":  # the pinned SGLang, GPUs, one process: checked first (common/verifier/)
-        from common.verifier.sglang_backend import check_sglang_early
+        from common.verifier.sglang_backend import check_engine_settings, check_sglang_early
 
         if args.aux_dtype != "bfloat16" or args.targets != "final":
             raise UsageError("--aux-dtype float8_e4m3 and --targets topk are written by the hf backend only (the "
                              "SGLang capture in patches/sglang_capture.py stores --dtype aux and final): drop them "
                              "or use --backend hf")
 
-        check_sglang_early(args)
+        version = check_sglang_early(args)
+        check_engine_settings(args, version)
     elif args.tp_size != 1:
         log.warning("--tp-size %d is for the sglang backend; the hf backend places the verifier with --device-map",
                     args.tp_size)
+    if args.backend != "sglang" and (args.attention_backend or args.sampling_backend or args.sglang_arg):
+        log.warning("--attention-backend, --sampling-backend and --sglang-arg are SGLang's engine settings; the hf "
+                    "backend ignores them")
 
     # Under torchrun, each rank owns a disjoint group of its node's GPUs (CUDA_VISIBLE_DEVICES, set before CUDA
     # starts) and extracts a share of the batches; the ranks only coordinate, through gloo.

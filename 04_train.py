@@ -16,7 +16,7 @@ from common.cli.errors import report_missing_packages  # noqa: E402
 
 report_missing_packages()  # a missing package: one line naming it and the setup command
 
-from common.cli.flags import parse_stage_args
+from common.cli.parser import parse_stage_args
 from common.cli.stage import run_stage
 from common.train.inputs import (STAGE, apply_min_steps, check_disk, check_fp8, check_inputs, check_output,
     rank_device, resolve_machine_defaults, run_config_of)

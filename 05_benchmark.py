@@ -32,7 +32,8 @@ from common.bench.report import results_stem, run_counts, write_reports
 from common.bench.server_mode import run_server, server_summary_line
 from common.bench.settings import STAGE
 from common.cli.errors import UsageError
-from common.cli.flags import EVAL_DATA_FILE, RUN_LAYOUT, parse_stage_args
+from common.cli.flags import EVAL_DATA_FILE, RUN_LAYOUT
+from common.cli.parser import parse_stage_args
 from common.cli.recorded import take_recorded_flags
 from common.cli.stage import run_stage
 from common.formats.manifest import Manifest

@@ -30,7 +30,7 @@ from common.cli.errors import report_missing_packages  # noqa: E402
 report_missing_packages()  # a missing package: one line naming it and the setup command
 
 from common.cli.errors import USAGE_ERROR, UsageError  # noqa: E402
-from common.cli.flags import StageArgumentParser  # noqa: E402
+from common.cli.parser import StageArgumentParser  # noqa: E402
 from common.cli.lock import OutputLock  # noqa: E402
 from common.cli.pipeline import (STAGES, check_all_flags, is_current, log_size, output_manifest,  # noqa: E402
     run_one, split_shared_flags, stage_argv, stage_command, stage_named, tail)

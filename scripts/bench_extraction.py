@@ -41,7 +41,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import torch  # noqa: E402
 
-from common.cli.flags import FLAGS, add_flags  # noqa: E402
+from common.cli.flags import FLAGS  # noqa: E402
+from common.cli.parser import add_flags  # noqa: E402
 from common.extract.extractor import Extractor, forward_only, synchronize_all  # noqa: E402
 from common.extract.plan import batch_inputs, plan_batches  # noqa: E402
 from common.formats.hidden_states import SAMPLE_FILES  # noqa: E402

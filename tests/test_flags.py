@@ -5,7 +5,8 @@ import json
 
 import pytest
 
-from common.cli.flags import FLAGS, STAGE_FLAGS, build_parser, parse_stage_args
+from common.cli.flags import FLAGS, STAGE_FLAGS
+from common.cli.parser import build_parser, parse_stage_args
 from conftest import run_script
 
 STAGES = list(STAGE_FLAGS)

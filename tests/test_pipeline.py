@@ -227,7 +227,7 @@ def test_a_rerun_with_nothing_changed_skips_every_stage(tmp_path, stories260k):
     05 takes from the run directory; the same command again skips all five. Every flag a stage recorded with
     another value than its plain parse gives (a default resolved at run time) comes out of the stage's own parse,
     which the staleness check uses, as recorded."""
-    from common.cli.flags import parse_stage_args
+    from common.cli.parser import parse_stage_args
     from common.cli.pipeline import STAGES, in_run_terms, output_manifest, stage_parser
     from conftest import STORIES_TEMPLATE
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from common.cli.errors import UsageError
-from common.cli.flags import require
+from common.cli.parser import require
 from common.formats.files import read_json
 
 

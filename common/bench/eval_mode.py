@@ -8,7 +8,7 @@ from common.bench.drafter_check import check_drafter
 from common.bench.report import fmt
 from common.bench.settings import STAGE, recorded_settings
 from common.cli.errors import UsageError
-from common.cli.flags import require
+from common.cli.parser import require
 from common.cli.stage import Progress
 from common.formats.files import read_json
 from common.formats.manifest import MANIFEST

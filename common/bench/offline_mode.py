@@ -14,7 +14,7 @@ from common.bench.prompts import has_chat_template, render_conversation
 from common.bench.report import fmt, noisy_timing
 from common.bench.settings import STAGE, recorded_settings
 from common.cli.errors import UsageError
-from common.cli.flags import require
+from common.cli.parser import require
 from common.cli.stage import Progress
 
 ANSWER_PREVIEW_CHARS = 2000

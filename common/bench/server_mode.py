@@ -5,7 +5,7 @@ import time
 
 from common.bench.report import fmt
 from common.bench.settings import STAGE, recorded_settings
-from common.cli.flags import require
+from common.cli.parser import require
 
 
 def run_server(args, log, begin, prompt_spec, prompts, overlap) -> dict:

@@ -4,18 +4,14 @@ Each stage composes its parser from the names it uses, so `--batch-size` means t
 stage 02 as in stage 04, and the names users reach for (`--verifier-path`, `--data-path`, ...) are
 accepted as aliases of the canonical ones. An unknown or misspelled flag stops the stage at once with
 exit code 2 and the closest valid names; prefix abbreviations are off, because `--data` silently
-matching `--data-dir` is exactly the kind of mistake that costs a 22-minute model load.
+matching `--data-dir` is exactly the kind of mistake that costs a 22-minute model load. The parser built from
+this table: common/cli/parser.py.
 """
 from __future__ import annotations
 
 import argparse
-import difflib
-import sys
-from dataclasses import dataclass, field
-from pathlib import Path
-from typing import Any, Callable, Sequence
-
-from common.cli.errors import USAGE_ERROR, UsageError
+from dataclasses import dataclass
+from typing import Any, Callable
 
 
 def _csv_ints(text: str) -> list[int]:
@@ -180,6 +176,17 @@ _ALL_FLAGS: list[Flag] = [
     Flag("--skip-nonfinite", "Stage 02: drop samples whose hidden states hold NaN or inf (counted in the manifest "
          "and the log) instead of stopping with exit 1.", type=None, action="store_true"),
     Flag("--backend", "Engine that runs the verifier.", choices=("hf", "sglang"), default="hf"),
+    Flag("--attention-backend", "--backend sglang: SGLang's attention backend (triton, flashinfer, fa3, ...). "
+         "Default: SGLang's choice for the GPU; SM120 GPUs need one that runs there (README, 'SGLang').",
+         metavar="NAME"),
+    Flag("--sampling-backend", "--backend sglang: SGLang's sampling backend (pytorch or flashinfer). Default: "
+         "SGLang's choice.", metavar="NAME"),
+    Flag("--sglang-arg", "--backend sglang: any other SGLang server argument, as KEY=VALUE (repeatable; VALUE read "
+         "as JSON when it parses), e.g. --sglang-arg moe_runner_backend=triton. Checked against the installed "
+         "SGLang's ServerArgs before the verifier loads; recorded in the manifest.", action="append",
+         metavar="KEY=VALUE"),
+    Flag("--allow-untested-sglang", "--backend sglang: try an SGLang release the capture hooks were not checked "
+         "against (with a warning) instead of refusing it.", type=None, action="store_true"),
     Flag("--aux-dtype", "How the three aux layers are stored by stage 02 (and rounded by stage 04 --online): "
          "bfloat16 = unquantised in --dtype; float8_e4m3 = FP8 with one float32 scale per token and layer (half the "
          "bytes; coded and decoded on the GPU). hf backend only. docs/extraction.md, 'Storage formats'.",
@@ -313,7 +320,8 @@ STAGE_FLAGS: dict[str, list[str]] = {
                                  "--allow-low-disk", "--overwrite", "--backend", "--tp-size",
                                  "--gpu-memory-utilization", "--device-map", "--verify",
                                  "--rebuild-manifest", "--skip-nonfinite", "--aux-dtype", "--targets",
-                                 "--target-topk"],
+                                 "--target-topk", "--attention-backend", "--sampling-backend", "--sglang-arg",
+                                 "--allow-untested-sglang"],
     "03_build_vocab_mapping": ["--run-dir", "--model-path", "--trust-remote-code", "--prepared-data",
                                "--output-dir", "--draft-vocab-size", "--overwrite"],
     "04_train": ["--run-dir", "--model-path", "--trust-remote-code", "--data-dir", "--vocab-mapping-dir", "--online",
@@ -345,7 +353,7 @@ PREPARED_DATA_FILE = "tokenized_data.jsonl"
 EVAL_DATA_FILE = "eval_data.jsonl"
 
 # Inputs a stage reads, as (flag dest, producing stage, file inside that stage's folder or "").
-_RUN_INPUTS = {
+RUN_INPUTS = {
     "prepared_data": ("01_prepare_data", PREPARED_DATA_FILE),
     "data_dir": ("02_extract_hidden_states", ""),
     "vocab_mapping_dir": ("03_build_vocab_mapping", ""),
@@ -353,7 +361,7 @@ _RUN_INPUTS = {
 }
 
 
-def _all_option_strings() -> dict[str, str]:
+def all_option_strings() -> dict[str, str]:
     """Every accepted spelling -> canonical name, over all stages."""
     spellings = {}
     for flag in _ALL_FLAGS:
@@ -376,122 +384,3 @@ def _check_schema() -> None:
 
 
 _check_schema()
-
-
-class StageArgumentParser(argparse.ArgumentParser):
-    """An ArgumentParser whose errors name the bad flag, suggest close ones, and exit 2 without help."""
-
-    def __init__(self, stage: str, **kwargs):
-        super().__init__(allow_abbrev=False, **kwargs)
-        self.stage = stage
-
-    def error(self, message: str):  # noqa: D401 - argparse's hook
-        self.print_usage(sys.stderr)
-        sys.stderr.write(f"{self.prog}: error: {message}\n")
-        sys.exit(USAGE_ERROR)
-
-    def parse_args(self, args: Sequence[str] | None = None, namespace=None):
-        known, extras = self.parse_known_args(args, namespace)
-        if extras:
-            self.error(self.explain_unknown(extras))
-        return known
-
-    def explain_unknown(self, extras: list[str]) -> str:
-        here = {s for action in self._actions for s in action.option_strings}
-        everywhere = _all_option_strings()
-        lines = []
-        for token in extras:
-            if not token.startswith("-"):
-                lines.append(f"unexpected argument {token!r} (every input is given by a --flag)")
-                continue
-            bare = token.split("=", 1)[0]
-            canonical = everywhere.get(bare)
-            if canonical is not None:
-                stages = [s for s, names in STAGE_FLAGS.items() if canonical in names]
-                lines.append(f"{bare} is not a flag of {self.stage} (it belongs to {', '.join(stages)})")
-                continue
-            close = difflib.get_close_matches(bare, sorted(here), n=3, cutoff=0.6)
-            hint = f"; did you mean {' or '.join(close)}?" if close else "; see --help for the flags"
-            lines.append(f"unknown flag {bare}{hint}")
-        return "\n  ".join(lines)
-
-
-class _HelpFormatter(argparse.RawDescriptionHelpFormatter):
-    """--help as written: the stage's docstring keeps its lines, and each flag's default is said once (not when
-    its help already says it, nor a default of None or off)."""
-
-    def _get_help_string(self, action):
-        text = action.help or ""
-        if "default" in text.lower() or action.default is None or action.default is False \
-                or action.default == [] or action.default == argparse.SUPPRESS:
-            return text
-        return f"{text} (default: %(default)s)"
-
-
-def build_parser(stage: str, description: str, extra: Sequence[Flag] = ()) -> StageArgumentParser:
-    """The parser for one stage: its flags from the shared table (plus stage-only `extra` flags)."""
-    parser = StageArgumentParser(
-        stage, prog=f"{stage}.py", description=description,
-        formatter_class=_HelpFormatter,
-        epilog="Exit codes: 0 success, 2 bad flag or input (nothing heavy was started), 1 failure during work.",
-    )
-    add_flags(parser, [FLAGS[name] for name in STAGE_FLAGS[stage]] + list(extra))
-    return parser
-
-
-def add_flags(parser: argparse.ArgumentParser, flags: Sequence[Flag]) -> None:
-    """Add flags to a parser as the stages take them (a benchmark script reuses a stage's flags this way)."""
-    for flag in flags:
-        kwargs: dict[str, Any] = {"dest": flag.dest, "help": flag.help, "default": flag.default}
-        if flag.action:
-            kwargs["action"] = flag.action
-        if flag.action != "store_true":
-            kwargs["type"] = flag.type
-            if flag.metavar:
-                kwargs["metavar"] = flag.metavar
-        if flag.choices:
-            kwargs["choices"] = flag.choices
-        parser.add_argument(flag.name, *flag.aliases, **kwargs)
-
-
-def resolve_run_paths(stage: str, args: argparse.Namespace) -> argparse.Namespace:
-    """Fill unset path flags from --run-dir, so a whole pipeline needs no other path flag."""
-    run_dir = Path(args.run_dir) if getattr(args, "run_dir", None) else None
-    if getattr(args, "output_dir", None) is None and run_dir is not None:
-        args.output_dir = str(run_dir / RUN_LAYOUT[stage])
-    for dest, (producer, inner) in _RUN_INPUTS.items():
-        if hasattr(args, dest) and getattr(args, dest) is None and run_dir is not None:
-            path = run_dir / RUN_LAYOUT[producer]
-            setattr(args, dest, str(path / inner) if inner else str(path))
-    if getattr(args, "prepared_data", None) and Path(args.prepared_data).is_dir():
-        args.prepared_data = str(Path(args.prepared_data) / PREPARED_DATA_FILE)
-    if getattr(args, "output_dir", None) is None:
-        raise UsageError(f"{stage}: give --run-dir DIR (or --output-dir DIR) to say where the output goes")
-    return args
-
-
-def log_dir_for(args: argparse.Namespace) -> Path:
-    if getattr(args, "run_dir", None):
-        return Path(args.run_dir) / "logs"
-    return Path(args.output_dir) / "logs"
-
-
-def parse_stage_args(stage: str, description: str, argv: Sequence[str] | None = None,
-                     extra: Sequence[Flag] = ()) -> argparse.Namespace:
-    parser = build_parser(stage, description, extra)
-    args = parser.parse_args(argv)
-    if getattr(args, "dtype", None) == "float64" and (stage != "05_benchmark" or args.mode != "offline"):
-        parser.error("--dtype float64 is only for 05_benchmark --mode offline (a lossless check); give bfloat16, "
-                     "float16 or float32")
-    try:
-        return resolve_run_paths(stage, args)
-    except UsageError as err:
-        parser.error(str(err))
-
-
-def require(args: argparse.Namespace, *dests: str) -> None:
-    """Stop with a usage error naming each required flag that is still unset."""
-    missing = [d for d in dests if getattr(args, d, None) in (None, [], "")]
-    if missing:
-        names = ", ".join("--" + d.replace("_", "-") for d in missing)
-        raise UsageError(f"missing required flag(s): {names} (or give --run-dir for the path flags)")

@@ -16,15 +16,16 @@ from pathlib import Path
 from typing import Callable, Sequence
 
 from common.cli.errors import USAGE_ERROR
-from common.cli.flags import FLAGS, RUN_LAYOUT, STAGE_FLAGS, _all_option_strings
+from common.cli.flags import FLAGS, RUN_LAYOUT, STAGE_FLAGS, all_option_strings
 from common.formats.files import read_json
 from common.formats.manifest import MANIFEST, STATUS_COMPLETE
 
 REPO = Path(__file__).resolve().parents[2]
 STAGES = list(STAGE_FLAGS)  # "01_prepare_data", ...
-# Flags that say how to run, not what to make: they don't decide whether a finished stage is stale.
+# Flags that say how to run, not what to make: they don't decide whether a finished stage is stale. SGLang's
+# engine settings round the states differently at most: not worth a second extraction.
 _NOT_STALE_KEYS = {"overwrite", "resume", "num_workers", "allow_low_disk", "run_dir", "device", "profile_steps",
-                   "decode_workers"}
+                   "decode_workers", "attention_backend", "sampling_backend", "sglang_arg", "allow_untested_sglang"}
 TAIL_LINES = 30
 
 
@@ -47,7 +48,7 @@ def stage_command(stage: str, argv: list[str], args: argparse.Namespace, nproc: 
 
 def unknown_flag_message(name: str, runner_flags: Sequence[str]) -> str:
     """Suggestions from every stage's flags and the runner's own."""
-    close = difflib.get_close_matches(name, sorted(_all_option_strings()) + list(runner_flags), n=3, cutoff=0.6)
+    close = difflib.get_close_matches(name, sorted(all_option_strings()) + list(runner_flags), n=3, cutoff=0.6)
     hint = f"; did you mean {' or '.join(close)}?" if close else "; see --help and each stage's --help"
     return f"unknown flag {name}{hint}"
 
@@ -55,7 +56,7 @@ def unknown_flag_message(name: str, runner_flags: Sequence[str]) -> str:
 def split_shared_flags(tokens: list[str], error: Callable[[str], None],
                        runner_flags: Sequence[str]) -> dict[str, list[str]]:
     """Route each stage flag given to the runner to the stages whose schema has it (`error` exits with usage)."""
-    spellings = _all_option_strings()
+    spellings = all_option_strings()
     per_stage: dict[str, list[str]] = {stage: [] for stage in STAGES}
     i = 0
     while i < len(tokens):

@@ -22,7 +22,8 @@ import json
 from pathlib import Path
 from typing import Sequence
 
-from common.cli.flags import FLAGS, RUN_LAYOUT, STAGE_FLAGS, build_parser
+from common.cli.flags import FLAGS, RUN_LAYOUT, STAGE_FLAGS
+from common.cli.parser import build_parser
 from common.cli.stage import CONFIG_FILE_SUFFIX
 from common.formats.files import read_json
 from common.formats.manifest import MANIFEST

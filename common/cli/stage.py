@@ -20,7 +20,7 @@ from tqdm import tqdm
 
 from common.formats.files import atomic_path, write_json_atomic
 from common.cli.errors import FAILURE, USAGE_ERROR, StageFailure, UsageError, missing_package_message
-from common.cli.flags import log_dir_for
+from common.cli.parser import log_dir_for
 from common.cli.lock import OutputLock
 
 LOGGER_NAME = "eagle3"

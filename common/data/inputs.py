@@ -7,7 +7,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from common.cli.errors import UsageError
-from common.cli.flags import EVAL_DATA_FILE, PREPARED_DATA_FILE, require
+from common.cli.flags import EVAL_DATA_FILE, PREPARED_DATA_FILE
+from common.cli.parser import require
 from common.data.sources import Source, resolve_source
 from common.formats.files import sha256_text
 from common.formats.manifest import STATUS_COMPLETE

@@ -12,6 +12,8 @@ from pathlib import Path
 from typing import Any, Sequence
 
 from common.cli.errors import UsageError
+from common.verifier.sglang_settings import (check_setting_names, chosen_settings, installed_sglang_root,
+                                             server_arg_names)
 
 REPO = Path(__file__).resolve().parents[2]
 PATCH_PACKAGE = "patches"
@@ -107,7 +109,20 @@ def engine_kwargs(args, model_folder: str, batch_size: int, max_tokens: int,
     kwargs.update(model_path=model_folder, tp_size=args.tp_size, dtype=args.dtype,
                   trust_remote_code=bool(args.trust_remote_code), mem_fraction_static=fraction,
                   max_running_requests=batch_size, max_prefill_tokens=max_tokens, log_level="info")
+    kwargs.update(chosen_settings(args))  # the user's backends and --sglang-arg, checked by check_engine_settings
     return kwargs
+
+
+def check_engine_settings(args, release: str) -> dict[str, Any]:
+    """The user's engine settings name server arguments of the installed release and leave the capture's own alone
+    (before the verifier loads). Returns them."""
+    settings = chosen_settings(args)
+    sglang_root = installed_sglang_root()
+    if settings and sglang_root is not None:
+        reserved = {name: "stage 02's capture sets it itself (docs/extraction.md); leave it out"
+                    for name in CAPTURE_SETTINGS}
+        check_setting_names(settings, server_arg_names(sglang_root), release, reserved)
+    return settings
 
 
 # --- GPU memory the capture takes outside SGLang's plan -----------------------------------------------------------

@@ -13,6 +13,8 @@ from typing import Any
 from common.cli.errors import UsageError
 from common.formats.checkpoint import ARCHITECTURE, CONFIG_FILE, METADATA_KEY, WEIGHTS_FILE
 from common.formats.layer_ids import captured_layers, eagle_ids_for
+from common.verifier.sglang_settings import (as_launch_arguments, check_setting_names, installed_sglang_root,
+                                             server_arg_names)
 
 DEFAULT_NUM_STEPS, DEFAULT_TOPK, DEFAULT_NUM_DRAFT_TOKENS = 3, 1, 4
 SM120_ATTENTION_BACKEND = "triton"
@@ -76,15 +78,34 @@ def trained_layers(config: dict) -> list[int] | None:
     return [int(x) for x in vllm_ids] if vllm_ids else None
 
 
+def check_extra_settings(settings: dict[str, Any], argv: list[str], notes: list[str]) -> None:
+    """Extra server arguments neither repeat one the command already sets nor (where SGLang is installed here) name
+    an argument the installed release lacks."""
+    already = {a[2:].replace("-", "_"): a for a in argv if a.startswith("--")}
+    reserved = {name: f"the command sets {flag}; use this script's own flag" for name, flag in already.items()}
+    sglang_root = installed_sglang_root()
+    if sglang_root is None:
+        for name in settings:
+            if name in reserved:
+                raise UsageError(f"--sglang-arg {name}: {reserved[name]}")
+        notes.append(f"SGLang is not installed here: the extra settings {sorted(settings)} were not checked against "
+                     f"its server arguments")
+        return
+    from patches import installed_sglang_version
+
+    check_setting_names(settings, server_arg_names(sglang_root), installed_sglang_version() or "?", reserved)
+
+
 def build_launch_command(drafter_dir: str | Path, model_path: str, tp_size: int = 8,
                          num_steps: int = DEFAULT_NUM_STEPS, topk: int = DEFAULT_TOPK,
                          num_draft_tokens: int | None = DEFAULT_NUM_DRAFT_TOKENS,
                          attention_backend: str = SM120_ATTENTION_BACKEND,
                          draft_attention_backend: str = SM120_DRAFT_ATTENTION_BACKEND,
                          trust_remote_code: bool | None = None, port: int | None = None,
-                         sm100: bool = False) -> LaunchCommand:
+                         sm100: bool = False, settings: dict[str, Any] | None = None) -> LaunchCommand:
     """`python -m sglang.launch_server ...` for this drafter and verifier, with notes and problems. `sm100`: the
-    server's GPUs are SM100 (B200/GB200), where a quantized verifier needs the drafter marked unquantized."""
+    server's GPUs are SM100 (B200/GB200), where a quantized verifier needs the drafter marked unquantized.
+    `settings`: more server arguments ({name: value}, common/verifier/sglang_settings.py), appended."""
     from common.verifier.loading import read_raw_config, read_verifier_info, resolve_model_path
 
     config = read_drafter_config(drafter_dir)
@@ -133,6 +154,9 @@ def build_launch_command(drafter_dir: str | Path, model_path: str, tp_size: int 
              draft_attention_backend]
     if port is not None:
         argv += ["--port", str(port)]
+    if settings:
+        check_extra_settings(settings, argv, notes)
+        argv += as_launch_arguments(settings)
 
     eagle_ids = (config.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids")
     captured = captured_layers(info.architecture, eagle_ids, info.num_layers)
