@@ -12,6 +12,8 @@ decoding, whose real verify count is reported the way SGLang reports it). Endpoi
   GET  /health
 `fail_first=N` answers the first N POST requests with HTTP 503, to exercise the client's retries;
 `fail_when(body) -> bool` answers every matching POST with HTTP 500 (a request that always fails).
+`meta_info(body) -> dict` gives fields sent in place of the generated meta_info's (a response shape recorded
+from a real server, e.g. SGLang 0.5.17's acceptance fields); the text is still the model's.
 Standard library http.server in a background thread; one generation at a time (a lock).
 
 Run by hand: python tests/openai_server.py --model-path tests/assets/stories260K --port 30000
@@ -34,7 +36,7 @@ if str(REPO) not in sys.path:
 
 class ModelServer:
     def __init__(self, model, tokenizer, name: str = "test-model", decoder=None, eos_token_ids=(),
-                 info_layout: str = "nested", fail_first: int = 0, fail_when=None):
+                 info_layout: str = "nested", fail_first: int = 0, fail_when=None, meta_info=None):
         from common.bench.prompts import has_chat_template
 
         self.model, self.tokenizer, self.name, self.decoder = model, tokenizer, name, decoder
@@ -43,6 +45,7 @@ class ModelServer:
         self.info_layout = info_layout
         self.failures_left = fail_first
         self.fail_when = fail_when
+        self.meta_info = meta_info
         self.lock = threading.Lock()
         self.requests = 0
         self.total_tokens = 0
@@ -146,10 +149,17 @@ class ModelServer:
 
         return Handler
 
+    def recorded_meta(self, body: dict, out: dict) -> dict:
+        """The generated reply with meta_info's fields replaced by those `meta_info` gives for this request."""
+        if self.meta_info is not None:
+            out["meta_info"].update(self.meta_info(body))
+        return out
+
     def chat(self, body: dict) -> dict:
         ids = self.render(body["messages"])
         out = self.complete(ids, int(body.get("max_tokens") or body.get("max_completion_tokens") or 64),
                             float(body.get("temperature", 1.0)), float(body.get("top_p", 1.0)))
+        out = self.recorded_meta(body, out)
         meta = out["meta_info"]
         choice = {"index": 0, "message": {"role": "assistant", "content": out["text"]},
                   "finish_reason": meta["finish_reason"]["type"]}
@@ -166,8 +176,9 @@ class ModelServer:
             ids = [int(t) for t in body["input_ids"]]
         else:
             ids = list(self.tokenizer(body["text"])["input_ids"])
-        return self.complete(ids, int(params.get("max_new_tokens", 64)), float(params.get("temperature", 1.0)),
-                             float(params.get("top_p", 1.0)))
+        out = self.complete(ids, int(params.get("max_new_tokens", 64)), float(params.get("temperature", 1.0)),
+                            float(params.get("top_p", 1.0)))
+        return self.recorded_meta(body, out)
 
     def start(self, host: str = "127.0.0.1", port: int = 0) -> str:
         self.httpd = ThreadingHTTPServer((host, port), self._handler())

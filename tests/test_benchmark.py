@@ -794,6 +794,9 @@ def servers(verifier, drafters):
 
 
 def test_server_mode_against_a_real_http_server(stage05, servers, tmp_path):
+    from common.bench.report import sglang_acceptance_markdown
+    from common.bench.server_mode import sglang_summary
+
     spec, plain, (spec_url, plain_url) = servers
     out = tmp_path / "bench"
     assert stage05.main(["--mode", "server", "--url", spec_url, "--baseline-url", plain_url, "--prompts",
@@ -810,11 +813,26 @@ def test_server_mode_against_a_real_http_server(stage05, servers, tmp_path):
     assert "spec_verify_ct" in speculative["accept_length_source"]
     assert speculative["server_info_avg_spec_accept_length"]["after"] > 1.0  # nested internal_states[0]
     assert baseline["accept_length"] is None  # no speculation, no metadata, flat server info without a value
+    # Our server sends spec_verify_ct and spec_accept_length only, as SGLang releases before the rate and the
+    # histogram did: those two figures are reported, the others are absent and said to be.
+    sglang = speculative["sglang_acceptance"]
+    assert sglang["completion_tokens_per_verify_ct"] == pytest.approx(expected)
+    assert sglang["mean_spec_accept_length"] == pytest.approx(
+        sum(t["completion_tokens"] / t["spec_verify_ct"] for t in turns) / len(turns))
+    assert sglang["spec_accept_rate"] is None and sglang["histogram"] is None and sglang["acceptance"] is None
+    assert sglang["absent"] == ["spec_accept_rate", "spec_correct_drafts_histogram/spec_accept_histogram"]
+    nothing = baseline["sglang_acceptance"]  # the plain server: no field in any reply, and the report says so
+    assert not any(nothing["requests"].values()) and nothing["completion_tokens_per_verify_ct"] is None
+    assert sglang_summary(nothing) == "SGLang acceptance fields: none in the replies"
+    assert "None in the replies' meta_info" in "\n".join(sglang_acceptance_markdown(nothing))
     latency = speculative["latency_s"]
     assert 0 < latency["p50"] <= latency["p90"] <= latency["p99"]
     assert speculative["output_tokens_per_s"] > 0 and results["speedup"] > 0
     assert set(speculative["categories"]) == {"story", "people"}
-    assert "latency p50 s" in (out / "bench_server_t0_c2_prompts.md").read_text()
+    markdown = (out / "bench_server_t0_c2_prompts.md").read_text()
+    assert "latency p50 s" in markdown
+    assert "Not in any reply: spec_accept_rate, spec_correct_drafts_histogram/spec_accept_histogram." in markdown
+    assert "(absent: spec_accept_rate, " in (out / "logs" / "05_benchmark.log").read_text()
     assert_valid_png(out / "bench_server_t0_c2_prompts.png")
 
 
@@ -831,6 +849,83 @@ def test_server_mode_generate_route(stage05, servers, stories260k, tmp_path):
     assert results["speculative"]["requests"] == sum(turns[i] for i in selection["ids"])
     assert results["speculative"]["accept_length"] > 1.0
     assert "## Prompts" in (out / "bench_server_t0_c1_prompts.md").read_text()
+
+
+# Finished requests' meta_info as SGLang 0.5.17 returns it from /generate (and as choices[0].meta_info of
+# /v1/chat/completions with "return_meta_info": true), for EAGLE3 with 3 chained drafts
+# (speculative_num_draft_tokens 4). Follows sglang/srt/managers/tokenizer_manager.py of the 0.5.17 wheel:
+# TokenizerManager._handle_batch_output puts id ... cached_tokens and e2e_latency in every reply;
+# TokenizerManager._calculate_spec_decoding_metrics adds the spec_* fields once the request was verified at least
+# once: spec_accept_rate = accepted drafts / (spec_verify_ct * 3), bonus token not counted; spec_accept_length =
+# completion_tokens / spec_verify_ct; the histogram Req.spec_correct_drafts_histogram (schedule_batch.py; one count
+# per verify step at index "drafts accepted", batch_result_processor.py) under its name and the alias
+# spec_accept_histogram. completion_tokens = 1 (the prefill's token) + the verify steps' tokens.
+SGLANG_0_5_17_META = [
+    {"id": "5f0c9a7e", "finish_reason": {"type": "length", "length": 30}, "prompt_tokens": 12,
+     "weight_version": "default", "num_retractions": 0, "reasoning_tokens": 0, "completion_tokens": 30,
+     "cached_tokens": 0, "e2e_latency": 0.41,
+     "spec_accept_rate": 19 / 30, "spec_accept_length": 3.0, "spec_num_correct_drafts": 19,
+     "spec_num_proposed_drafts": 30, "spec_verify_ct": 10, "spec_accepted_drafts": 19, "spec_proposed_drafts": 30,
+     "spec_correct_drafts_histogram": [2, 1, 3, 4], "spec_accept_histogram": [2, 1, 3, 4]},
+    {"id": "a41be203", "finish_reason": {"type": "stop", "matched": 2}, "prompt_tokens": 9,
+     "weight_version": "default", "num_retractions": 0, "reasoning_tokens": 0, "completion_tokens": 8,
+     "cached_tokens": 0, "e2e_latency": 0.12,
+     "spec_accept_rate": 2 / 15, "spec_accept_length": 1.6, "spec_num_correct_drafts": 2,
+     "spec_num_proposed_drafts": 15, "spec_verify_ct": 5, "spec_accepted_drafts": 2, "spec_proposed_drafts": 15,
+     "spec_correct_drafts_histogram": [3, 2], "spec_accept_histogram": [3, 2]},
+    # Stopped at the prefill's token: never verified, so no spec_* field at all.
+    {"id": "c9d2e611", "finish_reason": {"type": "stop", "matched": 2}, "prompt_tokens": 7,
+     "weight_version": "default", "num_retractions": 0, "reasoning_tokens": 0, "completion_tokens": 1,
+     "cached_tokens": 0, "e2e_latency": 0.03},
+]
+
+
+def test_server_mode_reports_sglangs_own_acceptance_fields(stage05, verifier, tmp_path):
+    sys.path.insert(0, str(REPO / "tests"))
+    from openai_server import ModelServer
+
+    from common.bench.server import spec_fields
+
+    recorded = dict(zip(["Once upon a time", "The little dog", "Tom and Sue went"], SGLANG_0_5_17_META))
+    model, tokenizer = verifier
+    server = ModelServer(model, tokenizer, name="sglang-0.5.17-shape", eos_token_ids=[2],
+                         meta_info=lambda body: dict(recorded[body["messages"][-1]["content"]]))
+    prompts = write_jsonl(tmp_path / "three.jsonl", [{"prompt": text} for text in recorded])
+    out = tmp_path / "bench"
+    url = server.start()
+    try:
+        assert stage05.main(["--mode", "server", "--url", url, "--prompts", str(prompts), "--max-new-tokens", "8",
+                             "--output-dir", str(out)]) == 0
+    finally:
+        server.stop()
+    speculative = json.loads((out / "bench_server_t0_c1_three.json").read_text())["speculative"]
+    assert [t["spec_accept_histogram"] for t in speculative["turns"]] == [[2, 1, 3, 4], [3, 2], None]
+    sglang = speculative["sglang_acceptance"]
+    # By hand: the histograms [2, 1, 3, 4] and [3, 2] add up to 15 verify steps; the third request has none.
+    assert sglang["histogram"] == [5, 3, 3, 4]
+    assert sglang["completion_tokens_per_verify_ct"] == pytest.approx((30 + 8) / (10 + 5))
+    assert speculative["accept_length"] == pytest.approx(38 / 15)
+    assert sglang["mean_spec_accept_length"] == pytest.approx((3.0 + 1.6) / 2)
+    assert sglang["spec_accept_rate"] == pytest.approx((19 + 2) / ((10 + 5) * 3))
+    assert sglang["histogram_tau"] == pytest.approx((5 * 1 + 3 * 2 + 3 * 3 + 4 * 4) / 15)
+    assert sglang["requests"] == {"spec_verify_ct": 2, "spec_accept_length": 2, "spec_accept_rate": 2,
+                                  "histogram": 2}
+    assert sglang["absent"] == []
+    # Position j is accepted in the steps that accepted at least j drafts: 3 + 3 + 4, 3 + 4 and 4 of the 15.
+    acceptance = sglang["acceptance"]
+    assert acceptance["accepted"] == [10, 7, 4] and acceptance["reached"] == [15, 10, 7]
+    assert acceptance["conditional_rate"] == pytest.approx([10 / 15, 7 / 10, 4 / 7])
+    assert acceptance["share"] == pytest.approx([10 / 15, 7 / 15, 4 / 15])
+    markdown = (out / "bench_server_t0_c1_three.md").read_text()
+    assert "## SGLang's acceptance fields" in markdown and "Not in any reply" not in markdown
+    assert "| 3 | 4 | 0.267 |" in markdown  # histogram: 4 of 15 steps accepted 3 drafts
+    assert "| 3 | 0.571 | 0.267 |" in markdown  # position 3: 4 of 7 reached, 4 of 15 steps
+    log = (out / "logs" / "05_benchmark.log").read_text()
+    assert ("SGLang: completion/verify 2.533, mean spec_accept_length 2.300, spec_accept_rate 0.467, histogram tau "
+            "2.400, acceptance by position [0.67, 0.70, 0.57]") in log
+    # SGLang 0.5.23 dropped the alias: the histogram is read under its own name alone.
+    newer = {k: v for k, v in SGLANG_0_5_17_META[0].items() if k != "spec_accept_histogram"}
+    assert spec_fields(newer)["spec_accept_histogram"] == [2, 1, 3, 4]
 
 
 def test_server_info_layouts_and_unreachable_server(stage05, tmp_path):

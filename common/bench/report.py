@@ -146,6 +146,15 @@ def tau_by_window_markdown(windows: list[dict[str, Any]]) -> list[str]:
                             for w in windows])]
 
 
+def acceptance_markdown(acceptance: dict[str, list]) -> list[str]:
+    """The acceptance-by-draft-position table (metrics.acceptance_by_position) with what its columns mean."""
+    return ["Conditional rate: the share of verify steps that accepted this position among those that accepted "
+            "every earlier one (\"-\": never reached). Share: of all verify steps.", "",
+            markdown_table(["position", "conditional rate", "share of verify steps"],
+                           [(j + 1, c, s) for j, (c, s) in enumerate(zip(acceptance["conditional_rate"],
+                                                                         acceptance["share"]))])]
+
+
 def offline_markdown(results: dict[str, Any]) -> str:
     overall = results["overall"]
     acceptance = overall["acceptance"]
@@ -170,12 +179,7 @@ def offline_markdown(results: dict[str, Any]) -> str:
     if "greedy_match" in overall:
         parts += greedy_match_markdown(overall["greedy_match"])
     parts += tau_by_window_markdown(overall.get("tau_by_window") or [])
-    parts += ["", "## Acceptance by draft position", "",
-              "Conditional rate: the share of verify steps that accepted this position among those that accepted "
-              "every earlier one (\"-\": never reached). Share: of all verify steps.", "",
-              markdown_table(["position", "conditional rate", "share of verify steps"],
-                             [(j + 1, c, s) for j, (c, s) in enumerate(zip(acceptance["conditional_rate"],
-                                                                           acceptance["share"]))])]
+    parts += ["", "## Acceptance by draft position", "", *acceptance_markdown(acceptance)]
     taught = overall.get("teacher_forced")
     if taught:
         parts += ["", "Teacher-forced on these outputs (stage 04's validation, on the decoded text): top-1 agreement "
@@ -223,8 +227,38 @@ def server_markdown(results: dict[str, Any]) -> str:
     spec = results.get("speculative") or {}
     if spec.get("accept_length_source"):
         parts += ["", f"Accept length source: {spec['accept_length_source']}"]
+    if spec.get("sglang_acceptance"):
+        parts += sglang_acceptance_markdown(spec["sglang_acceptance"])
     parts += prompt_selection_markdown(results.get("prompt_selection"))
     return "\n".join(parts) + "\n"
+
+
+def sglang_acceptance_markdown(sglang: dict[str, Any]) -> list[str]:
+    """The speculative server's own acceptance fields (server.sglang_acceptance): figures, histogram, positions."""
+    parts = ["", "## SGLang's acceptance fields", ""]
+    requests = sglang["requests"]
+    if not any(requests.values()):  # no reply carried any of the fields
+        return parts + ["None in the replies' meta_info (not SGLang, no speculative decoding, or a release "
+                        "without them; docs/benchmarking.md, \"Server mode\")."]
+    parts.append(markdown_table(["figure (per-request meta_info)", "value", "requests"], [
+        ("accept length: sum completion_tokens / sum spec_verify_ct", sglang["completion_tokens_per_verify_ct"],
+         requests["spec_verify_ct"]),
+        ("mean of spec_accept_length", sglang["mean_spec_accept_length"], requests["spec_accept_length"]),
+        ("spec_accept_rate (accepted / proposed drafts, bonus not counted), weighted by verify steps",
+         sglang["spec_accept_rate"], requests["spec_accept_rate"]),
+        ("tokens per verify step from the histogram (prefill token not counted: offline mode's tau)",
+         sglang["histogram_tau"], requests["histogram"])]))
+    if sglang["absent"]:
+        parts += ["", "Not in any reply: " + ", ".join(sglang["absent"]) + "."]
+    histogram = sglang["histogram"]
+    if histogram:
+        total = sum(histogram)
+        parts += ["", "### Acceptance histogram (summed over requests)", "",
+                  markdown_table(["accepted drafts in a verify step", "verify steps", "share"],
+                                 [(k, steps, steps / total) for k, steps in enumerate(histogram)]),
+                  "", "### Acceptance by draft position (from the histogram)", "",
+                  *acceptance_markdown(sglang["acceptance"])]
+    return parts
 
 
 def eval_markdown(results: dict[str, Any]) -> str:

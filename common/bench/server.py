@@ -1,6 +1,7 @@
 """Benchmark a running server (SGLang, or any OpenAI-compatible one): HTTP client, conversations, accept length.
 
-Where the accept length comes from, in order of preference: docs/benchmarking.md ("Server mode").
+Where the accept length comes from, in order of preference, and which of SGLang's own acceptance fields are read and
+reported: docs/benchmarking.md ("Server mode").
 """
 from __future__ import annotations
 
@@ -14,12 +15,15 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
-from common.bench.metrics import latency_summary
+from common.bench.metrics import acceptance_by_position, latency_summary
 from common.cli.errors import UsageError
 from common.bench.prompts import BenchPrompt
 
 RETRY_STATUS = (429, 500, 502, 503, 504)
 SERVER_INFO_PATHS = ("/server_info", "/get_server_info")  # current route first, then the older one
+# SGLang's per-request acceptance histogram (index k: verify steps that accepted k drafts, bonus token not counted).
+# 0.5.23 sends only the first name; 0.5.17 sends both, the second as a backward-compatible alias.
+HISTOGRAM_KEYS = ("spec_correct_drafts_histogram", "spec_accept_histogram")
 
 
 class ServerError(RuntimeError):
@@ -110,6 +114,8 @@ class TurnResult:
     text: str
     spec_verify_ct: int | None = None
     spec_accept_length: float | None = None
+    spec_accept_rate: float | None = None
+    spec_accept_histogram: list[int] | None = None
     meta_keys: list[str] = field(default_factory=list)
 
 
@@ -125,6 +131,26 @@ def _float_or_none(value: Any) -> float | None:
         return float(value) if value is not None else None
     except (TypeError, ValueError):
         return None
+
+
+def accept_histogram_of(meta: dict) -> list[int] | None:
+    """The request's acceptance histogram under either of SGLang's names, or None when absent or malformed."""
+    for key in HISTOGRAM_KEYS:
+        value = meta.get(key)
+        if isinstance(value, list) and value:
+            try:
+                return [int(count) for count in value]
+            except (TypeError, ValueError):
+                return None
+    return None
+
+
+def spec_fields(meta: dict) -> dict[str, Any]:
+    """The speculative-decoding fields of one reply's meta_info; None for each one the server did not send."""
+    return {"spec_verify_ct": _int_or_none(meta.get("spec_verify_ct")),
+            "spec_accept_length": _float_or_none(meta.get("spec_accept_length")),
+            "spec_accept_rate": _float_or_none(meta.get("spec_accept_rate")),
+            "spec_accept_histogram": accept_histogram_of(meta)}
 
 
 def parse_chat_response(reply: dict) -> tuple[str, int, dict]:
@@ -188,8 +214,7 @@ class ServerClient:
             latency = time.perf_counter() - started
             messages.append({"role": "assistant", "content": answer})
             results.append(TurnResult(prompt.id, turn, prompt.category, latency, tokens, answer,
-                                      _int_or_none(meta.get("spec_verify_ct")),
-                                      _float_or_none(meta.get("spec_accept_length")), sorted(meta)))
+                                      meta_keys=sorted(meta), **spec_fields(meta)))
         return results
 
 
@@ -206,6 +231,49 @@ def accept_length_of(turns: Sequence[TurnResult], info_value: float | None) -> t
     if info_value is not None:
         return info_value, "GET /server_info avg_spec_accept_length (running average since server start)"
     return None, None
+
+
+def summed_histogram(histograms: Sequence[Sequence[int]]) -> list[int]:
+    """Per-request histograms added up; a request's list is only as long as its most accepted drafts."""
+    total = [0] * max(len(histogram) for histogram in histograms)
+    for histogram in histograms:
+        for accepted, steps in enumerate(histogram):
+            total[accepted] += steps
+    return total
+
+
+def histogram_accept_lengths(histogram: Sequence[int]) -> list[int]:
+    """One entry per verify step: the tokens it produced (accepted drafts + the bonus), as offline mode records."""
+    return [accepted + 1 for accepted, steps in enumerate(histogram) for _ in range(steps)]
+
+
+def sglang_acceptance(turns: Sequence[TurnResult]) -> dict[str, Any]:
+    """SGLang's own acceptance figures over the requests that carried them; None (and named in `absent`) where no
+    reply carried the field. Meaning of each field: docs/benchmarking.md ("Server mode")."""
+    verified = [t for t in turns if t.spec_verify_ct]
+    lengths = [t.spec_accept_length for t in turns if t.spec_accept_length is not None]
+    # The rate's denominator is verify steps x drafts per step, so the pooled rate weights requests by verify steps.
+    rated = [t for t in verified if t.spec_accept_rate is not None]
+    histograms = [t.spec_accept_histogram for t in turns if t.spec_accept_histogram]
+    histogram = summed_histogram(histograms) if histograms else None
+    steps = histogram_accept_lengths(histogram) if histogram else []
+    absent = [name for name, present in (("spec_verify_ct", verified), ("spec_accept_length", lengths),
+                                         ("spec_accept_rate", rated), ("/".join(HISTOGRAM_KEYS), histograms))
+              if not present]
+    return {
+        "completion_tokens_per_verify_ct": (sum(t.completion_tokens for t in verified)
+                                            / sum(t.spec_verify_ct for t in verified)) if verified else None,
+        "mean_spec_accept_length": sum(lengths) / len(lengths) if lengths else None,
+        "spec_accept_rate": (sum(t.spec_accept_rate * t.spec_verify_ct for t in rated)
+                             / sum(t.spec_verify_ct for t in rated)) if rated else None,
+        "histogram": histogram,
+        "histogram_tau": sum(steps) / len(steps) if steps else None,
+        # Positions up to the most drafts any verify step accepted: the server's draft count is not in the replies.
+        "acceptance": acceptance_by_position(steps, len(histogram) - 1) if histogram else None,
+        "requests": {"spec_verify_ct": len(verified), "spec_accept_length": len(lengths),
+                     "spec_accept_rate": len(rated), "histogram": len(histograms)},
+        "absent": absent,
+    }
 
 
 def run_server_benchmark(url: str, prompts: Sequence[BenchPrompt], *, api: str, max_new_tokens: int,
@@ -266,6 +334,7 @@ def run_server_benchmark(url: str, prompts: Sequence[BenchPrompt], *, api: str, 
                                                      if t.latency_s > 0]),
         "accept_length": accept_length,
         "accept_length_source": source,
+        "sglang_acceptance": sglang_acceptance(turns),
         "server_info_avg_spec_accept_length": {"before": avg_spec_accept_length(info_before),
                                                "after": avg_spec_accept_length(info_after)},
         "categories": {name: {"requests": len(group), "accept_length": accept_length_of(group, None)[0]}

@@ -52,4 +52,24 @@ def server_summary_line(results: dict) -> str:
     if results.get("baseline"):
         line += (f" | baseline {fmt(results['baseline']['output_tokens_per_s'], 1)} tok/s, speedup "
                  f"{fmt(results['speedup'], 2)}x")
+    if spec.get("sglang_acceptance"):
+        line += " | " + sglang_summary(spec["sglang_acceptance"])
+    return line
+
+
+def sglang_summary(sglang: dict) -> str:
+    """The SUMMARY's part for the server's own acceptance fields (server.sglang_acceptance): the figures the
+    replies carried, then the fields none carried."""
+    if not any(sglang["requests"].values()):  # no reply carried any of the fields
+        return "SGLang acceptance fields: none in the replies"
+    figures = [("completion/verify", sglang["completion_tokens_per_verify_ct"]),
+               ("mean spec_accept_length", sglang["mean_spec_accept_length"]),
+               ("spec_accept_rate", sglang["spec_accept_rate"]), ("histogram tau", sglang["histogram_tau"])]
+    parts = [f"{name} {fmt(value)}" for name, value in figures if value is not None]
+    if sglang["acceptance"]:
+        rates = ", ".join(fmt(rate, 2) for rate in sglang["acceptance"]["conditional_rate"])
+        parts.append(f"acceptance by position [{rates}]")
+    line = "SGLang: " + ", ".join(parts)
+    if sglang["absent"]:
+        line += f" (absent: {', '.join(sglang['absent'])})"
     return line
