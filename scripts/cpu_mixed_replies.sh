@@ -34,7 +34,10 @@ for run, lane, what, epochs in (("greedy", "default", "greedy replies", 4), ("gr
                                 ("sampled", "default", "replies sampled at T=0.8", 4),
                                 ("mixed", "default", "the greedy reply and a sampled one a prompt", 4)):
     samples = json.loads((root / run / "data" / "manifest.json").read_text())["counts"]["samples"]
-    taus = [json.loads(next((root / run / f"bench_{lane}_heldout{suffix}").glob("bench_*.json")).read_text())
-            ["overall"]["tau"] for suffix in ("", "_t1")]
+    folder = root / run / "lanes" / lane  # its lane.json says where each benchmark wrote
+    benches = {step["benchmark"]: folder / step["output_dir"]
+               for step in json.loads((folder / "lane.json").read_text())["steps"] if step.get("benchmark")}
+    taus = [json.loads(next(benches[name].glob("bench_*.json")).read_text())["overall"]["tau"]
+            for name in ("heldout", "heldout_t1")]
     print(f"| {what} | {samples} | {epochs} | {taus[0]:.2f} | {taus[1]:.2f} |")
 EOF

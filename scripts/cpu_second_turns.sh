@@ -42,7 +42,7 @@ for run, name in (("turns2", "two_turn"), ("first", "first_turn")):
 EOF
 
 bench() {  # $1 set, $2 run, $3 temperature
-  "$PY" 05_benchmark.py --model-path tests/assets/stories260K --draft-model-path "$ROOT/$2/checkpoints_default/best" \
+  "$PY" 05_benchmark.py --model-path tests/assets/stories260K --draft-model-path "$ROOT/$2/lanes/default/checkpoints/best" \
     --device cpu --dtype float32 --tau-only --num-steps 3 --topk 1 --num-draft-tokens 4 --temperature "$3" \
     --prompts "$ROOT/cross/$1.jsonl" --chat-template tests/assets/stories260K_chat.jinja --max-new-tokens 128 \
     --allow-overlap --output-dir "$ROOT/cross/$1_$2_t$3" > "$ROOT/cross/$1_$2_t$3.log" 2>&1

@@ -2,14 +2,17 @@
 # Drafter quality on one GPU, measured as the field measures it and side by side on the same data (issue 17), with
 # the tau cost of FP8 aux layers + top-k targets (issue 21) on the same run:
 #   1. data     stages 01-03 on SAMPLES regenerated ShareGPT prompts (RUN) and on SMALL of them (RUN-small), and
-#               for each data lane (sampled) in RUN-<lane>; the same prepared data extracted again for
-#               each storage-format lane (RUN-<lane>). Extractions run alone.
+#               for each data lane (sampled) in RUN/lanes/<lane>; the same prepared data extracted again for
+#               each storage-format lane (RUN/lanes/<lane>). Extractions run alone.
 #   2. compare  the timed part, alone on the GPU: our stage 04 on RUN-small, then SpecForge 0.2.0's recipe
 #               (scripts/compare_recipes.py) on the same samples and epochs. SpecForge trains one sequence a step,
 #               so equal tokens on the full run would not fit one session.
 #   3. lanes    side by side, each lane a training on RUN followed by its benchmarks (acceptance only, no timing);
-#               LANES picks them (unset: "default epochs2 ttt7"). At 4,096-token steps and TTT 7 a lane
-#               trains about 10 minutes beside one to three others on an H200; six side by side share the GPU
+#               LANES picks them (unset: "default epochs2 ttt7"). scripts/run_lanes.py runs each into
+#               RUN/lanes/<lane> with its lane.json, skipping what is complete; what a name means is declared
+#               once, in common/lab/lanes.py (docs/lab.md), read against this script's recipe and knobs. At
+#               4,096-token steps and TTT 7 a lane trains about 10 minutes beside one to three others on an H200;
+#               six side by side share the GPU
 #               at about 75K tokens/s in all (3 steps/s each), so plan three or four lanes a session.
 #               Recipe lanes train on RUN; a name joins changes with "_" (ttt7_epochs2: both):
 #                 default    STEP_TOKENS-token steps, --ttt-positions shifted (today's recipe)
@@ -25,16 +28,16 @@
 #                 lk         --loss lk (-log of the acceptance probability, arXiv 2602.23881), also
 #                            benchmarked at T=1, where the paper reports its gains
 #               Data and storage-format lanes (their name first; recipe changes may follow: data_epochs2):
-#                 sampled    replies regenerated at T=0.8 (RUN-sampled; REGEN_CACHE does not fit, so stage 01
+#                 sampled    replies regenerated at T=0.8 (REGEN_CACHE does not fit, so stage 01
 #                            regenerates them all), also benchmarked at T=1
 #                 mixed      the greedy reply and one sampled at T=0.8 a prompt (--replies-per-prompt 2 --greedy-first-reply,
-#                            RUN-mixed; REGEN_CACHE does not fit): on stories260K T=0 -2 %, T=1 +14.5 %
+#                            REGEN_CACHE does not fit): on stories260K T=0 -2 %, T=1 +14.5 %
 #                            (results/2026-12-03-stories260k-mixed-replies.md)
-#                 data       DATA_SAMPLES prompts for DATA_EPOCHS epochs (RUN-data; REGEN_CACHE's replies for
+#                 data       DATA_SAMPLES prompts for DATA_EPOCHS epochs (REGEN_CACHE's replies for
 #                            the prompts it holds, the rest regenerated; on stories260K 3x the prompts raised
 #                            chain tau 24 %): at the defaults about as many optimizer steps as the default lane,
 #                            over 1.7x the distinct replies
-#                 long       replies regenerated up to LONG_TOKENS new tokens instead of 256 (RUN-long; REGEN_CACHE
+#                 long       replies regenerated up to LONG_TOKENS new tokens instead of 256 (REGEN_CACHE
 #                            does not fit, so stage 01 regenerates them all): the drafter then trains on the later
 #                            parts of replies, which a benchmark at the field's 2,048 tokens a turn decodes (on
 #                            SmolLM2 those parts are mostly loops: for verifiers whose replies end)
@@ -46,12 +49,12 @@
 #                 all        every prompt there is: DATA_SAMPLES conversations with their first DATA_TURNS user turns
 #                            (DATA_DIR/sharegpt_turns<DATA_TURNS>.json, prepare_device_data.py --turns DATA_TURNS
 #                            --prompts-only; sharegpt.json at 1) and DATA_EXTRA beside them, for DATA_EPOCHS epochs
-#                            (RUN-all), RUN's held-out prompts excluded: the data and turns2 levers together
+#                            RUN's held-out prompts excluded: the data and turns2 levers together
 #                 bf16final  FORMAT_STEP_TOKENS-token steps on RUN: the storage-format lanes' baseline
 #                 fp8topk, fp8final, bf16topk
-#                            FORMAT_STEP_TOKENS-token steps on RUN-<lane>: the same prepared data extracted
+#                            FORMAT_STEP_TOKENS-token steps on the same prepared data extracted
 #                            with FP8 aux and/or top-k targets (in the data phase, each extraction alone)
-#                 auxA-B-C   STEP_TOKENS-token steps on RUN-<lane>: the same prepared data extracted with
+#                 auxA-B-C   STEP_TOKENS-token steps on the same prepared data extracted with
 #                            --aux-layers A,B,C instead of the default 2,L//2,L-3 (aux2-15-29 on SmolLM2: the high
 #                            layer moved from the input of layer 27 to that of the last one, 29); the drafter's
 #                            config names them, so stage 05 and the servers capture the same layers
@@ -61,7 +64,7 @@
 #               (--mode eval); every lane but the storage-format ones also chain at T=1 on MT-bench. The
 #               default lane also (unless EXTRAS=0): chain and tree in float32 and in float64 on all of
 #               MT-bench (every turn checked against the verifier's greedy choice in the same precision: lossless).
-#   4. table    scripts/quality_table.py -> RUN/quality.md
+#   4. table    scripts/quality_table.py -> RUN/quality.md (a row per lane and benchmark, through each lane.json)
 # Each stage-05 run writes its own output folder (a folder has one writer at a time). With MPS=1 the CUDA MPS daemon
 # is started first (when it starts and works), so the side-by-side processes run their kernels concurrently.
 #
@@ -113,10 +116,12 @@
 #   SPECFORGE_BESIDE [0]     1: SpecForge trains beside the lanes (after our small run, which trains alone), so
 #                            its wall time is not its own: its steps/s in specforge.log say by how much
 #   PHASES ["data compare lanes table"]; "pack" alone packs what exists
+#   DRY_RUN [0]              1: print the plan of LANES (every stage command with its flags) and stop
 #   MPS, EXTRAS [1], OUT     OUT: pack logs, manifests, metrics and reports into $OUT/quality.tgz, and the replies
 #                            the data and sampled lanes regenerated into $OUT/regenerated_<lane>.tgz (a REGEN_CACHE:
 #                            the data lane's holds REGEN_CACHE's replies too)
-# Progress: RUN_DIR/logs/quality.log.
+# Progress: RUN_DIR/logs/quality.log; each lane's run_lanes.py output in RUN_DIR/logs/lane_<lane>.log, the data
+# phase's in RUN_DIR/logs/lanes_data.log.
 # Disk: SmolLM2's hidden states take 4,608 bytes a token (bf16 aux, final targets): RUN 17 GB, the mixed lane's
 # about 34 GB, the all lane's 47 GB at DATA_SAMPLES=25000 and DATA_TURNS=2. The H200 machine's 64 GB holds RUN and
 # one of those two (on 2026-12-03 the all lane's stage 02 refused to start with RUN and 47.1 GB free).
@@ -153,27 +158,49 @@ STEP_TOKENS=${STEP_TOKENS:-4096}; LEVER_STEP_TOKENS=${LEVER_STEP_TOKENS:-2048}; 
 FORMAT_STEP_TOKENS=${FORMAT_STEP_TOKENS:-16384}; LANES=${LANES-"default epochs2 ttt7"}; EXTRAS=${EXTRAS:-1}
 HELDOUT=${HELDOUT:-60}; NEW_TOKENS=${NEW_TOKENS:-128}; FIELD_TOKENS=${FIELD_TOKENS:-$NEW_TOKENS}; LONG_TOKENS=${LONG_TOKENS:-1024}; WORKERS=${WORKERS:-3}; DECODE_WORKERS=${DECODE_WORKERS:-3}
 SPECFORGE=${SPECFORGE:-}; SPECFORGE_ARGS=${SPECFORGE_ARGS:-}; PHASES=${PHASES:-"data compare lanes table"}
+BENCHMARKS=eval,mtbench,heldout,mtbench_t1
+if [ "$EXTRAS" = 1 ]; then BENCHMARKS+=,fp32_chain,fp32_tree,fp64_chain,fp64_tree; fi  # the default lane's only
+lanes() {  # scripts/run_lanes.py over RUN: the flags RUN was prepared with, the lanes' recipe, knobs and benchmarks
+  local recipe="--epochs $EPOCHS --max-tokens-per-batch $STEP_TOKENS --num-workers $WORKERS --lr $LR"
+  # shellcheck disable=SC2046  # DATA_EXTRA: several files
+  python3 scripts/run_lanes.py --base "$RUN" --model-path "$VERIFIER" --dataset "$DATA/sharegpt.json" --regenerate \
+    --max-turns 1 --num-samples "$SAMPLES" --eval-ratio 0.02 --max-seq-len 2048 --draft-vocab-size 32000 \
+    --stage-args 01 "--batch-size 1024 --max-new-tokens 256" \
+    --stage-args 02 "--batch-size 64 --num-workers 8 --target-topk $TOPK" \
+    --stage-args 04 "$recipe --eval-interval 500 --save-interval 100000 $TRAIN_FLAGS" \
+    --stage-args 05 "--decode-workers $DECODE_WORKERS --max-new-tokens $NEW_TOKENS" \
+    --benchmarks "$BENCHMARKS" --mt-bench "$DATA/mt_bench.jsonl" --heldout "$HELDOUT" --new-tokens "$NEW_TOKENS" \
+    --field-tokens "$FIELD_TOKENS" --lever-step-tokens "$LEVER_STEP_TOKENS" --format-step-tokens "$FORMAT_STEP_TOKENS" \
+    --data-samples "$DATA_SAMPLES" --data-epochs "$DATA_EPOCHS" --data-turns "$DATA_TURNS" --long-tokens "$LONG_TOKENS" \
+    $(for file in $DATA_EXTRA; do printf -- '--data-extra %s ' "$file"; done) "$@"
+}
+if [ "${DRY_RUN:-0}" = 1 ]; then lanes --lanes "$LANES" --dry-run; exit; fi
 export PYTHONUNBUFFERED=1
 mkdir -p "$RUN/logs"
 LOG=$RUN/logs/quality.log
 say() { echo "$(date +%T) $*" | tee -a "$LOG"; }
 has() { [[ " $PHASES " == *" $1 "* ]]; }
 
-pack() {  # the small files of every run: logs, manifests, metrics, curves, reports (no hidden states, no weights)
+pack() {  # the small files of every run: logs, manifests, metrics, curves, reports, lane records (no hidden states,
+          # no weights)
   [ -n "${OUT:-}" ] || return 0
   local parent; parent=$(dirname "$RUN")
-  (cd "$parent" && find "$(basename "$RUN")" "$(basename "$RUN")"-* -maxdepth 4 \
+  (cd "$parent" && find "$(basename "$RUN")" "$(basename "$RUN")"-* -maxdepth 5 \
      -type f \( -path '*/logs/*' -o -path '*/bench_*' -o -path '*/compare/*' -o -path '*/compare_*/*' -o -name quality.md \
-     -o -name manifest.json -o -name metrics.jsonl -o -name '*.png' -o -name 'specforge_results.json' \) \
+     -o -name manifest.json -o -name metrics.jsonl -o -name '*.png' -o -name 'specforge_results.json' -o -name lane.json \) \
      -not -path '*/hidden_states/*/*' 2>/dev/null | tar czf "$OUT/quality.tgz" -C "$parent" -T - ) || true
-  local lane
-  for lane in data sampled mixed long turns2 all; do  # the replies regenerated here: a REGEN_CACHE that saves the next machine the time
-    [ -f "$RUN-$lane/data/regenerated.jsonl" ] && (cd "$RUN-$lane/data" && \
-      tar czf "$OUT/regenerated_$lane.tgz" regenerated.jsonl regenerated.settings.json) || true
+  local replies
+  for replies in "$RUN"/lanes/*/data/regenerated.jsonl; do  # the replies regenerated here: a REGEN_CACHE that saves
+    [ -f "$replies" ] || continue                            # the next machine the time
+    (cd "$(dirname "$replies")" && tar czf "$OUT/regenerated_$(basename "$(dirname "$(dirname "$replies")")").tgz" \
+      regenerated.jsonl regenerated.settings.json) || true
   done
 }
 trap pack EXIT
 if [ "$PHASES" = pack ]; then exit 0; fi
+if [ -n "$LANES" ] && { has data || has lanes; }; then  # a misspelt lane stops here, before any GPU time
+  lanes --lanes "$LANES" --dry-run > /dev/null || { say "LANES=\"$LANES\": fix the names above"; exit 2; }
+fi
 
 if [ "${MPS:-0}" = 1 ] && command -v nvidia-cuda-mps-control > /dev/null; then
   nvidia-cuda-mps-control -d || true
@@ -184,26 +211,43 @@ if [ "${MPS:-0}" = 1 ] && command -v nvidia-cuda-mps-control > /dev/null; then
   fi
 fi
 
-prepare() {  # $1 run dir, $2 samples[, $3 turns, $4 more stage-01 flags]: stages 01-03, the replies from
-             # REGEN_CACHE when its settings fit; EVAL_RATIO [0.02] the held-out share
+prepare() {  # $1 run dir, $2 samples: stages 01-03, the replies from REGEN_CACHE when its settings fit; EVAL_RATIO
+             # [0.02] the held-out share
   if [ -n "${REGEN_CACHE:-}" ] && [ ! -f "$1/data/regenerated.jsonl" ]; then
     mkdir -p "$1/data" && tar xzf "$REGEN_CACHE" -C "$1/data"
   fi
   pipeline() {
-    python3 run_pipeline.py --run-dir "$1" --model-path "$VERIFIER" --dataset "${DATASET:-$DATA/sharegpt.json}" \
-      --regenerate --max-turns "${3:-1}" --num-samples "$2" --eval-ratio "${EVAL_RATIO:-0.02}" --max-seq-len 2048 \
-      --draft-vocab-size 32000 --skip 04 --skip 05 --stage-args 01 "--batch-size 1024 --max-new-tokens 256 ${4:-}" \
+    python3 run_pipeline.py --run-dir "$1" --model-path "$VERIFIER" --dataset "$DATA/sharegpt.json" \
+      --regenerate --max-turns 1 --num-samples "$2" --eval-ratio "${EVAL_RATIO:-0.02}" --max-seq-len 2048 \
+      --draft-vocab-size 32000 --skip 04 --skip 05 --stage-args 01 "--batch-size 1024 --max-new-tokens 256" \
       --stage-args 02 "--batch-size 64 --num-workers 8"
   }
   pipeline "$@" && return 0
   # Stage 01 refuses a cache made with other settings (another verifier path or tokenizer, another temperature):
   # regenerate instead.
+  refused "$1" || return 1
+  pipeline "$@"
+}
+refused() {  # $1 run dir: when its stage 01 refused REGEN_CACHE's replies (made with other settings), remove them
   grep -q "holds responses generated with other settings" "$1/logs/01_prepare_data.log" 2>/dev/null || return 1
   say "REGEN_CACHE does not fit $1 (see $1/logs/01_prepare_data.log): regenerating the replies"
   rm -f "$1/data/regenerated.jsonl" "$1/data/regenerated.settings.json"
-  pipeline "$@"
 }
-train04() {  # $1 run dir, $2 output folder, $3 tokens a step, $4 data workers, then extra flags
+lanes_data() {  # stages 01-03 of the data lanes, stage 02 of the storage-format lanes, one after another; REGEN_CACHE
+                # goes to each folder where a lane reruns stage 01, and is dropped where stage 01 refuses it
+  local folder again=0 log=$RUN/logs/lanes_data.log
+  if [ -n "${REGEN_CACHE:-}" ]; then
+    for folder in $(lanes --lanes "$LANES" --data-folders); do
+      [ -f "$folder/data/regenerated.jsonl" ] || { mkdir -p "$folder/data" && tar xzf "$REGEN_CACHE" -C "$folder/data"; }
+    done
+  fi
+  say "lanes' data and storage formats: $LANES"
+  lanes --lanes "$LANES" --only data >> "$log" 2>&1 && return 0
+  for folder in $(lanes --lanes "$LANES" --data-folders); do refused "$folder" && again=1; done
+  [ "$again" = 1 ] && lanes --lanes "$LANES" --only data >> "$log" 2>&1 && return 0
+  say "FAILED: a lane's data (see $log); lanes without theirs stop at their training"
+}
+train04() {  # $1 run dir, $2 output folder, $3 tokens a step, $4 data workers, then extra flags: the comparison's
   local run=$1 out=$2 tokens=$3 workers=$4; shift 4
   say "train $out ($tokens tokens a step $TRAIN_FLAGS $*)"
   # shellcheck disable=SC2086
@@ -213,128 +257,19 @@ train04() {  # $1 run dir, $2 output folder, $3 tokens a step, $4 data workers, 
     || { say "FAILED: train $out"; return 1; }
   say "trained $out: $(python3 -c "import json; print(json.load(open('$out/manifest.json'))['wall_time_s'])") s"
 }
-bench() {  # $1 run dir, $2 report folder name, $3 drafter folder, then stage 05 flags
-  local run=$1 name=$2 drafter=$3; shift 3
-  python3 05_benchmark.py --run-dir "$run" --model-path "$VERIFIER" --draft-model-path "$drafter" \
-    --output-dir "$RUN/bench_$name" --max-new-tokens "$NEW_TOKENS" "$@" \
-    > "$RUN/logs/bench_$name.log" 2>&1 || say "FAILED: bench $name $*"
-  say "bench $name done"
-}
-tau=(--tau-only --decode-workers "$DECODE_WORKERS")  # acceptance only, so decoding may be spread over processes
-chain=("${tau[@]}" --num-steps 3 --topk 1 --num-draft-tokens 4)
-tree=("${tau[@]}" --num-steps 3 --topk 8)
-suite() {  # $1 run dir, $2 lane, $3 drafter: teacher-forced agreement, chain T=0 on MT-bench and held-out, at once
-  local pids=()
-  bench "$1" "$2_eval" "$3" --mode eval --num-steps 7 & pids+=($!)
-  bench "$1" "$2_mtbench" "$3" "${chain[@]}" --temperature 0 --prompts "$DATA/mt_bench.jsonl" \
-    --max-new-tokens "$FIELD_TOKENS" & pids+=($!)
-  bench "$1" "$2_heldout" "$3" "${chain[@]}" --temperature 0 --prompts "$RUN/data/eval_data.jsonl" \
-    --num-prompts "$HELDOUT" & pids+=($!)
-  for pid in "${pids[@]}"; do wait "$pid" || true; done
-}
-lane() {  # $1 lane, $2 run dir, $3 tokens a step, then extra stage-04 flags: train, then benchmark
-  local name=$1 run=$2 tokens=$3; shift 3
-  train04 "$run" "$run/checkpoints_$name" "$tokens" "$WORKERS" "$@" || return 0
-  suite "$run" "$name" "$run/checkpoints_$name/best" &
-  [ "$name" = default ] && [ "$EXTRAS" = 1 ] && default_extras "$run/checkpoints_$name/best"
-  case ${name%%_*} in *final|*topk) ;; *) bench "$run" "${name}_t1" "$run/checkpoints_$name/best" "${chain[@]}" \
-    --temperature 1 --prompts "$DATA/mt_bench.jsonl" ;; esac
-  wait
-}
-data_flags() {  # $1 lane: its turns, samples and stage-01 flags, for a lane trained on data of its own
-  case $1 in
-    sampled) echo "1 $SAMPLES --temperature 0.8" ;;   # replies sampled as sampled serving will meet them
-    mixed) echo "1 $SAMPLES --replies-per-prompt 2 --temperature 0.8 --greedy-first-reply" ;;
-    long) echo "1 $SAMPLES --max-new-tokens $LONG_TOKENS" ;;
-    # RUN's held-out prompts stay out of its training, whatever the shuffle of more data does
-    turns2) echo "2 $SAMPLES --exclude-prompts $RUN/data/eval_data.jsonl" ;;
-    data) echo "1 $DATA_SAMPLES --exclude-prompts $RUN/data/eval_data.jsonl$(extra_datasets)" ;;
-    all) echo "$DATA_TURNS $DATA_SAMPLES --exclude-prompts $RUN/data/eval_data.jsonl$(extra_datasets)" ;;
-  esac
-}
-extra_datasets() {  # DATA_EXTRA as stage-01 flags
-  local file
-  for file in $DATA_EXTRA; do printf ' --dataset %s' "$DATA/$file"; done
-}
-lane_dataset() {  # $1 data lane: the ShareGPT file it reads
-  case $1 in
-    turns2) echo "$DATA/sharegpt_turns2.json" ;;
-    all) if [ "$DATA_TURNS" = 1 ]; then echo "$DATA/sharegpt.json"; else echo "$DATA/sharegpt_turns$DATA_TURNS.json"; fi ;;
-    *) echo "$DATA/sharegpt.json" ;;
-  esac
-}
-format_flags() {  # $1 lane: its stage-02 flags, empty for a lane that trains on RUN's own hidden states
-  case $1 in
-    fp8topk) echo "--aux-dtype float8_e4m3 --targets topk --target-topk $TOPK" ;;
-    fp8final) echo "--aux-dtype float8_e4m3" ;;
-    bf16topk) echo "--targets topk --target-topk $TOPK" ;;
-    aux*-*-*) echo "--aux-layers $(tr - , <<< "${1#aux}")" ;;
-  esac
-}
-PY=python3; MODEL=$VERIFIER  # for recipe_lanes.sh
-source scripts/recipe_lanes.sh  # recipe_flags: a recipe lane's stage-04 flags from its name (steps: start_lane)
-start_lane() {  # $1 lane: train it on its data (the name's first part, for a data or storage-format lane), then
-                # benchmark it
-  local base=${1%%_*} recipe=$1 run=$RUN tokens=$STEP_TOKENS flags more=""
-  case $base in
-    bf16final|fp8topk|fp8final|bf16topk|sampled|mixed|long|data|turns2|all|aux*-*-*)
-      recipe=${1#"$base"}; recipe=${recipe#_}; recipe=${recipe:-default} ;;
-  esac
-  case $base in
-    bf16final) tokens=$FORMAT_STEP_TOKENS ;;
-    fp8topk|fp8final|bf16topk) run=$RUN-$base; tokens=$FORMAT_STEP_TOKENS ;;
-    sampled|mixed|long|turns2|aux*-*-*) run=$RUN-$base ;;
-    data|all) run=$RUN-$base; more="--epochs $DATA_EPOCHS" ;;
-  esac
-  flags=$(recipe_flags "$recipe") || { say "FAILED: no lane called $1"; return 0; }
-  # a refused or failed stage 02 leaves the folder behind (2026-12-03: the all lane's did not fit the disk)
-  extracted "$run" || { say "FAILED: lane $1 has no finished stage 02 in $run (see $run/logs)"; return 0; }
-  [[ "_${recipe}_" == *_steps_* ]] && tokens=$LEVER_STEP_TOKENS
-  # shellcheck disable=SC2086
-  lane "$1" "$run" "$tokens" $more $flags
-}
-extracted() {  # $1 run dir: its stage 02 finished
-  python3 -c "import json, sys; sys.exit(json.load(open(sys.argv[1])).get('status') != 'complete')" \
-    "$1/hidden_states/manifest.json" 2> /dev/null
-}
-bases() {  # the first part of every lane's name, once each: the data and storage formats the lanes need
-  local name
-  for name in $LANES; do echo "${name%%_*}"; done | sort -u
-}
-default_extras() {  # $1 drafter: lossless checks in float32 and float64, chain and tree
-  local pids=()
-  bench "$RUN" default_fp32_chain "$1" "${chain[@]}" --temperature 0 --dtype float32 \
-    --prompts "$DATA/mt_bench.jsonl" & pids+=($!)
-  bench "$RUN" default_fp32_tree "$1" "${tree[@]}" --temperature 0 --dtype float32 \
-    --prompts "$DATA/mt_bench.jsonl" & pids+=($!)
-  # float64: a float32 near tie (2.1e-5 apart on 2026-12-01) can flip either way; in float64 none should
-  bench "$RUN" default_fp64_chain "$1" "${chain[@]}" --temperature 0 --dtype float64 \
-    --prompts "$DATA/mt_bench.jsonl" & pids+=($!)
-  bench "$RUN" default_fp64_tree "$1" "${tree[@]}" --temperature 0 --dtype float64 \
-    --prompts "$DATA/mt_bench.jsonl" & pids+=($!)
-  for pid in "${pids[@]}"; do wait "$pid" || true; done
+lane() {  # $1 lane: its training, then its benchmarks side by side (the default lane's lossless checks among them)
+  if lanes --lanes "$1" --only train --only bench --bench-jobs 8 > "$RUN/logs/lane_$1.log" 2>&1; then
+    say "lane $1 done"
+  else
+    say "FAILED: lane $1 (see $RUN/logs/lane_$1.log): $(tail -n 1 "$RUN/logs/lane_$1.log")"
+  fi
 }
 
 if has data; then
   if [ -n "$LANES" ]; then  # the comparison alone (LANES="") needs only RUN-small
     say "stages 01-03: $SAMPLES samples in $RUN"; prepare "$RUN" "$SAMPLES" > "$RUN/logs/prepare.log" 2>&1
+    lanes_data
   fi
-  for name in $(bases); do
-    read -r turns samples more <<< "$(data_flags "$name")"; [ -n "$turns" ] || continue
-    mkdir -p "$RUN-$name/logs"; say "stages 01-03 in $RUN-$name: $samples samples, --max-turns $turns $more"
-    # shellcheck disable=SC2086
-    DATASET=$(lane_dataset "$name") prepare "$RUN-$name" "$samples" "$turns" "$more" > "$RUN-$name/logs/prepare.log" 2>&1 \
-      || say "FAILED: data $name"
-  done
-  for name in $(bases); do
-    flags=$(format_flags "$name"); [ -n "$flags" ] || continue
-    mkdir -p "$RUN-$name/logs"; rm -rf "$RUN-$name/data" "$RUN-$name/vocab"
-    cp -r "$RUN/data" "$RUN-$name/data"; cp -r "$RUN/vocab" "$RUN-$name/vocab"
-    say "stage 02 in $RUN-$name: $flags"
-    # shellcheck disable=SC2086
-    python3 02_extract_hidden_states.py --run-dir "$RUN-$name" --model-path "$VERIFIER" --max-seq-len 2048 \
-      --batch-size 64 --num-workers 8 $flags > "$RUN-$name/logs/extract.log" 2>&1 || say "FAILED: stage 02 $RUN-$name"
-  done
   if [ -n "$SPECFORGE" ]; then
     mkdir -p "$SMALL_RUN/logs"
     say "stages 01-03: $SMALL samples in $SMALL_RUN"; EVAL_RATIO=$SMALL_EVAL_RATIO prepare "$SMALL_RUN" "$SMALL" \
@@ -381,7 +316,7 @@ if has compare && [ -n "$SPECFORGE" ]; then
 fi
 if has lanes; then
   pids=()
-  for name in $LANES; do start_lane "$name" & pids+=($!); done
+  for name in $LANES; do lane "$name" & pids+=($!); done
   if [ -n "$beside" ]; then pids+=("$beside"); else compare_bench & pids+=($!); fi
   for pid in "${pids[@]}"; do wait "$pid" || true; done
   say "lanes done"

@@ -43,9 +43,10 @@ ATTENTION_KERNELS=${ATTENTION_KERNELS:-0}; LLAMA_PROMPTS=${LLAMA_PROMPTS:-0}
 SPECFORGE_ARGS=${SPECFORGE_ARGS:-"--lr 1e-4 --ttt-steps 7 --time-limit 660"}
 RUN=$WORK/q; CHECKS=$WORK/checks
 if [ "${4:-}" = snapshot ]; then
-  for lane in data sampled mixed long turns2 all; do  # what a data lane regenerated so far: a REGEN_CACHE for the next machine
-    [ -f "$RUN-$lane/data/regenerated.jsonl" ] || continue
-    tar czf "$OUT/regenerated_$lane.tgz" -C "$RUN-$lane/data" regenerated.jsonl regenerated.settings.json
+  for replies in "$RUN"/lanes/*/data/regenerated.jsonl; do  # what a data lane regenerated so far: a REGEN_CACHE for
+    [ -f "$replies" ] || continue                            # the next machine
+    lane=$(basename "$(dirname "$(dirname "$replies")")")
+    tar czf "$OUT/regenerated_$lane.tgz" -C "$(dirname "$replies")" regenerated.jsonl regenerated.settings.json
   done
   tar czf "$OUT/snapshot.tgz" --exclude='*.safetensors' --exclude='*.pt' --exclude='hidden_states' \
     --exclude='*.jsonl.gz' --exclude='*/data/*.jsonl' -C "$WORK" . && exit 0

@@ -1,12 +1,14 @@
 #!/usr/bin/env python3
-"""One Markdown table of every stage-05 report under RUN_DIR/bench_*/ (scripts/gpu_drafter_quality.sh's runs).
+"""One Markdown table of every stage-05 report of every lane (scripts/run_lanes.py's, as gpu_drafter_quality.sh and
+cpu_recipe_levers.sh run them), found through each lane's lane.json: the lane's name and its benchmarks' folders.
 
-For each drafter and run: prompt set, prompts used, drafting setting, temperature, dtype, tau, acceptance by
-position, speedup (where timed), greedy turns identical and mean share before divergence (T=0), repetition, tau
-per output window (runs past 128 new tokens); then the teacher-forced agreement per TTT step (--mode eval).
+A row per lane and benchmark (LANE_BENCHMARK): prompt set, prompts used, drafting setting, temperature, dtype, tau,
+acceptance by position, speedup (where timed), greedy turns identical and mean share before divergence (T=0),
+repetition, tau per output window (runs past 128 new tokens); then the teacher-forced agreement per TTT step
+(--mode eval).
 Ours against SpecForge's recipe is compare_recipes.py's table, which gpu_drafter_quality.sh appends.
 
-  python3 scripts/quality_table.py RUN_DIR
+  python3 scripts/quality_table.py DIR...   (a lane's folder, a folder of lanes, or a base run with lanes/)
 """
 from __future__ import annotations
 
@@ -16,6 +18,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from common.bench.report import fmt as report_fmt, read_reports, window_name  # noqa: E402
+from common.formats.files import read_json  # noqa: E402
+from common.lab.plan import LANE_FILE  # noqa: E402
 
 
 def fmt(value, digits: int = 2) -> str:
@@ -61,20 +65,29 @@ def along_the_reply(overall: dict) -> str:
     return " · ".join(f"{window_name(w)} {fmt(w['tau'])} ({fmt(w['repetition_4gram_share'])})" for w in windows)
 
 
-def reports(run: Path):
-    """(drafter name, report path, results) for every report in RUN/bench_NAME/ folders."""
-    for folder in sorted(run.glob("bench_*/")):
-        for path, results in read_reports(folder):
-            yield folder.name.removeprefix("bench_"), path, results
+def lane_files(folder: Path) -> list[Path]:
+    """The lane.json of a lane's folder, of the lanes in a folder, or of a base run's lanes/."""
+    if (folder / LANE_FILE).is_file():
+        return [folder / LANE_FILE]
+    return sorted(folder.glob(f"*/{LANE_FILE}")) + sorted(folder.glob(f"lanes/*/{LANE_FILE}"))
+
+
+def reports(folders: list[Path]):
+    """(row name, report path, results) for every report of every benchmark each lane.json names."""
+    for lane_file in [file for folder in folders for file in lane_files(folder)]:
+        record = read_json(lane_file)
+        for step in record.get("steps", []):
+            if step.get("benchmark"):  # a relative folder is the lane's own
+                for path, results in read_reports(lane_file.parent / step["output_dir"]):
+                    yield f"{record['lane']['name']}_{step['benchmark']}", path, results
 
 
 def main(argv: list[str]) -> int:
-    if len(argv) != 1:
+    if not argv:
         print(__doc__, file=sys.stderr)
         return 2
-    run = Path(argv[0])
     offline, evals = [], []
-    for name, path, report in reports(run):
+    for name, path, report in reports([Path(folder) for folder in argv]):
         if path.stem.startswith("bench_eval"):
             metrics = report["metrics"]
             evals.append([name, " ".join(fmt(a) for a in metrics["acc_per_step"]), fmt(metrics.get("sim_accept_len")),

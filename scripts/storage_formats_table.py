@@ -1,10 +1,14 @@
 #!/usr/bin/env python3
 """The table of scripts/gpu_storage_formats.sh: per stage-02 storage format, the bytes per token (computed from
 the format, written by stage 02, and on disk from the sample records), stage 02 and stage 04 tokens/s, stage 02's
-extraction against the forward pass alone (scripts/bench_extraction.py's RUN/bench_extraction.json, where it ran),
+extraction against the forward pass alone (scripts/bench_extraction.py's LANE/bench_extraction.json, where it ran),
 the chain tau of stage 05 --tau-only, the teacher-forced agreement, and the top-k targets' missing mass.
 
-  python3 scripts/storage_formats_table.py RUN_ROOT OUT VARIANT...   (writes OUT/storage_formats.{json,md})
+Each storage format is a lane (bf16final, fp8final, bf16topk, fp8topk: common/lab/lanes.py); its lane.json names
+it and says where its hidden states, drafter and benchmarks are. A folder without one (a rate-only run) gives a row
+named "-" whose format column comes from bench_extraction.json. Ratios are to the first lane given.
+
+  python3 scripts/storage_formats_table.py OUT LANE_DIR...   (writes OUT/storage_formats.{json,md})
 """
 from __future__ import annotations
 
@@ -16,6 +20,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from common.bench.report import latest_report  # noqa: E402
 from common.formats.storage import format_of_manifest  # noqa: E402
+from common.lab.plan import LANE_FILE  # noqa: E402
 
 
 def read(path: Path) -> dict:
@@ -36,26 +41,41 @@ def one_report(folder: Path, prefix: str) -> dict:
     return latest_report(folder, prefix) or {}
 
 
-def variant_row(run: Path, name: str) -> dict:
-    row: dict = {"variant": name}
-    manifest = read(run / "hidden_states" / "manifest.json")
+def lane_paths(folder: Path) -> dict:
+    """The lane's name and where its inputs and outputs are, from its lane.json (relative to its folder)."""
+    record = read(folder / LANE_FILE)
+    if not record:
+        return {"name": "-", "hidden_states": None, "drafter": None, "benchmarks": {}}
+    return {"name": record["lane"]["name"], "hidden_states": folder / record["inputs"]["hidden_states"],
+            "drafter": folder / record["drafter"],
+            "benchmarks": {step["benchmark"]: folder / step["output_dir"] for step in record["steps"]
+                           if step.get("benchmark")}}
+
+
+def variant_row(folder: Path) -> dict:
+    lane = lane_paths(folder)
+    row: dict = {"variant": lane["name"]}
+    states = lane["hidden_states"]
+    manifest = read(states / "manifest.json") if states else {}
     if manifest:
-        fmt = format_of_manifest(manifest, name)
+        fmt = format_of_manifest(manifest, lane["name"])
         last = manifest.get("last_run") or {}
         tokens = (manifest.get("counts") or {}).get("tokens") or 0
         on_disk = sum(sum(f["bytes"] for f in (entry.get("files") or {}).values())
-                      for entry in lines(run / "hidden_states" / "index.jsonl"))
+                      for entry in lines(states / "index.jsonl"))
         row.update({"format": fmt.key(), "bytes_per_token_computed": fmt.bytes_per_token(manifest["hidden_size"]),
                     "bytes_per_token_written": round(last["bytes_written"] / last["tokens_written"], 1)
                     if last.get("tokens_written") else None,
                     "bytes_per_token_on_disk": round(on_disk / tokens, 1) if tokens and on_disk else None,
                     "stage02_tokens_per_s": last.get("tokens_per_s")})
-    bench = read(run / "bench_extraction.json")
+    bench = read(folder / "bench_extraction.json")
     if bench:  # a rate-only run has no stage-02 manifest: the format and its bytes come from the benchmark
         row["extraction_vs_forward"] = bench.get("extraction_vs_forward")
         row.setdefault("format", bench.get("storage"))
         row.setdefault("bytes_per_token_computed", bench.get("bytes_per_token"))
-    metrics = lines(run / "checkpoints" / "metrics.jsonl")
+    if lane["drafter"] is None:
+        return row
+    metrics = lines(lane["drafter"] / "metrics.jsonl")
     train = [r["tokens_per_s"] for r in metrics if r.get("kind") == "train" and r.get("tokens_per_s")]
     evals = [r for r in metrics if r.get("kind") == "eval"]
     if train:  # the first window holds the warm-up (compilation, first loads)
@@ -64,10 +84,11 @@ def variant_row(run: Path, name: str) -> dict:
     if evals:
         row["val_sim_accept_len"] = round(evals[-1]["sim_accept_len"], 4)
         row["target_missing_mass"] = evals[-1].get("target_missing_mass")
-    chain = one_report(run / "bench_chain", "bench_offline")
+    benchmarks = lane["benchmarks"]
+    chain = one_report(benchmarks["mtbench"], "bench_offline") if "mtbench" in benchmarks else None
     if chain:
         row["chain_tau"] = round(chain["overall"]["tau"], 4)
-    teacher = one_report(run / "bench_eval", "bench_eval")
+    teacher = one_report(benchmarks["eval"], "bench_eval") if "eval" in benchmarks else None
     if teacher:
         row["eval_acc_per_step"] = teacher["metrics"]["acc_per_step"]
     return row
@@ -89,13 +110,13 @@ def cell(value) -> str:
 
 
 def main(argv: list[str]) -> int:
-    if len(argv) < 3:
+    if len(argv) < 2:
         print(__doc__, file=sys.stderr)
         return 2
-    root, out = Path(argv[0]), Path(argv[1])
-    rows = [variant_row(root / name, name) for name in argv[2:]]
-    base = next((r for r in rows if r.get("bytes_per_token_computed") and r["variant"] == argv[2]), None)
-    for row in rows:  # relative to the first variant (bf16 + final, the default)
+    out = Path(argv[0])
+    rows = [variant_row(Path(folder)) for folder in argv[1:]]
+    base = rows[0] if rows[0].get("bytes_per_token_computed") else None
+    for row in rows:  # relative to the first lane (bf16final, the default format)
         if base and row.get("bytes_per_token_computed"):
             row["bytes_vs_first"] = round(row["bytes_per_token_computed"] / base["bytes_per_token_computed"], 3)
         if base and row.get("chain_tau") and base.get("chain_tau"):

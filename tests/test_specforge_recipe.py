@@ -18,6 +18,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from common.formats.files import write_json_atomic
 from conftest import REPO, run_script
 from test_train import ONE_THREAD, build_run, train_argv
 
@@ -212,12 +213,14 @@ def test_compare_recipes_prints_the_side_by_side_table(run_dir, trained, stories
     assert report["validation_sim_accept_len"]["specforge"] == evals["specforge"]["metrics"]["sim_accept_len"]
     assert "| validation split, teacher-forced" in table
 
-    # scripts/quality_table.py tabulates the same reports (as RUN/bench_NAME folders): a row each, with the
-    # prompts used, and the teacher-forced scores.
+    # scripts/quality_table.py tabulates the same reports, found through a lane.json per drafter that names each
+    # set's folder (as scripts/run_lanes.py writes it): a row each, with the prompts used, and the teacher-forced scores.
     run = tmp_path / "tabulated"
-    for folder in out.iterdir():
-        if folder.is_dir():
-            shutil.copytree(folder, run / f"bench_{folder.name}")
+    for lane in ("ours", "specforge"):
+        steps = [{"name": f"bench_{folder.name.removeprefix(lane + '_')}", "output_dir": str(folder),
+                  "benchmark": folder.name.removeprefix(lane + "_")}
+                 for folder in sorted(out.glob(f"{lane}_*")) if folder.is_dir()]
+        write_json_atomic(run / lane / "lane.json", {"lane": {"name": lane}, "steps": steps})
     done = run_script("scripts/quality_table.py", str(run))
     assert done.returncode == 0, done.stderr[-3000:]
     rows = [line for line in done.stdout.splitlines() if line.startswith("| ours_") or line.startswith("| specforge_")]
