@@ -44,7 +44,7 @@ def work(args, log) -> None:
 
         return verify_output(Path(args.output_dir), log)
     require(args, "model_path", "prepared_data")
-    if args.backend == "sglang":  # the pinned SGLang, GPUs, one process: checked first (common/verifier/)
+    if args.backend == "sglang":  # a checked SGLang release, GPUs, one process: checked first (common/verifier/)
         from common.verifier.sglang_backend import check_engine_settings, check_sglang_early
 
         if args.aux_dtype != "bfloat16" or args.targets != "final":
@@ -75,7 +75,7 @@ def work(args, log) -> None:
     if args.backend == "sglang":
         from common.verifier.sglang_backend import check_sglang_verifier
 
-        check_sglang_verifier(args, info)
+        check_sglang_verifier(args, info, aux_layers)
     device = pick_device(args.device)
     compute_dtype = args.dtype if device != "cpu" else "float32"
     log.info("verifier %s: %s, %d layers, hidden %d, vocab %d; aux layers %s (inputs of those decoder layers = "

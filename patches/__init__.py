@@ -1,9 +1,8 @@
-"""Run-time hooks into SGLang for stage 02's `--backend sglang` (never edits of SGLang's installed files), and the
-one pinned SGLang release they are written for. How SGLang imports them: docs/extraction.md. No heavy imports
-here: SGLang imports this package in every process."""
+"""Run-time hooks into SGLang for stage 02's `--backend sglang` (never edits of SGLang's installed files). The SGLang
+releases they are checked against, and how those differ: patches/sglang_releases.py. How SGLang imports them:
+docs/extraction.md. No heavy imports here: SGLang imports this package in every process."""
 from __future__ import annotations
 
-SUPPORTED_SGLANG_VERSION = "0.5.23"
 SGLANG_PACKAGE_ENV = "SGLANG_EXTERNAL_MODEL_PACKAGE"
 
 
@@ -15,16 +14,3 @@ def installed_sglang_version() -> str | None:
         return metadata.version("sglang")
     except metadata.PackageNotFoundError:
         return None
-
-
-def sglang_version_problem(installed: str | None) -> str | None:
-    """Why the installed SGLang cannot be used with these hooks (None when it can)."""
-    install = f"pip install sglang=={SUPPORTED_SGLANG_VERSION}"
-    if installed is None:
-        return (f"SGLang is not installed; --backend sglang needs sglang=={SUPPORTED_SGLANG_VERSION} "
-                f"({install} on the GPU machine), or use --backend hf")
-    if installed != SUPPORTED_SGLANG_VERSION:
-        return (f"SGLang {installed} is installed, but the capture hooks in patches/ are written for "
-                f"sglang=={SUPPORTED_SGLANG_VERSION} (they use its internal model classes); {install}, or use "
-                f"--backend hf")
-    return None

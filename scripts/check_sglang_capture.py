@@ -1,6 +1,7 @@
 #!/usr/bin/env python
-"""Check stage 02's SGLang backend on a GPU machine with the pinned SGLang installed: the same samples through
-`--backend hf` and `--backend sglang`, then the stored tensors compared file by file.
+"""Check stage 02's SGLang backend on a GPU machine with a checked SGLang release installed (0.5.17 or 0.5.23:
+patches/sglang_releases.py; another with --allow-untested-sglang): the same samples through `--backend hf` and
+`--backend sglang`, then the stored tensors compared file by file.
 
     python scripts/check_sglang_capture.py --model-path /models/Llama-3.1-8B-Instruct --tp-size 1
     python scripts/check_sglang_capture.py --model-path /models/some-DeepSeek-V3-family-model --tp-size 8 \\
@@ -12,7 +13,8 @@ absolute difference and the cosine similarity between the two backends (a file's
 tokens; bf16 kernels differ between engines, so equality is not expected). It passes when every file's cosine is
 above 0.999 (MIN_COSINE) and prints the worst file. With --skip-hf only the SGLang run and its own checks (files,
 shapes, manifest, index) are made. Prints one JSON object per line (and the worst file as a plain line); the last
-line is the summary, also written to $OUT/check_sglang_capture.json when $OUT is set.
+line is the summary, also written to $OUT/check_sglang_capture.json when $OUT is set; its `sglang_run` names the
+SGLang version the run used and the release entry its settings came from (`sglang_version`, `sglang_release`).
 """
 from __future__ import annotations
 
@@ -60,6 +62,13 @@ def run_stage02(data: Path, out: Path, args, backend: str) -> None:
         command.append("--trust-remote-code")
     if backend == "sglang":
         command += ["--tp-size", str(args.tp_size), "--gpu-memory-utilization", str(args.gpu_memory_utilization)]
+        for flag, value in (("--attention-backend", args.attention_backend),
+                            ("--sampling-backend", args.sampling_backend)):
+            command += [flag, value] if value else []
+        for setting in args.sglang_arg or ():
+            command += ["--sglang-arg", setting]
+        if args.allow_untested_sglang:
+            command.append("--allow-untested-sglang")
     else:
         command += ["--device", "cuda", "--device-map", "auto"]
     print(json.dumps({"running": " ".join(command)}), flush=True)
@@ -114,6 +123,12 @@ def main(argv=None) -> int:
     parser.add_argument("--trust-remote-code", action="store_true")
     parser.add_argument("--tp-size", type=int, default=1)
     parser.add_argument("--gpu-memory-utilization", type=float, default=0.8)
+    parser.add_argument("--attention-backend", help="stage 02's --attention-backend for the SGLang run")
+    parser.add_argument("--sampling-backend", help="stage 02's --sampling-backend for the SGLang run")
+    parser.add_argument("--sglang-arg", action="append", metavar="KEY=VALUE",
+                        help="stage 02's --sglang-arg for the SGLang run (repeatable)")
+    parser.add_argument("--allow-untested-sglang", action="store_true",
+                        help="stage 02's --allow-untested-sglang: check a release the hooks are not checked against")
     parser.add_argument("--num-samples", type=int, default=32)
     parser.add_argument("--min-len", type=int, default=16)
     parser.add_argument("--max-len", type=int, default=512)

