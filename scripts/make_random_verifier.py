@@ -25,7 +25,9 @@ DEEPSEEK_V3 = dict(hidden_size=1024, intermediate_size=2048, moe_intermediate_si
                    num_attention_heads=8, num_key_value_heads=8, n_shared_experts=1, n_routed_experts=16,
                    num_experts_per_tok=4, n_group=4, topk_group=2, first_k_dense_replace=1, kv_lora_rank=512,
                    q_lora_rank=768, qk_rope_head_dim=64, qk_nope_head_dim=128, v_head_dim=128,
-                   routed_scaling_factor=2.5, max_position_embeddings=4096, tie_word_embeddings=False)
+                   routed_scaling_factor=2.5, max_position_embeddings=4096, tie_word_embeddings=False,
+                   # DeepSeek-V3's own config.json carries these; SGLang reads them, transformers' class omits them
+                   moe_layer_freq=1, scoring_func="sigmoid", topk_method="noaux_tc")
 LLAMA = dict(hidden_size=1024, intermediate_size=2816, num_hidden_layers=8, num_attention_heads=16,
              num_key_value_heads=4, max_position_embeddings=4096, tie_word_embeddings=False)
 
