@@ -1,12 +1,14 @@
-"""The parser each stage builds from the flag table (common/cli/flags.py): errors that name the bad flag and the
-closest valid ones, --help that says each default once, and the run directory's paths filled in."""
+"""The parser each stage builds from the flag table (common/cli/flags.py): an error that comes first and names
+the bad flag and the closest valid one, --help that says what each flag does in this stage and its default, and the
+run directory's paths filled in."""
 from __future__ import annotations
 
 import argparse
 import difflib
+import re
 import sys
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Iterable, Sequence
 
 from common.cli.errors import USAGE_ERROR, UsageError
 from common.cli.flags import (FLAGS, PREPARED_DATA_FILE, RUN_INPUTS, RUN_LAYOUT, STAGE_FLAGS, Flag,
@@ -14,21 +16,23 @@ from common.cli.flags import (FLAGS, PREPARED_DATA_FILE, RUN_INPUTS, RUN_LAYOUT,
 
 
 class StageArgumentParser(argparse.ArgumentParser):
-    """An ArgumentParser whose errors name the bad flag, suggest close ones, and exit 2 without help."""
+    """An ArgumentParser whose error is the first line it prints: the bad flag and the closest valid one, then exit
+    2 (the usage block, 15 lines for a stage, is left to --help)."""
 
     def __init__(self, stage: str, **kwargs):
         super().__init__(allow_abbrev=False, **kwargs)
         self.stage = stage
 
     def error(self, message: str):  # noqa: D401 - argparse's hook
-        self.print_usage(sys.stderr)
-        sys.stderr.write(f"{self.prog}: error: {message}\n")
+        sys.stderr.write(f"{self.prog}: error: {one_name_per_flag(message)}\n"
+                         f"({self.prog} --help lists its flags)\n")
         sys.exit(USAGE_ERROR)
 
     def parse_args(self, args: Sequence[str] | None = None, namespace=None):
-        known, extras = self.parse_known_args(args, namespace)
+        argv = list(sys.argv[1:] if args is None else args)
+        known, extras = self.parse_known_args(argv, namespace)
         if extras:
-            self.error(self.explain_unknown(extras))
+            self.error(self.explain_unknown(without_their_values(extras, argv)))
         return known
 
     def explain_unknown(self, extras: list[str]) -> str:
@@ -45,20 +49,49 @@ class StageArgumentParser(argparse.ArgumentParser):
                 stages = [s for s, names in STAGE_FLAGS.items() if canonical in names]
                 lines.append(f"{bare} is not a flag of {self.stage} (it belongs to {', '.join(stages)})")
                 continue
-            close = difflib.get_close_matches(bare, sorted(here), n=3, cutoff=0.6)
-            hint = f"; did you mean {' or '.join(close)}?" if close else "; see --help for the flags"
-            lines.append(f"unknown flag {bare}{hint}")
+            close = closest_flag(bare, here)
+            lines.append(f"unknown flag {bare}" + (f"; did you mean {close}?" if close else "; see --help"))
         return "\n  ".join(lines)
 
 
+def one_name_per_flag(message: str) -> str:
+    """argparse names a flag by all its spellings ("argument --lr/--learning-rate: ..."): keep the first."""
+    return re.sub(r"^argument (-[^/:\s]+)(/-[^/:\s]+)+:", r"argument \1:", message)
+
+
+def _looks_like_a_value(token: str) -> bool:
+    try:
+        float(token)
+        return True
+    except ValueError:
+        return not token.startswith("-")
+
+
+def without_their_values(extras: list[str], argv: Sequence[str]) -> list[str]:
+    """The unknown tokens, less the value that follows an unknown flag in argv: in `--epoch 2` the 2 is the
+    misspelled flag's value, not a second mistake."""
+    left = list(extras)
+    for token, following in zip(argv, argv[1:]):
+        if token.startswith("-") and "=" not in token and token in left and following in left \
+                and following != token and _looks_like_a_value(following):
+            left.remove(following)
+    return left
+
+
+def closest_flag(name: str, spellings: Iterable[str]) -> str | None:
+    """The spelling in `spellings` closest to a misspelled `name` (None when none is close)."""
+    close = difflib.get_close_matches(name, sorted(spellings), n=1, cutoff=0.6)
+    return close[0] if close else None
+
+
 class _HelpFormatter(argparse.RawDescriptionHelpFormatter):
-    """--help as written: the stage's docstring keeps its lines, and each flag's default is said once (not when
-    its help already says it, nor a default of None or off)."""
+    """--help as written: the stage's docstring keeps its lines, and each flag's default from the table is shown
+    after its help (a default resolved at run time is said by the help text itself)."""
 
     def _get_help_string(self, action):
         text = action.help or ""
-        if "default" in text.lower() or action.default is None or action.default is False \
-                or action.default == [] or action.default == argparse.SUPPRESS:
+        if action.default is None or action.default is False or action.default == [] \
+                or action.default == argparse.SUPPRESS:
             return text
         return f"{text} (default: %(default)s)"
 
@@ -70,14 +103,15 @@ def build_parser(stage: str, description: str, extra: Sequence[Flag] = ()) -> St
         formatter_class=_HelpFormatter,
         epilog="Exit codes: 0 success, 2 bad flag or input (nothing heavy was started), 1 failure during work.",
     )
-    add_flags(parser, [FLAGS[name] for name in STAGE_FLAGS[stage]] + list(extra))
+    add_flags(parser, [FLAGS[name] for name in STAGE_FLAGS[stage]] + list(extra), stage)
     return parser
 
 
-def add_flags(parser: argparse.ArgumentParser, flags: Sequence[Flag]) -> None:
-    """Add flags to a parser as the stages take them (a benchmark script reuses a stage's flags this way)."""
+def add_flags(parser: argparse.ArgumentParser, flags: Sequence[Flag], stage: str | None = None) -> None:
+    """Add flags to a parser as `stage` takes them, with that stage's help (a benchmark script reuses a stage's
+    flags this way)."""
     for flag in flags:
-        kwargs: dict[str, Any] = {"dest": flag.dest, "help": flag.help, "default": flag.default}
+        kwargs: dict[str, Any] = {"dest": flag.dest, "help": flag.help_for(stage), "default": flag.default}
         if flag.action:
             kwargs["action"] = flag.action
         if flag.action != "store_true":

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import difflib
 import io
 import json
 import shlex
@@ -17,6 +16,7 @@ from typing import Callable, Sequence
 
 from common.cli.errors import USAGE_ERROR
 from common.cli.flags import FLAGS, RUN_LAYOUT, STAGE_FLAGS, all_option_strings
+from common.cli.parser import closest_flag
 from common.formats.files import read_json
 from common.formats.manifest import MANIFEST, STATUS_COMPLETE
 
@@ -47,10 +47,9 @@ def stage_command(stage: str, argv: list[str], args: argparse.Namespace, nproc: 
 
 
 def unknown_flag_message(name: str, runner_flags: Sequence[str]) -> str:
-    """Suggestions from every stage's flags and the runner's own."""
-    close = difflib.get_close_matches(name, sorted(all_option_strings()) + list(runner_flags), n=3, cutoff=0.6)
-    hint = f"; did you mean {' or '.join(close)}?" if close else "; see --help and each stage's --help"
-    return f"unknown flag {name}{hint}"
+    """The closest of every stage's flags and the runner's own."""
+    close = closest_flag(name, [*all_option_strings(), *runner_flags])
+    return f"unknown flag {name}" + (f"; did you mean {close}?" if close else "; see --help and each stage's --help")
 
 
 def split_shared_flags(tokens: list[str], error: Callable[[str], None],
@@ -105,8 +104,8 @@ def check_all_flags(argvs: dict[str, list[str]]) -> dict[str, argparse.Namespace
         try:
             with contextlib.redirect_stderr(err):
                 resolved[stage] = stage_parser(stage)(argv)
-        except SystemExit:
-            sys.stderr.write(f"run_pipeline: flags for {stage} are wrong:\n{err.getvalue()}")
+        except SystemExit:  # the stage's own error line, which names the stage's script, comes first
+            sys.stderr.write(f"run_pipeline.py: {err.getvalue()}")
             sys.exit(USAGE_ERROR)
     return resolved
 

