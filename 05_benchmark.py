@@ -9,7 +9,8 @@
 
 --num-prompts N takes a sample spread evenly over the prompt file's categories (shuffled with --seed), not
 its first N lines. Prompts that overlap the drafter's training data are refused unless --allow-overlap. Output (--output-dir,
-default RUN_DIR/bench): bench_<mode>_<settings>.json, .md and .png, listed newest first in bench/README.md.
+default RUN_DIR/bench): bench_<mode>_<settings>.json, .md and .png, listed newest first in bench/README.md; a rerun
+of the same settings moves the report it replaces to bench/earlier/ and says so.
 A rerun needs only what changes: flags not given take the values of the last run in the same folder and --mode, and
 the verifier those of the stages before it (common/cli/recorded.py; the log names each), except the decoding settings
 (--num-steps, --topk, --num-draft-tokens, --temperature, --top-p, --concurrency, --tau-only), which are always
@@ -28,7 +29,7 @@ from common.bench.drafter_check import check_verifier_weights
 from common.bench.eval_mode import eval_summary_line, run_eval
 from common.bench.lineage import DATA_STAGE, check_overlap
 from common.bench.offline_mode import offline_summary_line, run_offline
-from common.bench.report import results_stem, run_counts, write_reports
+from common.bench.report import headline, results_stem, run_counts, write_reports
 from common.bench.server_mode import run_server, server_summary_line
 from common.bench.settings import STAGE
 from common.cli.errors import UsageError
@@ -137,10 +138,10 @@ def run_benchmark(args, log):
     manifest.data["counts"] = run_counts(results)
     manifest.data["summary"] = line
     manifest.complete()
-    log.info("results: %s", ", ".join(files.values()))
     log.info("SUMMARY %s", line)
-    # The summary tables (the per-prompt table stays in the file).
-    print(Path(files["markdown"]).read_text().split("\n## Per prompt")[0], flush=True)
+    # A short line for the console; the tables stay in the report.
+    log.info("%s; report %s (every number in its .json; every run in %s)", headline(results), files["markdown"],
+             files["index"])
 
 
 def main(argv=None) -> int:

@@ -10,7 +10,7 @@ output is already there (so a stopped comparison resumes; --redo to redo them):
   bench  05_benchmark.py --tau-only for both drafters: chain k=3 (--num-steps 3 --topk 1 --num-draft-tokens 4),
          T=0, on MT-bench (all 80 by default) and the held-out split (RUN_DIR/data/eval_data.jsonl)
          -> OUTPUT_DIR/{ours,specforge}_{mt_bench,heldout}/
-         and 05_benchmark.py --mode eval --num-steps 3 for both: teacher-forced simulated acceptance length on
+         and 05_benchmark.py --mode eval --num-steps 3 for both: teacher-forced TTT acceptance estimate on
          our stage 04's validation split (seconds; informative, not part of the target)
   table  tau per set, ours/SpecForge with its 95 % paired bootstrap interval over prompts and the prompts where
          ours is higher / lower, training wall time and its ratio, against the target (ours >= 1.05x
@@ -235,7 +235,7 @@ def table(args) -> dict:
     lines += [f"| {r['set']} | {fmt(r['ours'])} | {fmt(r['specforge'])} | {fmt(r['ratio'])} | "
               f"{interval_cell(r['ratio_interval_95'])} | {counts_cell(r['prompts_higher_lower_equal'])} |"
               for r in rows]
-    lines.append(f"| validation split, teacher-forced simulated acceptance length (k=3) | {fmt(validation['ours'])} | "
+    lines.append(f"| validation split, teacher-forced TTT acceptance estimate (k=3) | {fmt(validation['ours'])} | "
                  f"{fmt(validation['specforge'])} | {fmt(report['validation_sim_accept_len']['ratio'])} | - | - |")
     lines.append(f"| training wall time (s) | {fmt(ours_s)} | {fmt(sf_s)} | {fmt(time_ratio)} | - | - |")
     lines.append("")

@@ -25,7 +25,7 @@ VERIFIER=$1; DATA=$2; RUN=$3
 # Measured on one H200 (2026-11-30, all 15,620 distinct ShareGPT prompts): regeneration at 23 conversations/s
 # (batch 1024, 256 new tokens, before stage 01 sorted prompts over 8 batches), extraction at 319K tokens/s, stage
 # 04 at 113K-141K tokens/s with 0% of its time waiting for data, and SmolLM2's decoding host-bound (18 ms a forward).
-# Simulated acceptance length on validation: 5,000 prompts and 10 epochs 2.57; 15,000 prompts and 4 epochs 2.63,
+# TTT acceptance estimate on validation: 5,000 prompts and 10 epochs 2.57; 15,000 prompts and 4 epochs 2.63,
 # still rising by 0.1 an epoch at the end: hence 8 epochs. On two H200s (NPROC=2, the same day): regeneration at 37
 # conversations/s, extraction 399K tokens/s, 8 epochs in 400 s, validation 3.38; held-out k=3 at T=0 with topk 8
 # (25 tokens a verify) tau 3.26 at 2.05x the same loop without drafting; the same drafter benchmarked alone on one

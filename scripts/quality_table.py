@@ -101,8 +101,8 @@ def main(argv: list[str]) -> int:
     for row in offline:
         print("| " + " | ".join(row) + " |")
     if evals:
-        print("\n| drafter | teacher-forced top-1 per TTT step (validation split) | simulated acceptance | "
-              "simulated chain tau (3 drafts, walked) |\n|---|---|---|---|")
+        print("\n| drafter | teacher-forced top-1 per TTT step (validation split) | TTT acceptance estimate | "
+              "walked chain tau (3 drafts) |\n|---|---|---|---|")
         for row in evals:
             print("| " + " | ".join(row) + " |")
     return 0

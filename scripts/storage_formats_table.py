@@ -97,7 +97,7 @@ def variant_row(folder: Path) -> dict:
 COLUMNS = [("variant", "variant"), ("format", "format"), ("bytes_per_token_computed", "bytes/token (format)"),
            ("bytes_per_token_on_disk", "bytes/token (on disk)"), ("stage02_tokens_per_s", "stage 02 tok/s"),
            ("extraction_vs_forward", "stage 02 / forward alone"), ("stage04_tokens_per_s", "stage 04 tok/s"), ("chain_tau", "chain tau 3/1/4"),
-           ("val_sim_accept_len", "val simulated tau"), ("eval_acc_per_step", "teacher-forced top-1 per step"),
+           ("val_sim_accept_len", "val TTT acceptance estimate"), ("eval_acc_per_step", "teacher-forced top-1 per step"),
            ("target_missing_mass", "top-k missing mass")]
 
 

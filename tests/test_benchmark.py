@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import re
 import socket
 import struct
 import sys
@@ -493,6 +494,32 @@ def test_paired_ratio_interval_of_two_drafters_taus():
         paired_ratio_interval(ours, theirs[1:])
 
 
+
+def table_headers(markdown: str) -> list[list[str]]:
+    """The header cells of every table in a Markdown file."""
+    lines = markdown.splitlines()
+    return [[cell.strip() for cell in line.strip().strip("|").split("|")]
+            for line, below in zip(lines, lines[1:]) if below.startswith("|---")]
+
+
+def settings_rows(markdown: str) -> list[str]:
+    """The first column of a report's settings table (its first table)."""
+    table = markdown.split("| flag | value |\n|---|---|\n")[1].split("\n\n")[0]
+    return [line.split("|")[1].strip() for line in table.splitlines()]
+
+
+def assert_every_column_explained_once(markdown: str) -> dict[str, str]:
+    """Every column of every table in a report (or the folder's index) has one line in its '## Columns'
+    section, and that section explains nothing else; the explanations by column name."""
+    assert markdown.count("\n## Columns\n") == 1, markdown[-2000:]
+    tables, columns = markdown.split("\n## Columns\n")
+    explained = re.findall(r"^- \*\*(.+?)\*\*: (.+)$", columns, re.M)
+    names = [name for name, _ in explained]
+    assert len(names) == len(set(names)), names
+    assert set(names) == {cell for header in table_headers(tables) for cell in header}, names
+    return dict(explained)
+
+
 def write_jsonl(path: Path, rows: list) -> Path:
     path.write_text("".join(json.dumps(row) + "\n" for row in rows))
     return path
@@ -561,8 +588,17 @@ def test_offline_mode_reports_every_number(stage05, stories260k, drafters, tmp_p
     assert turn["turn"] == 1 and turn["matches_plain"] and turn["matches_hf_generate"]
     assert results["overlap_check"]["checked"] is False  # a drafter without training lineage: warned
     markdown = (out / "bench_offline_k3_t0_prompts.md").read_text()
-    assert "| tau (tokens / verify step)" in markdown and "## Acceptance by draft position" in markdown
+    assert "| tau | tok/s speculative |" in markdown and "## Acceptance by draft position" in markdown
     assert "| story |" in markdown
+    # The settings table shows the flags a person sets; what the run worked out stays in the JSON.
+    assert settings_rows(markdown) == [
+        "--model-path", "--draft-model-path", "--prompts", "--num-prompts", "--max-new-tokens", "--num-steps",
+        "--topk", "--num-draft-tokens", "--temperature", "--top-p", "--device", "--dtype", "--seed",
+        "--chat-template", "--allow-overlap", "--tau-only"]
+    assert "raw_text_prompts" not in markdown and "baselines_reused" not in markdown
+    assert "every other setting the run recorded" in markdown
+    columns = assert_every_column_explained_once(markdown)
+    assert "4-gram" in columns["4-gram repetition"] and "verify step" in columns["tau"]
     assert_valid_png(out / "bench_offline_k3_t0_prompts.png")
     log = (out / "logs" / "05_benchmark.log").read_text()
     assert "overlap check SKIPPED" in log and "SUMMARY tau" in log and "teacher-forced top-1 on these outputs" in log
@@ -603,6 +639,8 @@ def test_offline_mode_reports_every_number(stage05, stories260k, drafters, tmp_p
              "bench_offline_k2_topk2_n5_t0.7_p0.9_prompts", "bench_offline_k3_t0_prompts"]
     assert [index.index(f"[{stem}]") for stem in stems] == sorted(index.index(f"[{stem}]") for stem in stems)
     assert again["settings"]["compute_dtype"] == "float32" and "| float32 |" in index and "(noisy)" in index
+    index_columns = assert_every_column_explained_once(index)  # "k=3" in the setting column is defined there
+    assert "k=" in index_columns["setting"] and "--num-steps" in index_columns["setting"]
     assert "Computed in **float32** on cpu" in (out / "bench_offline_k2_t0_prompts.md").read_text()
     manifest = json.loads((out / "manifest.json").read_text())
     assert manifest["verifier"]["path"] == str(stories260k) and manifest["verifier"]["vocab_size"] == 512
@@ -614,7 +652,13 @@ def test_offline_mode_reports_every_number(stage05, stories260k, drafters, tmp_p
     rerun = json.loads((out / "bench_offline_k2_t0_prompts.json").read_text())
     assert rerun["settings"]["model_path"] == str(stories260k) and rerun["settings"]["max_new_tokens"] == 24
     assert rerun["settings"]["baselines_reused"] == 4 and rerun["overall"]["tau"] == again["overall"]["tau"]
-    assert "not given: --draft-model-path" in (out / "logs" / "05_benchmark.log").read_text()
+    log = (out / "logs" / "05_benchmark.log").read_text()
+    assert "not given: --draft-model-path" in log
+    # The rerun's settings name the same files: the earlier report is kept in earlier/, and the log says so.
+    [kept] = (out / "earlier").glob("bench_offline_k2_t0_prompts_*.json")
+    assert json.loads(kept.read_text())["created_at"] == again["created_at"]
+    assert kept.with_suffix(".md").is_file() and kept.with_suffix(".png").is_file()
+    assert f"kept as {kept.with_suffix('.md')}" in log
 
 
 def test_greedy_check_finds_the_first_divergence_and_its_margin(verifier, drafters, greedy_refs):
@@ -686,7 +730,7 @@ def test_tau_only_run_reports_acceptance_without_baselines(stage05, stories260k,
     assert selection["per_category"] == {"story": 1, "people": 1} and selection["chosen"] == 2
     assert selection["ids"] == [p["id"] for p in results["prompts"]] and "#3" in selection["ids"]
     markdown = path.with_suffix(".md").read_text()
-    assert "speedup vs" not in markdown and "Tau only" in markdown and "| tau (tokens / verify step)" in markdown
+    assert "speedup vs" not in markdown and "Tau only" in markdown and "| tau | tok/s speculative |" in markdown
     assert "## Prompts" in markdown and "| story | 1 |" in markdown and ", ".join(selection["ids"]) in markdown
     assert "Greedy check: " in markdown
     assert_valid_png(path.with_suffix(".png"))
@@ -831,6 +875,8 @@ def test_server_mode_against_a_real_http_server(stage05, servers, tmp_path):
     assert set(speculative["categories"]) == {"story", "people"}
     markdown = (out / "bench_server_t0_c2_prompts.md").read_text()
     assert "latency p50 s" in markdown
+    assert "--baseline-url" in settings_rows(markdown) and "prompt_count" not in markdown
+    assert_every_column_explained_once(markdown)
     assert "Not in any reply: spec_accept_rate, spec_correct_drafts_histogram/spec_accept_histogram." in markdown
     assert "(absent: spec_accept_rate, " in (out / "logs" / "05_benchmark.log").read_text()
     assert_valid_png(out / "bench_server_t0_c2_prompts.png")
@@ -918,6 +964,7 @@ def test_server_mode_reports_sglangs_own_acceptance_fields(stage05, verifier, tm
     assert acceptance["share"] == pytest.approx([10 / 15, 7 / 15, 4 / 15])
     markdown = (out / "bench_server_t0_c1_three.md").read_text()
     assert "## SGLang's acceptance fields" in markdown and "Not in any reply" not in markdown
+    assert_every_column_explained_once(markdown)
     assert "| 3 | 4 | 0.267 |" in markdown  # histogram: 4 of 15 steps accepted 3 drafts
     assert "| 3 | 0.571 | 0.267 |" in markdown  # position 3: 4 of 7 reached, 4 of 15 steps
     log = (out / "logs" / "05_benchmark.log").read_text()
@@ -1055,6 +1102,14 @@ def test_eval_mode_scores_the_validation_split(stage05, pipeline_run):
     val_ids = json.loads((run / "checkpoints" / "val_split.json").read_text())["val_ids"]
     assert results["settings"]["samples"] == len(val_ids)
     assert_valid_png(path.with_suffix(".png"))
+    markdown = path.with_suffix(".md").read_text()
+    assert settings_rows(markdown) == ["--model-path", "--draft-model-path", "--data-dir", "--num-steps",
+                                       "--num-prompts", "--max-new-tokens", "--device", "--dtype", "--seed"]
+    # The walked chain tau, the figure to compare with --mode offline's tau, comes first, under one name.
+    assert table_headers(markdown)[1][:2] == ["walked chain tau", "TTT acceptance estimate"]
+    assert_every_column_explained_once(markdown)
+    summary = [line for line in (run / "logs" / "05_benchmark.log").read_text().splitlines() if "SUMMARY" in line]
+    assert summary[-1].split("SUMMARY ")[1].startswith(f"walked chain tau {metrics['sim_chain_tau']:.3f}")
     # The walk stops where decoding with --max-new-tokens would: with 2, at each reply's first verify step.
     assert stage05.main(pipeline_run["model"] + ["--mode", "eval", "--num-steps", "3", "--device", "cpu",
                                                  "--max-new-tokens", "2", "--output-dir", str(run / "bench2")]) == 0
@@ -1062,6 +1117,48 @@ def test_eval_mode_scores_the_validation_split(stage05, pipeline_run):
     assert short["settings"]["max_new_tokens"] == 2
     assert len(val_ids) <= short["metrics"]["chain_verify_steps"] < metrics["chain_verify_steps"]
     assert short["metrics"]["acc_per_step"] == metrics["acc_per_step"]  # the teacher-forced scores do not change
+
+
+
+def test_status_of_a_finished_run_names_both_validation_figures_and_stage_05s_tau(stage05, pipeline_run, capsys):
+    """run_pipeline.py --status on the finished stories260K run: stage 04's walked chain tau (the figure to compare
+    with stage 05's tau) first, then its TTT acceptance estimate, under the names the README defines and stage
+    04's log uses; then stage 05's latest tau and speedup. Stage 05 itself prints a short summary and the report's
+    path, not the report."""
+    import subprocess
+
+    run = pipeline_run["run"]
+    capsys.readouterr()
+    assert stage05.main(pipeline_run["model"] + ["--chat-template", str(pipeline_run["template"]), "--num-steps", "2",
+                                                 "--max-new-tokens", "16", "--num-prompts", "2", "--device", "cpu",
+                                                 "--dtype", "float32"]) == 0
+    console = capsys.readouterr().out
+    report = run / "bench" / "bench_offline_k2_t0.md"
+    overall = json.loads(report.with_suffix(".json").read_text())["overall"]
+    assert str(report) in console and "|---" not in console and "## Per prompt" not in console, console[-3000:]
+    assert f"tau {overall['tau']:.3f}, speedup {overall['speedup_vs_plain']:.3f}x" in console
+
+    status = subprocess.run([sys.executable, str(REPO / "run_pipeline.py"), "--run-dir", str(run), "--status"],
+                            capture_output=True, text=True, timeout=120, cwd=str(REPO))
+    assert status.returncode == 0, status.stderr
+    lines = {line.split()[0]: line for line in status.stdout.splitlines() if line.startswith("  ")}
+    evals = [json.loads(line) for line in (run / "checkpoints" / "metrics.jsonl").read_text().splitlines()
+             if json.loads(line)["kind"] == "eval"]
+    walked = f"walked chain tau {evals[-1]['sim_chain_tau']:.2f}"
+    estimate = f"TTT acceptance estimate {evals[-1]['sim_accept_len']:.2f}"
+    training = lines["04_train"]
+    assert walked in training and estimate in training and training.index(walked) < training.index(estimate), training
+    assert "simulated" not in status.stdout
+    bench = lines["05_benchmark"]
+    assert "bench_offline_k2_t0" in bench, bench
+    assert f"tau {overall['tau']:.2f}, speedup {overall['speedup_vs_plain']:.2f}x" in bench, bench
+    # The same two names in stage 04's log, the walked chain tau first, and defined in the README.
+    log = [line for line in (run / "logs" / "04_train.log").read_text().splitlines()
+           if "validation at step" in line or "training done" in line]
+    assert log and all(line.index("walked chain tau") < line.index("TTT acceptance estimate") for line in log)
+    assert not any("simulated" in line for line in log)
+    readme = (REPO / "README.md").read_text().split("## The two commands")[0]
+    assert "**walked chain tau**" in readme and "**TTT acceptance estimate**" in readme
 
 
 def test_tau_along_the_reply_gives_a_short_runs_tau_in_its_first_window(stage05, stories260k, drafters, tmp_path):

@@ -112,9 +112,11 @@ def test_status_of_stage_04_reads_its_metrics_in_words(tmp_path):
     metrics.write_text(
         json.dumps({"kind": "train", "step": 10, "epoch": 0, "loss": 2.5, "acc_per_step": long_list,
                     "sim_accept_len": 1.84}) + "\n"
-        + json.dumps({"kind": "eval", "step": 10, "epoch": 0, "loss": 2.75, "sim_accept_len": 1.5}) + "\n"
+        + json.dumps({"kind": "eval", "step": 10, "epoch": 0, "loss": 2.75, "sim_accept_len": 1.5,
+                      "sim_chain_tau": 1.25}) + "\n"
         + json.dumps({"kind": "train", "step": 20, "epoch": 1, "loss": 2.25, "acc_per_step": long_list,
                       "sim_accept_len": 2.0}) + "\n" + '{"kind": "train", "st')  # a line being written
     line = training_progress(metrics)
-    assert line == ("train step 20 (epoch 1): loss 2.2500, simulated tau 2.00; "
-                    "validation step 10 (epoch 0): loss 2.7500, simulated tau 1.50")
+    # Validation first, its walked chain tau (the figure to compare with stage 05's tau) before the estimate.
+    assert line == ("validation step 10 (epoch 0): walked chain tau 1.25, TTT acceptance estimate 1.50, loss 2.7500; "
+                    "train step 20 (epoch 1): loss 2.2500, TTT acceptance estimate 2.00")

@@ -10,6 +10,7 @@ from common.bench.settings import STAGE, recorded_settings
 from common.cli.errors import UsageError
 from common.cli.parser import require
 from common.cli.stage import Progress
+from common.figures import TTT_ESTIMATE, WALKED_CHAIN_TAU
 from common.formats.files import read_json
 from common.formats.manifest import MANIFEST
 
@@ -91,10 +92,10 @@ def run_eval(args, log, begin, *_ignored) -> dict:
 
 
 def eval_summary_line(results: dict) -> str:
-    """The one-line SUMMARY of --mode eval: simulated acceptance length and per-step agreement."""
+    """The one-line SUMMARY of --mode eval: the walked chain tau, the TTT acceptance estimate, per-step agreement."""
     metrics = results["metrics"]
     walked = results["settings"].get("max_new_tokens")
-    return (f"simulated acceptance length {fmt(metrics['sim_accept_len'])} | simulated chain tau (3 drafts, "
-            f"walked over each reply's first {walked} tokens) {fmt(metrics.get('sim_chain_tau'))} | top-1 agreement "
-            f"per step [{', '.join(fmt(a, 3) for a in metrics['acc_per_step'])}] | {metrics['tokens']} tokens in "
+    return (f"{WALKED_CHAIN_TAU} {fmt(metrics.get('sim_chain_tau'))} (3 drafts, over each reply's first {walked} "
+            f"tokens) | {TTT_ESTIMATE} {fmt(metrics['sim_accept_len'])} | top-1 agreement per step "
+            f"[{', '.join(fmt(a, 3) for a in metrics['acc_per_step'])}] | {metrics['tokens']} tokens in "
             f"{results['seconds']:.1f} s")

@@ -9,6 +9,7 @@ import zlib
 from pathlib import Path
 from typing import Any, NamedTuple, Sequence
 
+from common.figures import figures_text
 from common.formats.files import atomic_path
 
 
@@ -43,8 +44,7 @@ def setting_title(results: dict[str, Any]) -> str:
         parts.append(f"accept length {tau:.2f}" if isinstance(tau, (int, float)) else None)
     elif mode == "eval":
         parts.append(f"TTT steps {settings.get('num_steps')}")
-        sim = results.get("metrics", {}).get("sim_accept_len")
-        parts.append(f"simulated tau {sim:.2f}" if isinstance(sim, (int, float)) else None)
+        parts.append(figures_text(results.get("metrics", {}), digits=2) or None)
     return f"stage 05 {mode}: " + ", ".join(p for p in parts if p)
 
 

@@ -1,19 +1,26 @@
-"""The JSON and Markdown reports of a benchmark run, their file names, and the folder's index of every run
-(README.md, newest first; the PNG: common.bench.plots).
+"""The JSON and Markdown reports of a benchmark run, their file names, the earlier report a rerun of the same
+settings keeps, and the folder's index of every run (README.md, newest first; the PNG: common.bench.plots).
 
 File naming and the PNG fallback: docs/benchmarking.md ("Output files").
 """
 from __future__ import annotations
 
 import math
+import os
 import re
+import time
 from pathlib import Path
 from typing import Any, Sequence
 
+from common.bench.columns import INDEX_MEANINGS, columns_section
 from common.bench.plots import write_png
+from common.bench.settings import chosen_settings
+from common.figures import TTT_ESTIMATE, WALKED_CHAIN_TAU, figures_text
 from common.formats.files import read_json, write_json_atomic, write_text_atomic
 
 INDEX_FILE = "README.md"
+EARLIER_DIR = "earlier"  # where a rerun of the same settings moves the report it would overwrite
+REPORT_SUFFIXES = (".json", ".md", ".png")
 # Below these, a speedup is mostly timing noise (a short prompt's wall time varies by tens of percent on a busy
 # machine): it is shown, marked as noisy.
 STEADY_TURNS, STEADY_TOKENS = 5, 1000
@@ -75,8 +82,10 @@ def markdown_table(header: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
 
 
 def settings_table(settings: dict[str, Any]) -> str:
-    return markdown_table(["setting", "value"], [(key, value) for key, value in settings.items()
-                                                 if not isinstance(value, (dict, list))])
+    """The flags that decided what was measured; every other setting the run recorded is in the JSON."""
+    rows = [(flag, "-" if value is None else str(value)) for flag, value in chosen_settings(settings)]  # as typed
+    return (markdown_table(["flag", "value"], rows) + "\n\nThe JSON's `settings` holds every other setting the "
+            "run recorded (what it worked out beside these flags).")
 
 
 def prompt_selection_markdown(selection: dict[str, Any] | None) -> list[str]:
@@ -120,10 +129,7 @@ def greedy_match_markdown(match: dict[str, Any]) -> list[str]:
                  + f"; {match.get('turns_parted_at_a_tie', 0)} more parted at a tie; mean share of tokens before the "
                  f"first divergence {fmt(match['mean_share_before_divergence'])}."]
     if match["diverged"]:
-        parts += ["", "Diverged turns (logit margin: the verifier's logit of its greedy token minus that of the "
-                      "speculative token at the divergence, that position's logits computed alone; near 0 is a tie "
-                      "from low-precision numerics, a large margin points at a bug; tie: the margin is not "
-                      "positive, so the verifier's own argmax there flips with how its logits are computed):", "",
+        parts += ["", "Diverged turns:", "",
                   markdown_table(["prompt", "turn", "first divergence", "share before", "logit margin", "tie"],
                                  [(d["prompt_id"], d["turn"], d["first_divergence"], d["share_before_divergence"],
                                    d["logit_margin"], "yes" if d.get("tie") else "no") for d in match["diverged"]])]
@@ -139,18 +145,16 @@ def tau_by_window_markdown(windows: list[dict[str, Any]]) -> list[str]:
     if len(windows) < 2:  # one window: the overall tau says it all
         return []
     return ["", "## Tau along the reply", "",
-            "Verify steps grouped by where they begin in their turn's output (token positions): the first "
-            "window is what a run with --max-new-tokens 128 measures (docs/benchmarking.md, \"Reply length\").", "",
+            "Verify steps grouped by where they begin in their turn's output: the first window is what a run with "
+            "--max-new-tokens 128 measures (docs/benchmarking.md, \"Reply length\").", "",
             markdown_table(["output tokens", "tau", "verify steps", "4-gram repetition"],
                            [(window_name(w), w["tau"], w["verify_steps"], w["repetition_4gram_share"])
                             for w in windows])]
 
 
 def acceptance_markdown(acceptance: dict[str, list]) -> list[str]:
-    """The acceptance-by-draft-position table (metrics.acceptance_by_position) with what its columns mean."""
-    return ["Conditional rate: the share of verify steps that accepted this position among those that accepted "
-            "every earlier one (\"-\": never reached). Share: of all verify steps.", "",
-            markdown_table(["position", "conditional rate", "share of verify steps"],
+    """The acceptance-by-draft-position table (metrics.acceptance_by_position)."""
+    return [markdown_table(["position", "conditional rate", "share of verify steps"],
                            [(j + 1, c, s) for j, (c, s) in enumerate(zip(acceptance["conditional_rate"],
                                                                          acceptance["share"]))])]
 
@@ -164,7 +168,7 @@ def offline_markdown(results: dict[str, Any]) -> str:
     tps = overall["tokens_per_s"]
     if timed:
         parts.append(markdown_table(
-            ["tau (tokens / verify step)", "tok/s speculative", "tok/s same loop, no drafter", "tok/s HF generate",
+            ["tau", "tok/s speculative", "tok/s same loop, no drafter", "tok/s HF generate",
              "speedup vs loop", "speedup vs HF generate", "4-gram repetition", "turns"],
             [(overall["tau"], tps["spec"], tps["plain"], tps["hf"], overall["speedup_vs_plain"],
               overall["speedup_vs_hf_generate"], overall["repetition_4gram_share"], overall["turns"])]))
@@ -173,7 +177,7 @@ def offline_markdown(results: dict[str, Any]) -> str:
             parts += ["", f"Speedups {noisy}."]
     else:
         parts.append(markdown_table(
-            ["tau (tokens / verify step)", "tok/s speculative", "4-gram repetition", "turns"],
+            ["tau", "tok/s speculative", "4-gram repetition", "turns"],
             [(overall["tau"], tps["spec"], overall["repetition_4gram_share"], overall["turns"])]))
         parts += ["", "Tau only (--tau-only): the timing baselines were not run, so there are no speedups."]
     if "greedy_match" in overall:
@@ -183,8 +187,8 @@ def offline_markdown(results: dict[str, Any]) -> str:
     taught = overall.get("teacher_forced")
     if taught:
         parts += ["", "Teacher-forced on these outputs (stage 04's validation, on the decoded text): top-1 agreement "
-                      f"per step {', '.join(fmt(a) for a in taught['acc_per_step'])}; simulated acceptance length "
-                      f"{fmt(taught['sim_accept_len'])} over {taught['tokens']} tokens."]
+                      f"per step {', '.join(fmt(a) for a in taught['acc_per_step'])}; {figures_text(taught)} "
+                      f"over {taught['tokens']} tokens."]
     speedup = ["speedup vs loop"] if timed else []
     if results.get("categories"):
         parts += ["", "## By category", "", markdown_table(
@@ -200,7 +204,12 @@ def offline_markdown(results: dict[str, Any]) -> str:
         ["prompt", "category", "turns", "new tokens", "tau", "4-gram repetition"],
         [(p["id"], p.get("category"), p["summary"]["turns"], p["summary"]["new_tokens"]["spec"], p["summary"]["tau"],
           p["summary"]["repetition_4gram_share"]) for p in results["prompts"]])]
-    return "\n".join(parts) + "\n"
+    return with_columns("\n".join(parts) + "\n")
+
+
+def with_columns(markdown: str) -> str:
+    """A report followed by what each of its columns means (common.bench.columns)."""
+    return markdown + columns_section(markdown)
 
 
 def _marked_speedup(summary: dict[str, Any]) -> str:
@@ -220,7 +229,7 @@ def server_markdown(results: dict[str, Any]) -> str:
         latency = run["latency_s"]
         rows.append((name, run["url"], run["requests"], run["completion_tokens"], run["output_tokens_per_s"],
                      run["accept_length"], latency["p50"], latency["p90"], latency["p99"]))
-    parts.append(markdown_table(["server", "url", "requests", "output tokens", "output tok/s", "accept length",
+    parts.append(markdown_table(["server", "url", "requests", "completion tokens", "output tok/s", "accept length",
                                  "latency p50 s", "latency p90 s", "latency p99 s"], rows))
     if results.get("speedup") is not None:
         parts += ["", f"Speedup (output tok/s) over the baseline server: {fmt(results['speedup'])}"]
@@ -230,7 +239,7 @@ def server_markdown(results: dict[str, Any]) -> str:
     if spec.get("sglang_acceptance"):
         parts += sglang_acceptance_markdown(spec["sglang_acceptance"])
     parts += prompt_selection_markdown(results.get("prompt_selection"))
-    return "\n".join(parts) + "\n"
+    return with_columns("\n".join(parts) + "\n")
 
 
 def sglang_acceptance_markdown(sglang: dict[str, Any]) -> list[str]:
@@ -240,7 +249,7 @@ def sglang_acceptance_markdown(sglang: dict[str, Any]) -> list[str]:
     if not any(requests.values()):  # no reply carried any of the fields
         return parts + ["None in the replies' meta_info (not SGLang, no speculative decoding, or a release "
                         "without them; docs/benchmarking.md, \"Server mode\")."]
-    parts.append(markdown_table(["figure (per-request meta_info)", "value", "requests"], [
+    parts.append(markdown_table(["figure", "value", "requests with it"], [  # from each reply's meta_info
         ("accept length: sum completion_tokens / sum spec_verify_ct", sglang["completion_tokens_per_verify_ct"],
          requests["spec_verify_ct"]),
         ("mean of spec_accept_length", sglang["mean_spec_accept_length"], requests["spec_accept_length"]),
@@ -254,7 +263,7 @@ def sglang_acceptance_markdown(sglang: dict[str, Any]) -> list[str]:
     if histogram:
         total = sum(histogram)
         parts += ["", "### Acceptance histogram (summed over requests)", "",
-                  markdown_table(["accepted drafts in a verify step", "verify steps", "share"],
+                  markdown_table(["accepted drafts in a verify step", "verify steps", "share with this many"],
                                  [(k, steps, steps / total) for k, steps in enumerate(histogram)]),
                   "", "### Acceptance by draft position (from the histogram)", "",
                   *acceptance_markdown(sglang["acceptance"])]
@@ -265,21 +274,27 @@ def eval_markdown(results: dict[str, Any]) -> str:
     metrics = results["metrics"]
     parts = ["# Drafter evaluation (teacher-forced, stage-02 hidden states)", "",
              *compute_dtype_line(results["settings"]), settings_table(results["settings"]),
-             "", markdown_table(["simulated acceptance length", "loss", "tokens"],
-                                [(metrics.get("sim_accept_len"), metrics.get("loss"), metrics.get("tokens"))]),
-             "", markdown_table(["TTT step", "top-1 agreement", "loss"],
+             "", markdown_table([WALKED_CHAIN_TAU, TTT_ESTIMATE, "loss", "tokens"],
+                                [(metrics.get("sim_chain_tau"), metrics.get("sim_accept_len"), metrics.get("loss"),
+                                  metrics.get("tokens"))]),
+             "", markdown_table(["TTT step", "top-1 agreement", "loss at this step"],
                                 [(j, a, l) for j, (a, l) in enumerate(zip(metrics.get("acc_per_step", []),
                                                                            metrics.get("loss_per_step", [])))])]
-    return "\n".join(parts) + "\n"
+    return with_columns("\n".join(parts) + "\n")
 
 
 # --- writing all reports ---------------------------------------------------------------------------------
 
 def write_reports(output_dir: str | Path, stem: str, results: dict[str, Any], log=None) -> dict[str, str]:
-    """<stem>.json (every number and the settings), <stem>.md (summary tables), <stem>.png (plot)."""
+    """<stem>.json (every number and the settings), <stem>.md (summary tables), <stem>.png (plot). A report
+    already under these names (a rerun of the same settings) is kept in earlier/ first."""
     output_dir = Path(output_dir)
     mode = results.get("mode")
     markdown = {"offline": offline_markdown, "server": server_markdown, "eval": eval_markdown}[mode](results)
+    kept = keep_earlier(output_dir, stem)
+    if kept is not None and log is not None:
+        log.info("a report of the same settings was there: the earlier one is kept as %s, this run's is %s",
+                 kept, output_dir / f"{stem}.md")
     files = {"json": str(output_dir / f"{stem}.json"), "markdown": str(output_dir / f"{stem}.md")}
     png = write_png(output_dir / f"{stem}.png", results, log)
     if png is not None:
@@ -289,6 +304,35 @@ def write_reports(output_dir: str | Path, stem: str, results: dict[str, Any], lo
     write_text_atomic(files["markdown"], markdown)
     files["index"] = str(write_index(output_dir))
     return files
+
+
+def keep_earlier(output_dir: Path, stem: str) -> Path | None:
+    """Move the report named `stem` to earlier/<stem>_<its creation time>.* (its JSON's `files` updated); the
+    path of its Markdown there, or None when there was none."""
+    earlier = output_dir / f"{stem}.json"
+    if not earlier.exists():
+        return None
+    try:
+        results = read_json(earlier)
+    except (OSError, ValueError):
+        results = {}  # moved all the same, as it is
+    created = results.get("created_at") or time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(earlier.stat().st_mtime))
+    folder = output_dir / EARLIER_DIR
+    folder.mkdir(exist_ok=True)
+    name = base = f"{stem}_{re.sub('[^0-9TZ]', '', created)}"  # bench_offline_k3_t0_20261201T120000Z
+    number = 2
+    while (folder / f"{name}.json").exists():  # two runs in the same second
+        name, number = f"{base}_{number}", number + 1
+    moved = {}
+    for suffix in REPORT_SUFFIXES:
+        if (output_dir / f"{stem}{suffix}").exists():
+            moved[suffix] = folder / f"{name}{suffix}"
+            os.replace(output_dir / f"{stem}{suffix}", moved[suffix])
+    if results:
+        write_json_atomic(moved[".json"], {**results, "files": {
+            key: str(moved[suffix]) for key, suffix in (("json", ".json"), ("markdown", ".md"), ("png", ".png"))
+            if suffix in moved}})
+    return moved.get(".md", moved[".json"])
 
 
 def run_counts(results: dict[str, Any]) -> dict[str, Any]:
@@ -327,10 +371,30 @@ def index_row(path: Path, results: dict[str, Any]) -> tuple:
         speedup = fmt(results.get("speedup"))
     elif mode == "eval":
         setting, prompt_text = f"TTT {settings.get('ttt_steps')}", f"validation split ({settings.get('samples')})"
-        tau = (results.get("metrics") or {}).get("sim_accept_len")
+        tau = (results.get("metrics") or {}).get("sim_chain_tau")  # the walked chain tau: it compares with tau
     dtype = str(settings.get("compute_dtype") or settings.get("dtype") or "-").replace("torch.", "")
     return (results.get("created_at", "-"), mode, f"[{path.stem}]({path.stem}.md)",
             settings.get("draft_checkpoint") or "-", prompt_text, setting, tau, speedup, dtype)
+
+
+def headline(results: dict[str, Any], digits: int = 3) -> str:
+    """A report's main figures in a few words (stage 05's last line, --status): 'tau 1.210, speedup 0.680x vs
+    the loop without the drafter (noisy)'."""
+    mode = results.get("mode")
+    if mode == "eval":
+        return figures_text(results.get("metrics") or {}, digits) + " (teacher-forced: no speedup)"
+    if mode == "server":
+        text = f"accept length {fmt((results.get('speculative') or {}).get('accept_length'), digits)}"
+        if results.get("speedup") is None:
+            return text + " (no --baseline-url: no speedup)"
+        return text + f", speedup {fmt(results['speedup'], digits)}x vs the baseline server"
+    overall = results.get("overall") or {}
+    text = f"tau {fmt(overall.get('tau'), digits)}"
+    if "speedup_vs_plain" not in overall:
+        return text + " (--tau-only: no speedup)"
+    noisy = noisy_timing(overall.get("turns"), (overall.get("new_tokens") or {}).get("spec"))
+    return (text + f", speedup {fmt(overall['speedup_vs_plain'], digits)}x vs the loop without the drafter"
+            + (" (noisy)" if noisy else ""))
 
 
 def read_reports(folder: str | Path, prefix: str = "bench_") -> list[tuple[Path, dict[str, Any]]]:
@@ -356,12 +420,13 @@ def write_index(output_dir: str | Path) -> Path:
     rows = [(results.get("created_at", ""), path.stat().st_mtime, index_row(path, results))
             for path, results in read_reports(output_dir)]
     rows.sort(key=lambda row: row[:2], reverse=True)
-    text = "\n".join([
+    kept = (f" A rerun of the same settings moved the report it replaced to {EARLIER_DIR}/, its name ending in "
+            f"the time it was made." if (output_dir / EARLIER_DIR).is_dir() else "")
+    table = "\n".join([
         "# Benchmark runs in this folder", "",
-        "Newest first; each report has its .json (every number), .md (tables) and .png (plots). tau: tokens per "
-        "verify step (acceptance length); speedup: tokens/s against the same loop without the drafter.", "",
+        "Newest first; each report has its .json (every number), .md (tables) and .png (plots)." + kept, "",
         markdown_table(["when (UTC)", "mode", "report", "drafter", "prompts (count)", "setting", "tau",
                         "speedup", "dtype"], [row for _, _, row in rows])]) + "\n"
     index = output_dir / INDEX_FILE
-    write_text_atomic(index, text)
+    write_text_atomic(index, table + columns_section(table, INDEX_MEANINGS))
     return index

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 STAGE = "05_benchmark"
 
@@ -27,3 +28,9 @@ def recorded_settings(args, extra: dict) -> dict:
         settings["draft_checkpoint"] = Path(args.draft_model_path).resolve().name
     settings.update(extra)
     return settings
+
+
+def chosen_settings(settings: dict) -> list[tuple[str, Any]]:
+    """A report's settings as a person sets them, (--flag, value) in the recorded order; what the run worked out
+    beside them (the device's name, stop tokens, the baselines reused, ...) stays in the JSON."""
+    return [("--" + key.replace("_", "-"), settings.get(key)) for key in _SETTINGS.get(settings.get("mode"), ())]

@@ -1,13 +1,16 @@
-"""`run_pipeline.py --status`: each stage's state in a run directory, with live progress read from the artifacts."""
+"""`run_pipeline.py --status`: each stage's state in a run directory, with live progress and the latest figures
+(stage 04's validation, stage 05's newest report) read from the artifacts."""
 from __future__ import annotations
 
 import json
 import sys
 from pathlib import Path
 
+from common.bench.report import headline, read_reports
 from common.cli.errors import USAGE_ERROR
 from common.cli.flags import RUN_LAYOUT
 from common.cli.pipeline import STAGES, output_manifest
+from common.figures import figures_text
 
 
 def print_status(run_dir: Path) -> int:
@@ -46,7 +49,7 @@ def print_status(run_dir: Path) -> int:
 
 
 def stage_progress(run_dir: Path, stage: str) -> str:
-    """A live progress figure read from the artifacts, for stages that are running."""
+    """What the artifacts say beyond the manifest: progress while a stage runs, and the latest figures."""
     folder = run_dir / RUN_LAYOUT[stage]
     if stage == "02_extract_hidden_states":
         index = folder / "index.jsonl"
@@ -56,7 +59,18 @@ def stage_progress(run_dir: Path, stage: str) -> str:
         return f"{written}/{total} samples indexed" if total else ""
     if stage == "04_train":
         return training_progress(folder / "metrics.jsonl")
+    if stage == "05_benchmark":
+        return latest_benchmark(folder)
     return ""
+
+
+def latest_benchmark(folder: Path) -> str:
+    """The newest report in the run's benchmark folder: its name, tau and speedup."""
+    found = read_reports(folder)  # oldest first
+    if not found:
+        return ""
+    path, results = found[-1]
+    return f"latest report {path.stem}: {headline(results, digits=2)}"
 
 
 def training_progress(metrics: Path) -> str:
@@ -73,11 +87,14 @@ def training_progress(metrics: Path) -> str:
             continue
         last[record.get("kind")] = record
     parts = []
-    for kind, name in (("train", "train"), ("eval", "validation")):
-        record = last.get(kind)
-        if record:
-            text = f"{name} step {record.get('step')} (epoch {record.get('epoch')}): loss {record.get('loss', 0):.4f}"
-            if isinstance(record.get("sim_accept_len"), (int, float)):
-                text += f", simulated tau {record['sim_accept_len']:.2f}"
-            parts.append(text)
+    validation = last.get("eval")
+    if validation:  # first: its walked chain tau is the figure to compare with stage 05's tau
+        figures = figures_text(validation, digits=2)
+        parts.append(f"validation step {validation.get('step')} (epoch {validation.get('epoch')}): "
+                     + (f"{figures}, " if figures else "") + f"loss {validation.get('loss', 0):.4f}")
+    training = last.get("train")
+    if training:
+        figures = figures_text(training, digits=2)
+        parts.append(f"train step {training.get('step')} (epoch {training.get('epoch')}): loss "
+                     f"{training.get('loss', 0):.4f}" + (f", {figures}" if figures else ""))
     return "; ".join(parts)

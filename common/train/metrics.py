@@ -26,7 +26,7 @@ def add_sums(total: dict[str, torch.Tensor] | None, metrics: dict[str, torch.Ten
 
 
 def summarize(sums: dict[str, torch.Tensor] | None, decay: float) -> dict[str, Any]:
-    """Per-step loss and top-1 agreement, the decay-weighted loss, and the simulated acceptance length."""
+    """Per-step loss and top-1 agreement, the decay-weighted loss, and the TTT acceptance estimate (sim_accept_len)."""
     from common.train.loss import simulated_acceptance_length
 
     if sums is None:

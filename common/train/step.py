@@ -109,7 +109,7 @@ def evaluate(model: torch.nn.Module, loader_or_samples: Iterable, verifier_lm_he
              chain_draft_tokens: int = DEFAULT_NUM_STEPS, chain_max_new_tokens: int | None = None,
              batch_to_device: Callable = to_device) -> dict[str, Any]:
     """Validation metrics of a drafter: per-TTT-step loss and top-1 agreement with the verifier, the
-    weighted loss, the simulated acceptance length 1 + sum_k prod_{j<=k} acc_j, and the simulated chain tau:
+    weighted loss, the TTT acceptance estimate 1 + sum_k prod_{j<=k} acc_j, and the walked chain tau:
     greedy chain decoding with `chain_draft_tokens` drafts a step (SGLang's default, 3) walked over the
     teacher-forced predictions (walk_chain), over each reply's first `chain_max_new_tokens` tokens when given.
 
