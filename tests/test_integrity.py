@@ -159,14 +159,16 @@ def test_training_names_the_samples_of_a_nonfinite_step(stories260k, tmp_path):
     entry = open_hidden_states(run / "hidden_states")[1][5]
     final = run / "hidden_states" / entry["path"] / FINAL_FILE
     values = torch.load(final, weights_only=True)
-    values[3] = float("inf")  # as written by a stage 02 without the non-finite check
+    values[3] = float("inf")  # as written by a stage 02 without the non-finite check, and without records
     torch.save(values, final)
+    (final.parent / "files.json").unlink()
     out = tmp_path / "out"
     stage04 = _load_module("stage04_train", "04_train.py")
     stage04.main(train_argv(run, out, stories260k, epochs=1, val_ratio=0.0))
     text = (out / "logs" / "04_train.log").read_text()
     assert "non-finite loss or gradient norm; update skipped" in text
     assert f"NaN/inf in their stored hidden states: {entry['id']!r}" in text
+    assert f"--output-dir {run / 'hidden_states'} --verify" in text and "extract again" not in text
 
 
 # --- 3. one writer per output folder ------------------------------------------------------------------------

@@ -17,6 +17,7 @@ import torch
 from common.extract.finite import all_finite, first_nonfinite, layer_names, nonfinite_failure
 from common.extract.plan import batch_inputs
 from common.extract.writer import _SAVE_CONFIG, STAGING_BUFFERS, StagingBuffers, _writer_process, write_sample
+from common.formats.disk_full import DiskFull
 from common.formats.storage import StorageFormat, encode
 from common.formats.prepared_data import Sample
 from common.verifier.capture import LayerInputCapture, TextModel, TokenSelector, capture_batch, run_base
@@ -107,6 +108,7 @@ class Extractor:
         self._lock = threading.Lock()
         self._outstanding = [0] * staging_buffers
         self._error: str | None = None
+        self._disk_full: str | None = None  # a writer's message for a full disk (DiskFull)
         self._written = 0
         self._done: set[int] = set()  # samples written by this Extractor
         self._stats = ExtractionStats()
@@ -169,6 +171,8 @@ class Extractor:
     def _check(self) -> None:
         if self._nonfinite and not self.skip_nonfinite:
             raise nonfinite_failure(self._nonfinite)
+        if self._disk_full is not None:
+            raise DiskFull(self._disk_full)
         if self._error is not None:
             raise RuntimeError(f"writing hidden states failed:\n{self._error}")
 
@@ -228,6 +232,10 @@ class Extractor:
             if message is None:
                 return
             kind, buffer, what, payload = message  # what: the chunk's sample indices, or the failing one
+            if kind == "disk_full":
+                with self._lock:
+                    self._disk_full = payload
+                return
             if kind == "error":
                 self._fail(f"sample {self.samples[what].id!r}: {payload}")
                 return

@@ -17,6 +17,8 @@ from common.extract.extractor import Extractor, merge_rank_stats
 from common.extract.output import (check_writable, owned_entries, remove_owned, resume_key,
     scan_output, tree_bytes)
 from common.extract.plan import padding_stats, plan_batches, rank_batches
+from common.extract.writer import DISK_FULL_FIX
+from common.formats.disk_full import full_disk_reported
 from common.formats.files import sha256_file
 from common.formats.hidden_states import (AUX_FILES, FINAL_FILE, FORMAT_VERSION, INDEX_FILE, META_FILE, SHARD_SIZE,
     STAGE, describe_states, estimate_disk_bytes, human_bytes, write_index)
@@ -260,8 +262,9 @@ def extract_hidden_states(args, inputs: ExtractionInputs, rank: distributed.Rank
             def refresh(written):  # (rank 0 only: the others' samples join the index at the end)
                 write_index(output_dir, samples, complete | written)
 
-            stats = extractor.run(text, todo_batches, complete, progress,
-                                  on_checkpoint=refresh if rank.is_main else None)
+            with full_disk_reported(output_dir, needed, "stage 02's output", DISK_FULL_FIX):  # (index.jsonl too)
+                stats = extractor.run(text, todo_batches, complete, progress,
+                                      on_checkpoint=refresh if rank.is_main else None)
     summary = stats.as_dict()
     log.info("extracted %d samples (%d tokens) in %.1f s: %.0f tokens/s, %s written (%s/s), padding waste %.1f%%",
              summary["samples_written"], summary["tokens_written"], summary["elapsed_s"], summary["tokens_per_s"],

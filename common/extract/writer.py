@@ -12,6 +12,7 @@ from typing import Sequence
 
 import torch
 
+from common.formats.disk_full import DiskFull, disk_full, is_disk_full
 from common.formats.hidden_states import (AUX_FILES, FINAL_FILE, META_BYTES_PER_TOKEN, META_FILE, RECORD_FILE,
     TMP_PREFIX, record_files)
 from common.formats.prepared_data import Sample
@@ -86,8 +87,7 @@ def stage_sample(output_dir: Path, sample: Sample, tensors: Sequence[torch.Tenso
                  names: Sequence[str] = AUX_FILES + (FINAL_FILE,)) -> tuple[Path, list[Path], int]:
     """Write the per-token tensors (`names`: aux_0..2 and final, or those of another storage format), meta and
     the record of their sizes and checksums of one sample into its temporary folder: (folder, files, bytes)."""
-    final_dir = output_dir / sample.rel_path
-    tmp_dir = final_dir.parent / f"{TMP_PREFIX}{final_dir.name}_{os.getpid()}"
+    tmp_dir = staging_dir(output_dir, sample)
     if tmp_dir.exists():
         shutil.rmtree(tmp_dir)
     tmp_dir.mkdir(parents=True)
@@ -103,18 +103,43 @@ def stage_sample(output_dir: Path, sample: Sample, tensors: Sequence[torch.Tenso
     return tmp_dir, files, written + sample.num_tokens * META_BYTES_PER_TOKEN
 
 
+def staging_dir(output_dir: Path, sample: Sample) -> Path:
+    """Where this process writes a sample before the rename that publishes it."""
+    final_dir = output_dir / sample.rel_path
+    return final_dir.parent / f"{TMP_PREFIX}{final_dir.name}_{os.getpid()}"
+
+
 def publish_sample(output_dir: Path, sample: Sample, tmp_dir: Path) -> None:
     """The rename that makes a sample count: before it, a crash leaves only a temporary folder."""
     os.replace(tmp_dir, output_dir / sample.rel_path)
 
 
+DISK_FULL_FIX = ("The samples written before are whole and kept: free space (the disk estimate at the run's start says "
+                 "how much the rest takes), then rerun the same command to resume.")
+
+
 def write_samples(output_dir: Path, samples: Sequence[Sample], tensors: Sequence[Sequence[torch.Tensor]],
                   names: Sequence[str] = AUX_FILES + (FINAL_FILE,)) -> int:
-    """Write several samples durably and atomically; returns the bytes written."""
-    staged = [stage_sample(output_dir, sample, views, names) for sample, views in zip(samples, tensors)]
-    flush_to_disk(output_dir, [path for _, files, _ in staged for path in files])
-    for sample, (tmp_dir, _, _) in zip(samples, staged):
-        publish_sample(output_dir, sample, tmp_dir)
+    """Write several samples durably and atomically; returns the bytes written. A write that fails removes what it
+    staged (the samples published before stay whole); a full disk is a DiskFull naming the bytes."""
+    staged = []
+    try:
+        for sample, views in zip(samples, tensors):
+            staged.append(stage_sample(output_dir, sample, views, names))
+        flush_to_disk(output_dir, [path for _, files, _ in staged for path in files])
+        for sample, (tmp_dir, _, _) in zip(samples, staged):
+            publish_sample(output_dir, sample, tmp_dir)
+    except Exception as err:
+        needed = sum(t.numel() * t.element_size() for views in tensors for t in views) + \
+            sum(sample.num_tokens * META_BYTES_PER_TOKEN for sample in samples)
+        full = is_disk_full(err, output_dir, needed)
+        for sample in samples:
+            shutil.rmtree(staging_dir(output_dir, sample), ignore_errors=True)
+        if full:
+            failed = samples[min(len(staged), len(samples) - 1)]
+            raise disk_full(output_dir / failed.rel_path, needed, f"the hidden states of {len(samples)} sample(s) "
+                            f"(sample {failed.id!r} among them)", DISK_FULL_FIX) from None
+        raise
     return sum(written for _, _, written in staged)
 
 
@@ -198,6 +223,9 @@ def _writer_process(output_dir: str, samples: Sequence[Sample], staging: Staging
             views = [[field[offset:offset + samples[i].num_tokens] for field in staging_rows] for i, offset in chunk]
             written = write_samples(folder, [samples[i] for i, _ in chunk], views, staging.names)
             results.put(("done", buffer, [index for index, _ in chunk], written))
+        except DiskFull as err:  # the message is all the parent needs
+            results.put(("disk_full", buffer, index, str(err)))
+            return
         except BaseException:  # noqa: BLE001 - reported to the parent, which stops the stage
             results.put(("error", buffer, index, traceback.format_exc()))
             return

@@ -6,13 +6,14 @@ import functools
 import math
 import time
 from pathlib import Path
-from typing import Iterator, Sequence
+from typing import Iterable, Iterator, Sequence
 
 import numpy as np
 import torch
 from torch.utils.data import DataLoader, Dataset
 
 from common.batching import pack_by_length
+from common.cli.errors import StageFailure
 from common.model.kernels import FP8_ALIGN
 
 VAL_SPLIT_FILE = "val_split.json"
@@ -90,12 +91,17 @@ def step_shares(num_batches: int, start: int, micro_per_step: int, world_size: i
 
 
 class HiddenStateDataset(Dataset):
-    """One stage-02 sample per item, read through common.formats.hidden_states and cut to max_seq_len."""
+    """One stage-02 sample per item, read through common.formats.hidden_states and cut to max_seq_len.
+
+    The first time a run reads a sample, its files are checked against the sizes and CRC32s stage 02 recorded
+    (check_sample_files): damage found then stops the run naming the sample, where reading on would feed the
+    drafter wrong values (docs/training.md, what it costs)."""
 
     def __init__(self, data_dir: str | Path, entries: Sequence[dict], max_seq_len: int):
         self.data_dir = str(data_dir)
         self.entries = list(entries)
         self.max_seq_len = max_seq_len
+        self.checked = bytearray(len(self.entries))  # 1 where this run has compared the sample's checksums
 
     def __len__(self) -> int:
         return len(self.entries)
@@ -106,9 +112,46 @@ class HiddenStateDataset(Dataset):
     def __getitem__(self, position: int) -> dict[str, torch.Tensor]:
         from common.formats.hidden_states import load_sample
 
+        if not self.checked[position]:
+            check_sample_files(self.data_dir, self.entries[position])
+            self.checked[position] = 1  # (a loader worker's own copy: mark_checked tells the main process)
         sample = load_sample(self.data_dir, self.entries[position])
         # aux and final, or FP8 aux with aux_scale, or top-k targets (common.formats.storage)
         return {key: value[: self.max_seq_len] for key, value in sample.items()}
+
+    def mark_checked(self, positions: Iterable[int]) -> None:
+        """Positions a loader has read (and its workers checked): the next loaders read them unchecked."""
+        for position in positions:
+            self.checked[position] = 1
+
+
+def check_sample_files(data_dir: str | Path, entry: dict) -> None:
+    """StageFailure when a sample's files are not those stage 02 wrote (size or CRC32 other than recorded), naming
+    the sample and the commands that find and redo damaged samples. Reads every byte of them once."""
+    from common.formats.hidden_states import repair_command, verify_sample
+
+    folder = Path(data_dir) / entry["path"]
+    problems = verify_sample(folder)
+    if problems:
+        raise StageFailure(f"sample {entry.get('id')!r} ({folder}): {'; '.join(problems)}. Its files changed after "
+                           f"stage 02 wrote them: find and redo the damaged samples with {repair_command(data_dir)}")
+
+
+def read_batches(loader: DataLoader) -> Iterator[dict]:
+    """The loader's batches (its workers start now). A StageFailure raised in a worker comes back with the worker's
+    traceback in its message: it is raised again with the message alone."""
+    batches = iter(loader)
+
+    def unwrapped() -> Iterator[dict]:
+        try:
+            yield from batches
+        except StageFailure as err:
+            text = str(err)
+            marker = f"{StageFailure.__name__}: "
+            if "Original Traceback" not in text or marker not in text:
+                raise
+            raise StageFailure(text[text.rfind(marker) + len(marker):].strip()) from None
+    return unwrapped()
 
 
 def sequences_for_min_steps(lengths: Sequence[int], max_tokens: int, max_sequences: int, epochs: int,

@@ -329,6 +329,9 @@ def check_inputs(args, log) -> Inputs:
     if device.startswith("cuda") and args.dtype == "float16":
         raise UsageError("--dtype float16: stage 04 trains in bfloat16 (or float32); float16 would need loss "
                          "scaling. Use --dtype bfloat16")
+    if not device.startswith("cuda") and args.dtype == "float16":  # as stage 02 says: computed in float32 on CPU
+        log.warning("--dtype float16: stage 04 trains in bfloat16 or float32 (float16 is refused on a GPU); on %s "
+                    "the drafter trains in float32", device)
     log.info("inputs: %d %s samples (%s, aux layers %s), draft vocabulary %d of %d, verifier %s", len(entries),
              "prepared (--online: states computed in training)" if args.online else "hidden-state",
              args.prepared_data if args.online else data_dir, aux_layers, len(mapping.d2t), len(mapping.t2d), info.path)
@@ -387,11 +390,13 @@ def _index_path(data_dir: Path, data_manifest: dict) -> Path:
 
 def check_output(args, run_config: dict, log) -> tuple[Path | None, bool]:
     """(checkpoint to resume from or None, whether earlier outputs must be cleared before starting).
-    Refuses to mix two runs in one folder."""
+    Refuses to mix two runs in one folder; --resume takes the newest whole checkpoint. First removes what a failed
+    or killed save left half-written."""
     from common.train.checkpoints import TRAINER_STATE_JSON, CheckpointManager
 
     output_dir = Path(args.output_dir)
     manager = CheckpointManager(output_dir, args.keep_last)
+    remove_staging_leftovers(manager, log)
     if args.overwrite:
         return None, manager.has_outputs()
     if not args.resume:
@@ -401,7 +406,7 @@ def check_output(args, run_config: dict, log) -> tuple[Path | None, bool]:
                              f"{f' (latest: {latest})' if latest else ''}: pass --resume to continue it, "
                              f"--overwrite to delete them and start over, or choose another --output-dir")
         return None, False
-    point = manager.resume_point()
+    point = manager.resume_point(log)
     if point is None:
         # A run that stopped before its first checkpoint: start it again, without its stray metrics.
         log.warning("--resume: no complete checkpoint in %s; starting from the beginning", output_dir)
@@ -429,6 +434,19 @@ def check_output(args, run_config: dict, log) -> tuple[Path | None, bool]:
                          f"so it could not continue exactly:\n  " + "\n  ".join(changed) +
                          "\nRerun with the original values, or start over with --overwrite (or another --output-dir)")
     return point, False
+
+
+def remove_staging_leftovers(manager, log) -> None:
+    """The staging folders of saves that never finished (`.step_N.tmp-PID`, as large as a checkpoint), on the main
+    process only: it holds the folder's lock, so no save of a live run is among them."""
+    from common.cli.distributed import rank_info
+
+    if not rank_info().is_main:
+        return
+    removed = manager.remove_staging_leftovers()
+    if removed:
+        log.warning("removed what earlier checkpoint saves left half-written in %s: %s", manager.root,
+                    ", ".join(sorted(removed)))
 
 
 def check_disk(args, model_params: int, log) -> None:

@@ -47,6 +47,9 @@ class PreparedDataset(Dataset):
         sample = self.samples[position]
         return {"input_ids": sample.input_ids[: self.max_seq_len], "loss_mask": sample.loss_mask[: self.max_seq_len]}
 
+    def mark_checked(self, positions) -> None:
+        """(As HiddenStateDataset's: no files here to check.)"""
+
 
 _SAME_SIZE_INT = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 # A verifier's forward costs a fixed host time (SmolLM2's 30 layers launch about 1,000 kernels, about 20 ms on an

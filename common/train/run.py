@@ -6,6 +6,7 @@ from pathlib import Path
 
 import torch
 
+from common.formats.disk_full import full_disk_reported
 from common.formats.manifest import MANIFEST, Manifest
 from common.formats.files import write_json_atomic
 from common.model.drafter import Eagle3Drafter
@@ -16,12 +17,13 @@ from common.train.data_parallel import make_data_parallel
 from common.train.inputs import STAGE, Inputs
 from common.train.online import load_online_states
 from common.train.parameters import cast_parameters
-from common.train.plots import CURVES_FILE, training_title, write_training_curves
+from common.train.plots import CURVES_FILE, remove_stale_drawings, training_title, write_training_curves
 from common.train.step import TrainConfig
 from common.train.profiling import StepProfiler
 from common.train.stopping import signal_hooks_for_tests
 from common.train.trainer import LoopConfig, Trainer
 from common.bench.report import fmt
+from common.figures import TTT_ESTIMATE, WALKED_CHAIN_TAU
 from common.model.layer_init import init_layer_from_verifier
 from common.verifier.loading import read_embedding_tensors, read_layer_tensors
 
@@ -67,6 +69,7 @@ class CurvesAfterValidation:
 
     def __init__(self, output_dir: Path, title: str, log):
         self.png, self.title, self.log, self.seen = output_dir / CURVES_FILE, title, log, None
+        remove_stale_drawings(self.png)
 
     def __call__(self, trainer) -> None:
         if trainer.last_eval is not None and trainer.last_eval is not self.seen:
@@ -170,7 +173,9 @@ def train_drafter(args, log, inputs: Inputs, run_config: dict, resume_from: Path
         manifest.write()
 
     try:
-        result = trainer.fit()
+        with full_disk_reported(output_dir, trainer.checkpoint_bytes, "stage 04's output (the run goes on only with "
+                                "room for a checkpoint)", trainer.checkpoints.whole_so_far()):
+            result = trainer.fit()
     finally:  # the curves also for a run stopped by a signal or a failure, up to its last metrics line
         if curves is not None:
             curves.draw(trainer)
@@ -182,8 +187,8 @@ def train_drafter(args, log, inputs: Inputs, run_config: dict, resume_from: Path
                          latest=trainer.checkpoints.pointer_target("latest"), last_eval=result.get("last_eval"))
     manifest.complete()
     last = result.get("last_eval") or {}
-    log.info("training done: %d steps; best checkpoint %s (validation simulated acceptance length %s; the last "
-             "validation's simulated chain tau %s, the figure to compare with stage 05's tau); serve it with "
-             "--speculative-draft-model-path %s", trainer.state.step, result.get("best"),
-             fmt(result.get("best_value")), fmt(last.get("sim_chain_tau")), output_dir / "best")
+    log.info("training done: %d steps; the last validation's %s %s (the figure to compare with stage 05's tau); "
+             "best checkpoint %s (the highest validation %s, %s); serve it with --speculative-draft-model-path %s",
+             trainer.state.step, WALKED_CHAIN_TAU, fmt(last.get("sim_chain_tau")), result.get("best"), TTT_ESTIMATE,
+             fmt(result.get("best_value")), output_dir / "best")
 

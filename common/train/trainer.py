@@ -2,6 +2,7 @@
 checkpoints and metrics, stopping and resuming (see docs/training.md)."""
 from __future__ import annotations
 
+import math
 import time
 from contextlib import nullcontext
 from dataclasses import asdict, dataclass
@@ -10,11 +11,13 @@ from typing import Any, Callable, Sequence
 
 import torch
 
+from common.cli.errors import StageFailure
 from common.cli.stage import Progress, get_logger
-from common.train.checkpoints import (BEST, TRAINING_STATE, CheckpointManager, capture_rng_state, checkpoint_name,
-    load_optimizer_state, load_weights_exactly, restore_rng_state)
-from common.train.data import (HiddenStateDataset, StoredStates, make_loader, plan_batches, step_shares,
-    steps_in_epoch)
+from common.figures import figures_text
+from common.train.checkpoints import (BEST, TRAINING_STATE, CheckpointManager, capture_rng_state, checkpoint_bytes,
+    checkpoint_name, load_optimizer_state, load_weights_exactly, restore_rng_state)
+from common.train.data import (HiddenStateDataset, StoredStates, collate, make_loader, plan_batches, read_batches,
+    step_shares, steps_in_epoch)
 from common.train.metrics import MetricsWindow, MetricsWriter
 from common.train.parameters import model_device
 from common.train.step import TrainConfig, evaluate, train_step
@@ -48,6 +51,12 @@ class LoopState:
     best_value: float | None = None
     best_checkpoint: str | None = None
     nonfinite_in_a_row: int = 0
+
+
+def states_finite(batch: dict[str, torch.Tensor], row: int) -> bool:
+    """Whether one row of a batch has only finite hidden states (stored or computed) and targets."""
+    return all(bool(torch.isfinite(batch[key][row].float()).all())
+               for key in ("aux", "final", "aux_scale", "topk_logprobs") if key in batch)
 
 
 class Trainer:
@@ -108,6 +117,18 @@ class Trainer:
         }
 
     def load_training_state(self, folder: Path) -> None:
+        """Put back the state saved in `folder` (CheckpointManager.resume_point has checked its files). What still
+        fails to load stops the run with the folder named, not a traceback."""
+        try:
+            self._load_training_state(folder)
+        except ValueError as err:  # a setting that does not fit the checkpoint: the message says which
+            raise StageFailure(f"--resume from {folder}: {err}") from None
+        except Exception as err:  # noqa: BLE001 - a file that reads wrong: named with the way on
+            raise StageFailure(f"--resume from {folder}: cannot load it ({type(err).__name__}: {str(err)[:300]}). "
+                               f"Move the folder out of {self.output_dir} to resume from the newest checkpoint "
+                               f"before it, or start over with --overwrite") from None
+
+    def _load_training_state(self, folder: Path) -> None:
         state = torch.load(folder / TRAINING_STATE, map_location="cpu", weights_only=True)
         if state.get("format") != STATE_FORMAT:
             raise ValueError(f"{folder / TRAINING_STATE}: unknown format {state.get('format')!r}")
@@ -121,6 +142,11 @@ class Trainer:
         self.state = LoopState(**state["loop_state"])
         restore_rng_state(state["rng"])
         self.metrics.truncate_after(self.state.step)
+
+    def checkpoint_bytes(self) -> int:
+        """About the bytes a checkpoint of the current state takes (for the message of a full disk; this rank's
+        optimizer state, without the gathering that training_state does under FSDP)."""
+        return checkpoint_bytes(self.model, {"optimizer": self.optimizer.state_dict()})
 
     def summary(self, **extra) -> dict[str, Any]:
         """What trainer_state.json, latest.json and best.json say about the current state."""
@@ -149,10 +175,10 @@ class Trainer:
                 # from the start of the source's pass that holds `start` (its batches are made ready together)
                 chunk = self.micro_per_step * self.source.steps_per_pass
                 steps = step_shares(len(plan), start - start % chunk, self.micro_per_step, self.world_size, self.rank)
-                loader = make_loader(self.train_set, [plan[i] for _, share in steps for i, _ in share],
-                                     loop.num_workers, cfg.device, loop.seed * 1000 + epoch,
+                reading = [plan[i] for _, share in steps for i, _ in share]
+                loader = make_loader(self.train_set, reading, loop.num_workers, cfg.device, loop.seed * 1000 + epoch,
                                      pad_to=loop.pad_to)
-                ready = self.source.step_batches(iter(loader), steps, (start % chunk) // self.micro_per_step,
+                ready = self.source.step_batches(read_batches(loader), steps, (start % chunk) // self.micro_per_step,
                                                  cfg.device)
                 for end, share, group, waited in ready:
                     window.data_wait_s += waited
@@ -173,6 +199,7 @@ class Trainer:
                         hook(self)
                     if self._stop_requested(stop):
                         self._stop_here(window, epoch + 1, saved)
+                self.train_set.mark_checked(p for batch in reading for p in batch)
         self.metrics.close()
         return self.summary(best=state.best_checkpoint, best_value=state.best_value, last_eval=self.last_eval)
 
@@ -192,16 +219,23 @@ class Trainer:
         entries = self.train_set.entries
         ids = [entries[p]["id"] for batch in positions for p in batch]
         bad = [entries[p]["id"] for batch, micro in zip(positions, group) for row, p in enumerate(batch)
-               if not all(bool(torch.isfinite(micro[key][row].float()).all())
-                          for key in ("aux", "final", "aux_scale", "topk_logprobs") if key in micro)]
-        if bad and self.source.online:
+               if not states_finite(micro, row)]
+        if bad:
+            return self._nonfinite_states_advice(bad)
+        return f"Its inputs are finite; its samples (this rank): {', '.join(map(repr, ids[:50]))}"
+
+    def _nonfinite_states_advice(self, bad: list) -> str:
+        """What NaN/inf in these samples' states means. Read from stage 02's files, the files changed after they
+        were written (stage 02 refuses to write such states), so the way on is its --verify, not the verifier."""
+        if self.source.online:
             return (f"Samples whose states the verifier computed with NaN/inf: {', '.join(map(repr, bad[:20]))}; check "
                     f"the verifier's weights and --dtype")
-        if bad:
-            return (f"Samples with NaN/inf in their stored hidden states: {', '.join(map(repr, bad[:20]))}; the "
-                    f"verifier produced them (check its weights and dtype), and stage 02 now refuses such samples: "
-                    f"extract again into a new --output-dir, with --skip-nonfinite to leave them out")
-        return f"Its inputs are finite; its samples (this rank): {', '.join(map(repr, ids[:50]))}"
+        from common.formats.hidden_states import repair_command
+
+        return (f"Samples with NaN/inf in their stored hidden states: {', '.join(map(repr, bad[:20]))}. Stage 02 "
+                f"checks the states before it writes them, so these files changed afterwards (or were written "
+                f"before that check): find and redo the damaged samples with "
+                f"{repair_command(self.train_set.data_dir)}")
 
     def _after_step(self, window: MetricsWindow, progress: Progress, epoch: int, epoch_end: bool) -> str | None:
         """Progress, then (when due) a training-metrics line, validation, and a checkpoint, whose name it
@@ -258,18 +292,47 @@ class Trainer:
                              pad_to=self.loop.pad_to)
         started = time.time()
         with self.parallel.full_parameters() if self.parallel is not None else nullcontext():
-            result = evaluate(self.model, loader, self.verifier_lm_head, self.cfg.ttt_steps, decay=self.cfg.ttt_decay,
-                              reduce=self._reduce_sums if self.parallel is not None else None,
+            result = evaluate(self.model, read_batches(loader), self.verifier_lm_head, self.cfg.ttt_steps,
+                              decay=self.cfg.ttt_decay, reduce=self._reduce_sums if self.parallel is not None else None,
                               batch_to_device=self.source.complete)
+            self.val_set.mark_checked(p for batch in mine for p in batch)
+            self._check_validation_finite(result, mine)
         result = {"kind": "eval", "step": self.state.step, "epoch": epoch, **result,
                   "seconds": round(time.time() - started, 3)}
         self.metrics.write(result)
         self.last_eval = result
-        self.log.info("validation at step %d: loss %.4f, top-1 agreement per TTT step %s, simulated acceptance "
-                      "length %.3f, simulated chain tau %.3f (3 drafts, walked) (%d tokens)", self.state.step,
-                      result["loss"], [round(a, 3) for a in result["acc_per_step"]], result["sim_accept_len"],
-                      result.get("sim_chain_tau", float("nan")), result["tokens"])
+        self.log.info("validation at step %d: %s, loss %.4f, top-1 agreement per TTT step %s (%d tokens)",
+                      self.state.step, figures_text(result), result["loss"],
+                      [round(a, 3) for a in result["acc_per_step"]], result["tokens"])
         return result
+
+    def _check_validation_finite(self, result: dict[str, Any], mine: list[list[int]]) -> None:
+        """A validation loss or metric that is NaN/inf stops the run naming the samples: a best checkpoint chosen
+        by it would mean nothing."""
+        values = [result["loss"], result["sim_accept_len"], result.get("sim_chain_tau", 0.0),
+                  *result["loss_per_step"], *result["acc_per_step"]]
+        if all(math.isfinite(value) for value in values):
+            return
+        raise StageFailure(f"validation at step {self.state.step}: loss {result['loss']}; it or the figures from it are "
+                           f"not finite. {self._name_nonfinite_validation(mine)}")
+
+    def _name_nonfinite_validation(self, mine: list[list[int]]) -> str:
+        """The validation samples behind a non-finite result (this rank's): those with NaN/inf in their states,
+        else those of the batches whose loss alone is not finite."""
+        entries, device = self.val_set.entries, model_device(self.model)
+        bad, culprits = [], []
+        for batch in mine:
+            ready = self.source.complete(collate([self.val_set[p] for p in batch], self.loop.pad_to), device)
+            bad += [entries[p]["id"] for row, p in enumerate(batch) if not states_finite(ready, row)]
+            alone = evaluate(self.model, [ready], self.verifier_lm_head, self.cfg.ttt_steps, decay=self.cfg.ttt_decay,
+                             batch_to_device=lambda ready_batch, _: ready_batch)
+            if not math.isfinite(alone["loss"]):
+                culprits += [entries[p]["id"] for p in batch]
+        if bad:
+            return self._nonfinite_states_advice(bad)
+        return (f"Their states are finite, so the drafter's outputs are not; the samples of the batches whose loss is "
+                f"not finite (this rank): {', '.join(map(repr, culprits[:50])) or 'none alone'}. Lower --lr or "
+                f"--max-grad-norm, or train in float32 (--dtype)")
 
     # --- sums over the ranks --------------------------------------------------------------------------
     def _zero_sums(self) -> dict[str, torch.Tensor]:
@@ -294,8 +357,8 @@ class Trainer:
         return {key: out[key] for key in ("loss_sum", "correct", "count")}, out["loss"], out["tokens"]
 
     def _update_best(self, name: str, evaluated: dict[str, Any] | None, epoch_end: bool) -> str | None:
-        """The reason `name` becomes `best`, or None. Best is the highest validation simulated acceptance
-        length; with no validation split, the latest epoch; until anything is measured, the latest save
+        """The reason `name` becomes `best`, or None. Best is the highest validation TTT acceptance estimate;
+        with no validation split, the latest epoch; until anything is measured, the latest save
         (so that `best`, stage 05's default, always resolves)."""
         state = self.state
         if evaluated is not None:
