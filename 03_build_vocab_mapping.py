@@ -77,7 +77,6 @@ def work(args, log):
     manifest = Manifest(output_dir, STAGE, vars(args))
     manifest.add_input("prepared_data", data_path, data_path.parent / MANIFEST)
     manifest.data["verifier"] = verifier
-    manifest.write()
 
     vocab_size = int(verifier["vocab_size"])
     total = data_manifest.get("counts", {}).get("samples")
@@ -92,6 +91,9 @@ def work(args, log):
     report = mapping_report(counts, mapping, tokenizer)
     if report["target_tokens"] == 0:
         raise UsageError(f"{data_path}: no loss-masked tokens at all; check stage 01's output")
+
+    # Every input is read and checked: only now is an earlier map replaced (its manifest says running first).
+    manifest.write()
     save_mapping(mapping, output_dir)
     write_json_atomic(output_dir / REPORT_FILE, report)
 

@@ -7,7 +7,7 @@ vocabulary map, and (with --data-dir) the layer ids against the hidden states th
 
 Prints every problem (exit 1) or "OK" (exit 0), warnings too. With --data-dir, SGLang or vLLM capturing other
 layers than the stored ones is a problem.
-Exit 2: bad arguments or an unreadable manifest/verifier config.
+Exit 2: bad arguments, an unreadable manifest/verifier config, or a damaged drafter file (named, with the fix).
 """
 from __future__ import annotations
 
@@ -31,19 +31,26 @@ def main(argv=None) -> int:
     parser.add_argument("--json", action="store_true", help="print {problems, warnings} as JSON")
     args = parser.parse_args(argv)
 
-    from common.formats.checkpoint import inspect_drafter_dir
+    from common.cli.errors import UsageError
+    from common.formats.checkpoint import CONFIG_FILE, WEIGHTS_FILE, check_drafter_readable, inspect_drafter_dir
 
+    folder = Path(args.drafter)
+    if all((folder / name).is_file() for name in (CONFIG_FILE, WEIGHTS_FILE)):  # missing ones: listed as problems
+        try:
+            check_drafter_readable(args.drafter)
+        except UsageError as err:
+            print(str(err), file=sys.stderr)
+            return 2
     manifest = None
     if args.data_dir:
         path = Path(args.data_dir) / "manifest.json"
         try:
             manifest = json.loads(path.read_text())
-        except (OSError, json.JSONDecodeError) as err:
+        except (OSError, ValueError) as err:  # ValueError: not JSON, or not UTF-8
             print(f"--data-dir {args.data_dir}: cannot read {path} ({err})", file=sys.stderr)
             return 2
     info = None
     if args.model_path:
-        from common.cli.errors import UsageError
         from common.verifier.loading import read_verifier_info
 
         try:

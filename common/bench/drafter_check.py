@@ -15,10 +15,11 @@ def check_drafter(args, verifier_info, log) -> dict:
     if not (folder / "config.json").is_file():
         raise UsageError(f"--draft-model-path {folder}: no drafter there (config.json missing); run 04_train.py "
                          f"or point --draft-model-path at a checkpoint folder such as RUN_DIR/checkpoints/best")
+    from common.formats.checkpoint import check_drafter_dir, check_drafter_readable
+
+    check_drafter_readable(folder, "--draft-model-path")  # a damaged file is named, not "does not fit"
     config = read_json(folder / "config.json")
     if verifier_info is not None:
-        from common.formats.checkpoint import check_drafter_dir
-
         problems = check_drafter_dir(folder, verifier_info=verifier_info)
         if problems:
             raise UsageError(f"--draft-model-path {folder} does not fit --model-path {args.model_path}:\n  "

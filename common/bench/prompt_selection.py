@@ -26,6 +26,11 @@ def select_prompts(prompts: Sequence[Any], num_prompts: int | None, seed: int = 
     requested, available, chosen, ids (in run order) and per_category (category -> count, file order).
     """
     prompts = list(prompts)
+    if num_prompts is not None and num_prompts > len(prompts):
+        from common.cli.stage import get_logger
+
+        get_logger().warning("--num-prompts %d: there are only %d prompts; all of them are used", num_prompts,
+                             len(prompts))
     if num_prompts is None or num_prompts >= len(prompts):
         chosen, method = prompts, "all prompts, in file order"
     else:

@@ -126,13 +126,20 @@ def load_prompts(spec: str, num_prompts: int | None = None, seed: int = 0) -> li
         path = Path(spec)
         if not path.is_file():
             raise UsageError(f"--prompts {spec}: no such file (give a JSONL/JSON prompt file or {HUMAN_EVAL})")
-        prompts, seen = [], set()
+        prompts, seen, empty = [], set(), []
         for index, (where, record) in enumerate(_iter_records(path)):
             prompt = prompt_from_record(record, index, where)
+            if prompt is None:
+                empty.append(where)
             # Stage 01's eval_data.jsonl repeats a conversation that became several samples: keep it once.
-            if prompt is not None and tuple(prompt.turns) not in seen:
+            elif tuple(prompt.turns) not in seen:
                 seen.add(tuple(prompt.turns))
                 prompts.append(prompt)
+        if empty:
+            from common.cli.stage import get_logger
+
+            get_logger().warning("--prompts %s: %d record(s) without a non-empty turn are left out (e.g. %s)",
+                                 spec, len(empty), ", ".join(empty[:3]))
     if not prompts:
         raise UsageError(f"--prompts {spec}: no usable prompts in it")
     if num_prompts is not None:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass, field
+from functools import cached_property
 from pathlib import Path
 from typing import Any
 
@@ -17,6 +18,9 @@ END_OF_TURN_TOKENS = ("<|im_end|>", "<|eot_id|>", "<|end|>", "<end_of_turn>", "<
 LOSS_MASK_CONVENTION = ("1 on assistant content tokens and the end-of-turn token that closes each assistant "
                         "turn; 0 on system/user turns, role headers, the generation prompt and template text "
                         "after the end-of-turn token (ChatML's newline). Plain-text records: 1 everywhere.")
+# A token covers at most as many characters as its vocabulary string has (byte-level BPE, SentencePiece pieces,
+# byte fallback); twice that allows for normalisers that fold two characters into one (NFKC).
+CHARS_PER_TOKEN_MARGIN = 2
 
 
 # --- tokenization and loss masks ---------------------------------------------------------------------
@@ -68,6 +72,19 @@ class ChatTokenizer:
         self.split_turn_samples = 0    # turns that became their own sample (template not prefix-stable)
         self.dropped_turns = 0         # turns with no token boundary after the generation prompt
 
+    @cached_property
+    def char_bound(self) -> int:
+        """Characters that surely hold more than max_seq_len tokens: text past them is never kept, so it is cut
+        before tokenizing (a 50 MB record would otherwise take gigabytes to tokenize whole)."""
+        longest = max((len(token) for token in self.tokenizer.get_vocab()), default=1)
+        return CHARS_PER_TOKEN_MARGIN * max(1, longest) * (self.max_seq_len + 1)
+
+    def cut(self, text: str) -> str:
+        """The text up to char_bound: its first max_seq_len tokens are those of the whole text."""
+        if len(text) <= 2 * self.max_seq_len:  # below any bound: no need to look at the vocabulary
+            return text
+        return text[:self.char_bound]
+
     def render(self, messages: list[dict], add_generation_prompt: bool) -> str:
         try:
             return self.tokenizer.apply_chat_template(messages, tokenize=False,
@@ -99,6 +116,7 @@ class ChatTokenizer:
         if last_assistant is None:
             raise BadRecordError("no_assistant_turn")
         messages = messages[:last_assistant + 1]  # trailing user turns have nothing to learn
+        messages = [{**m, "content": self.cut(m["content"])} for m in messages]
         turns: list[tuple[int, list[int], list[int]]] = []  # (index, ids before turn, ids through turn)
         for k, message in enumerate(messages):
             if message["role"] != ASSISTANT:
@@ -130,7 +148,7 @@ class ChatTokenizer:
 
     def text(self, record_id: str, text: str) -> list[Sample]:
         """Plain text: loss on every token."""
-        ids = list(self.tokenizer(text)["input_ids"])
+        ids = list(self.tokenizer(self.cut(text))["input_ids"])
         return [self._truncated(Sample(record_id, ids, [1] * len(ids)))]
 
     def _truncated(self, sample: Sample) -> Sample:

@@ -13,7 +13,7 @@ from common.data.processing import Processor, preflight
 from common.data.records import (BadRecords, Record, drop_prompts, keep_first_user_turns, make_ids_unique,
                                  remove_duplicates)
 from common.data.sources import read_records
-from common.data.splits import (BAD_RECORDS_FILE, PROMPT_HASHES_FILE, check_bad_fraction, remove_previous_output,
+from common.data.splits import (BAD_RECORDS_FILE, PROMPT_HASHES_FILE, REFUSED_BAD_RECORDS_FILE, check_bad_fraction,
                                 write_bad_records, write_splits)
 from common.formats.manifest import Manifest
 
@@ -27,7 +27,8 @@ def regeneration_cache(args, inputs: Inputs, log):
 
     Responses made with the same generation settings (verifier, template, max tokens, temperature,
     dtype) are reused even under --overwrite, so asking for more samples does not pay for the old ones
-    again; a cache made with other settings is refused, or removed by --overwrite.
+    again; a cache made with other settings is refused, or under --overwrite removed once the new data has
+    passed its checks (discard_outdated_cache).
     """
     from common.data.regenerate import RegenerationCache
 
@@ -39,10 +40,7 @@ def regeneration_cache(args, inputs: Inputs, log):
     if args.greedy_first_reply:  # only then, so caches made before the flag stay usable
         settings["greedy_first_reply"] = True
     cache = RegenerationCache(inputs.out, settings)
-    if args.overwrite and cache.differences():
-        log.info("--overwrite: removing %s (generated with other settings)", cache.path)
-        cache.remove()
-    elif args.regenerate:
+    if args.regenerate and not (args.overwrite and cache.differences()):
         cache.check_settings()
         if cache.path.exists():
             log.info("responses already in %s are reused (same generation settings); delete that file to "
@@ -50,8 +48,16 @@ def regeneration_cache(args, inputs: Inputs, log):
     return cache
 
 
-def read_data(args, inputs: Inputs, log) -> tuple[list[Record], BadRecords, list[dict], float]:
-    """Every usable record (streamed from each source), the bad ones, and the sources as described."""
+def discard_outdated_cache(args, cache, log) -> None:
+    """--overwrite: a cache generated with other settings goes, once the new data has passed its checks."""
+    if args.overwrite and cache.differences():
+        log.info("--overwrite: removing %s (generated with other settings)", cache.path)
+        cache.remove()
+
+
+def read_data(args, inputs: Inputs, log) -> tuple[list[Record], BadRecords, list[dict], int]:
+    """Every usable record (streamed from each source), the bad ones, the sources as described, and how many
+    records were read; refuses data with too few usable records (an earlier output is left as it was)."""
     bad = BadRecords()
     described: list[dict] = []
 
@@ -69,14 +75,14 @@ def read_data(args, inputs: Inputs, log) -> tuple[list[Record], BadRecords, list
         if not records:
             raise UsageError(f"--dataset {' '.join(args.dataset)}: no usable record among {records_read}; each "
                              "record needs conversations (from/value), messages (role/content) or text")
-        fraction = check_bad_fraction(bad, records_read, args.max_bad_fraction, "reading", inputs.out)
+        check_bad_fraction(bad, records_read, args.max_bad_fraction, "reading", inputs.out)
     except UsageError:
-        write_bad_records(inputs.out / BAD_RECORDS_FILE, bad, BadRecords())
+        write_bad_records(inputs.out / REFUSED_BAD_RECORDS_FILE, bad, BadRecords())
         raise
     if any(r.is_chat for r in records) and inputs.fingerprint["chat_template_sha256"] is None:
         raise UsageError(f"--model-path {args.model_path}: its tokenizer has no chat template, and the data has "
                          "conversations; give --chat-template FILE (a Jinja template)")
-    return records, bad, described, fraction
+    return records, bad, described, records_read
 
 
 def make_regenerator(args, inputs: Inputs, stop_ids: set[int], cache, records: list[Record], log):
@@ -117,6 +123,15 @@ def warn_of_merged_prompts(records: list[Record], log) -> None:
                     merged[0].source, merged[0].line)
 
 
+def warn_of_fewer_samples(args, written, records_read: int, log) -> None:
+    """--num-samples asked for more conversations than the data gave: say so, with where the rest went."""
+    taken = written.train_conversations + written.eval_conversations
+    if args.num_samples and taken < args.num_samples:
+        log.warning("--num-samples %d: the data gave only %d usable conversation(s) (of %d record(s) read: the "
+                    "rest are duplicates, excluded or bad records, counted below); all of them were taken",
+                    args.num_samples, taken, records_read)
+
+
 # --- the stage's work ---------------------------------------------------------------------------------
 
 def prepare_data(args, inputs: Inputs, log) -> dict:
@@ -124,9 +139,7 @@ def prepare_data(args, inputs: Inputs, log) -> dict:
     from common.verifier.loading import resolve_model_path
 
     cache = regeneration_cache(args, inputs, log)
-    if args.overwrite:
-        remove_previous_output(inputs)
-    records, reading_bad, described, reading_fraction = read_data(args, inputs, log)
+    records, reading_bad, described, records_read = read_data(args, inputs, log)
 
     records, duplicates = remove_duplicates(records)
     records, excluded = drop_prompts(records, inputs.excluded_prompts)
@@ -144,6 +157,7 @@ def prepare_data(args, inputs: Inputs, log) -> dict:
     stop_ids = end_of_turn_ids(inputs.tokenizer, resolve_model_path(args.model_path)[0])
     chat = ChatTokenizer(inputs.tokenizer, stop_ids, args.max_seq_len)
     regenerator = make_regenerator(args, inputs, stop_ids, cache, records, log) if args.regenerate else None
+    discard_outdated_cache(args, cache, log)  # the new data has passed its checks (and the preflight)
     if regenerator is not None:
         warn_of_merged_prompts(records, log)
 
@@ -153,10 +167,13 @@ def prepare_data(args, inputs: Inputs, log) -> dict:
                          loss_mask_convention=LOSS_MASK_CONVENTION)
     if args.chat_template:
         manifest.add_input("chat_template", args.chat_template)
-    manifest.write()
+    if not manifest.path.exists():  # an earlier run's manifest stays until its output is replaced
+        manifest.write()
 
     process = Processor(chat, BadRecords(), regenerator)
-    written = write_splits(args, inputs, records, process, reading_bad, n_train, n_eval, log)
+    written = write_splits(args, inputs, records, process, reading_bad, records_read, n_train, n_eval, log,
+                           before_replacing=manifest.write)
+    warn_of_fewer_samples(args, written, records_read, log)
 
     train, held_out = written.train.summary(), written.eval.summary()
     all_bad = BadRecords()
@@ -168,7 +185,7 @@ def prepare_data(args, inputs: Inputs, log) -> dict:
         "conversations": written.train_conversations, "truncated": train["truncated"],
         "eval_samples": held_out["samples"], "eval_conversations": written.eval_conversations,
         "eval_tokens": held_out["tokens"], "eval_loss_tokens": held_out["loss_tokens"],
-        "records_read": len(records) + duplicates + excluded + reading_bad.total, "duplicates_removed": duplicates,
+        "records_read": records_read, "duplicates_removed": duplicates,
         "excluded_prompt_conversations": excluded,
         "duplicate_samples_removed": process.duplicate_samples,
         "eval_prompt_overlap_dropped": written.eval_prompt_overlap_dropped, "bad_records": all_bad.total,
@@ -176,8 +193,9 @@ def prepare_data(args, inputs: Inputs, log) -> dict:
     }
     manifest.data["token_stats"] = {"train": train, "eval": held_out}
     manifest.data["bad_records"] = {**all_bad.summary(), "file": BAD_RECORDS_FILE,
-                                    "fraction": {"reading": round(reading_fraction, 5),
-                                                 "processing": round(written.processing_fraction, 5)},
+                                    "fraction": {"reading": round(reading_bad.total / records_read, 5),
+                                                 "processing": round(written.processing_fraction, 5),
+                                                 "unusable": round(written.unusable_fraction, 5)},
                                     "max_bad_fraction": args.max_bad_fraction}
     manifest.data["outputs"] = {"train": PREPARED_DATA_FILE,
                                 "eval": str(inputs.eval_file.resolve()) if n_eval else None}

@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING
 import torch
 from torch import Tensor
 
+from common.cli.errors import UsageError
 from common.formats.files import readable_like_any_file
 from common.formats.layer_ids import (LAYER_CONVENTION, aux_layers_from_eagle_config, eagle_config_layer_ids,
                                       server_default_layers)
@@ -24,6 +25,9 @@ CONFIG_FILE = "config.json"
 WEIGHTS_FILE = "model.safetensors"
 METADATA_KEY = "eagle3_pipeline"  # our own provenance block inside config.json (servers ignore it)
 FORBIDDEN_CONFIG_KEYS = ("fc_norm", "norm_before_fc", "norm_output")  # EAGLE-3.1 flags: never set them
+DAMAGED_DRAFTER_FIX = ("copy the drafter folder again from where it came, or use another checkpoint of its run "
+                       "(04_train.py writes RUN_DIR/checkpoints/step_N, best and latest; rerun 04_train.py to "
+                       "train it again)")
 
 
 def expected_tensor_specs(cfg: DrafterConfig) -> dict[str, tuple[tuple[int, ...], str]]:
@@ -93,6 +97,31 @@ def save_drafter(model: Eagle3Drafter, directory, extra: dict | None = None) -> 
         shutil.rmtree(staging, ignore_errors=True)
 
 
+def check_drafter_readable(directory, flag: str = "drafter folder") -> None:
+    """config.json is a JSON object and model.safetensors is whole (its header covers the file, as safetensors
+    checks on opening), or a usage error naming the file and how to get a whole one. Headers only: no weights read."""
+    from safetensors import SafetensorError, safe_open
+
+    directory = Path(directory)
+    config_path, weights_path = directory / CONFIG_FILE, directory / WEIGHTS_FILE
+    for path in (config_path, weights_path):
+        if not path.is_file():
+            raise UsageError(f"{flag} {directory}: no {path.name} there; give a drafter folder (config.json and "
+                             "model.safetensors) such as RUN_DIR/checkpoints/best")
+    try:
+        if not isinstance(json.loads(config_path.read_text(encoding="utf-8")), dict):
+            raise ValueError("not a JSON object")
+    except (OSError, ValueError) as err:  # JSONDecodeError and UnicodeDecodeError are ValueErrors
+        raise UsageError(f"{config_path}: not a readable drafter config ({type(err).__name__}: {err}); the file is "
+                         f"damaged: {DAMAGED_DRAFTER_FIX}")
+    try:
+        with safe_open(str(weights_path), framework="pt"):
+            pass
+    except (SafetensorError, OSError) as err:
+        raise UsageError(f"{weights_path}: not a whole safetensors file ({err}); the file is damaged: "
+                         f"{DAMAGED_DRAFTER_FIX}")
+
+
 def load_drafter(directory, embed: Tensor | None = None, device="cpu", dtype=torch.float32) -> Eagle3Drafter:
     """Load a drafter folder (ours or a published LlamaForCausalLMEagle3 one).
 
@@ -105,6 +134,7 @@ def load_drafter(directory, embed: Tensor | None = None, device="cpu", dtype=tor
     from common.model.drafter import Eagle3Drafter
 
     directory = Path(directory)
+    check_drafter_readable(directory)
     config = json.loads((directory / CONFIG_FILE).read_text())
     cfg = DrafterConfig.from_sglang_config(config)
     tensors = load_file(str(directory / WEIGHTS_FILE))
@@ -219,8 +249,8 @@ def _read_config(directory: Path, config_path: Path, weights_path: Path) -> tupl
     if problems:
         return None, problems
     try:
-        return json.loads(config_path.read_text()), []
-    except json.JSONDecodeError as err:
+        return json.loads(config_path.read_text(encoding="utf-8")), []
+    except (json.JSONDecodeError, UnicodeDecodeError) as err:
         return None, [f"{config_path}: not valid JSON ({err})"]
 
 

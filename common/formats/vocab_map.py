@@ -12,8 +12,9 @@ from typing import Iterable
 import numpy as np
 import torch
 
-from common.formats.files import atomic_path
 from common.cli.errors import UsageError
+from common.formats.files import atomic_path, read_json
+from common.formats.manifest import MANIFEST, relocated
 
 MAPPING_FILE = "vocab_mapping.safetensors"
 REPORT_FILE = "vocab_report.json"
@@ -90,10 +91,28 @@ def save_mapping(mapping: VocabMapping, directory: str | Path) -> Path:
 
 
 def load_mapping(directory: str | Path) -> VocabMapping:
+    """Stage 03's map in `directory`; a missing or damaged file is a usage error with the command that rebuilds it."""
+    from safetensors import SafetensorError
     from safetensors.torch import load_file
 
     path = Path(directory) / MAPPING_FILE
     if not path.exists():
         raise UsageError(f"{path}: no vocabulary map; run 03_build_vocab_mapping.py first")
-    tensors = load_file(str(path))
-    return VocabMapping(d2t=tensors["d2t"], t2d=tensors["t2d"])
+    try:
+        tensors = load_file(str(path))
+        return VocabMapping(d2t=tensors["d2t"], t2d=tensors["t2d"])
+    except (SafetensorError, OSError, KeyError) as err:
+        raise UsageError(f"{path}: not a whole vocabulary map ({type(err).__name__}: {err}); the file is damaged. "
+                         f"Rebuild it: {rebuild_command(Path(directory))}")
+
+
+def rebuild_command(directory: Path) -> str:
+    """The stage-03 command that writes this folder's map again, from what its manifest recorded."""
+    try:
+        manifest = read_json(directory / MANIFEST)
+        data = relocated(manifest["inputs"]["prepared_data"]["path"], directory / MANIFEST, manifest)
+        size = manifest["draft_vocab_size_requested"]
+    except (OSError, ValueError, KeyError, TypeError):  # no readable record: the flags to fill in
+        data, size = "RUN_DIR/data/tokenized_data.jsonl", "N"
+    return (f"python 03_build_vocab_mapping.py --prepared-data {data} --draft-vocab-size {size} "
+            f"--output-dir {directory} --overwrite")

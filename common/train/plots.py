@@ -9,6 +9,7 @@ import json
 from pathlib import Path
 from typing import Any
 
+from common.figures import TTT_ESTIMATE, WALKED_CHAIN_TAU
 from common.formats.files import atomic_path
 
 CURVES_FILE = "training_curves.png"
@@ -36,7 +37,7 @@ def _series(records: list[dict[str, Any]], value) -> tuple[list[int], list[float
 
 
 def build_training_figure(metrics_path: Path, title: str):
-    """Three panels over optimizer steps: the loss, the simulated acceptance length (with validation's walked
+    """Three panels over optimizer steps: the loss, the TTT acceptance estimate (with validation's walked
     chain tau), and the top-1 agreement at TTT step 0; training lines and validation points. None when
     metrics.jsonl has no line yet."""
     import matplotlib
@@ -49,8 +50,8 @@ def build_training_figure(metrics_path: Path, title: str):
     # (title, y label, value, key of a second validation series or None)
     panels = [
         ("loss (decay-weighted over TTT steps)", "loss", lambda r: r.get("loss"), None),
-        ("simulated acceptance length (tau)", "tokens per verify step", lambda r: r.get("sim_accept_len"),
-         "sim_chain_tau"),  # validation also walks chain decoding: what SGLang's default setting gets
+        (f"{TTT_ESTIMATE}, and validation's {WALKED_CHAIN_TAU}", "tokens per verify step",
+         lambda r: r.get("sim_accept_len"), "sim_chain_tau"),  # the walk: what SGLang's default chain gets
         ("top-1 agreement at TTT step 0", "share of positions", lambda r: (r.get("acc_per_step") or [None])[0],
          None),
     ]
@@ -65,7 +66,8 @@ def build_training_figure(metrics_path: Path, title: str):
         if second is not None:
             steps, values = _series(kinds["eval"], lambda r: r.get(second))
             if steps:
-                axis.plot(steps, values, "s--", color="#4c9a52", label="validation, chain of 3 drafts walked")
+                axis.plot(steps, values, "s--", color="#4c9a52",
+                          label=f"validation, {WALKED_CHAIN_TAU} (compare with stage 05's tau)")
         axis.set_title(name, fontsize=10)
         axis.set_xlabel("optimizer step")
         axis.set_ylabel(ylabel)
@@ -82,6 +84,16 @@ def training_title(args) -> str:
     verifier = Path(str(args.model_path)).name if args.model_path else "?"
     return (f"stage 04 training: run {run}, verifier {verifier}, lr {args.lr:g} ({args.scheduler}), "
             f"{args.epochs} epochs, TTT {args.ttt_steps} steps (decay {args.ttt_decay:g}), loss {args.loss}")
+
+
+def remove_stale_drawings(png_path: Path) -> list[Path]:
+    """The temporary files of drawings a killed run left (`.training_curves.png.*.tmp`), removed at the start of a
+    run; the caller holds the output folder's lock, so none belongs to a live run. Returns what was removed."""
+    png_path = Path(png_path)
+    stale = sorted(png_path.parent.glob(f".{png_path.name}.*.tmp"))
+    for path in stale:
+        path.unlink(missing_ok=True)
+    return stale
 
 
 def write_training_curves(metrics_path: Path, png_path: Path, title: str, log=None) -> Path | None:

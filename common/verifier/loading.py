@@ -1,8 +1,9 @@
 """Access to the verifier (target) model without loading it: config, tokenizer, identity, single tensors.
 
 Reading the config and tokenizer takes seconds, so every stage validates its inputs against them before
-the 20-minute model load. Configs that nest the text model (Kimi-K2.5's
-`KimiK25ForConditionalGeneration` with `text_config`) are unwrapped here, once.
+the 20-minute model load; a damaged shard index (model.safetensors.index.json) is refused with them. Configs
+that nest the text model (Kimi-K2.5's `KimiK25ForConditionalGeneration` with `text_config`) are unwrapped here,
+once.
 """
 from __future__ import annotations
 
@@ -185,6 +186,10 @@ def read_verifier_info(model_path: str, trust_remote_code: bool = False,
     )
     if with_tokenizer_hash:
         info.tokenizer_sha256 = tokenizer_sha256(model_path)
+    folder, gguf_file = resolve_model_path(model_path)
+    index = Path(folder) / WEIGHT_INDEX
+    if gguf_file is None and index.is_file():  # checked with the config: a damaged index stops every stage early
+        read_weight_index(index)
     return info
 
 
@@ -228,17 +233,48 @@ def load_tokenizer(model_path: str, trust_remote_code: bool = False, chat_templa
 
 # --- single tensors from the safetensors shards ------------------------------------------------------
 
+WEIGHT_INDEX = "model.safetensors.index.json"
+
+
+def _download_again(folder: Path, files: str) -> str:
+    return (f"download {files} again from where the model came (e.g. `hf download ORG/MODEL {files} "
+            f"--local-dir {folder}`)")
+
+
+def read_weight_index(index: Path) -> dict[str, str]:
+    """The shard index's weight_map (tensor name -> shard file), every shard it names present; a damaged index
+    is a usage error naming it and how to get it whole."""
+    try:
+        weight_map = read_json(index)["weight_map"]
+    except (OSError, ValueError, KeyError, TypeError) as err:  # ValueError: not JSON, or not UTF-8
+        raise UsageError(f"{index}: not a readable shard index ({type(err).__name__}: {err}); the file is damaged: "
+                         f"{_download_again(index.parent, index.name)}")
+    if not isinstance(weight_map, dict) or not weight_map or \
+            not all(isinstance(shard, str) for shard in weight_map.values()):
+        raise UsageError(f"{index}: its weight_map is not a map of tensor names to shard files; the file is "
+                         f"damaged: {_download_again(index.parent, index.name)}")
+    missing = sorted({shard for shard in weight_map.values() if not (index.parent / shard).is_file()})
+    if missing:
+        raise UsageError(f"{index} names {len(missing)} shard(s) missing from {index.parent} (e.g. {missing[0]}): "
+                         f"{_download_again(index.parent, ' '.join(missing[:3]))}")
+    return weight_map
+
+
 def _weight_map(folder: Path) -> dict[str, str]:
-    index = folder / "model.safetensors.index.json"
+    index = folder / WEIGHT_INDEX
     if index.exists():
-        return read_json(index)["weight_map"]
+        return read_weight_index(index)
     single = folder / "model.safetensors"
     if single.exists():
-        from safetensors import safe_open
+        from safetensors import SafetensorError, safe_open
 
-        with safe_open(str(single), framework="pt") as handle:
-            return {name: single.name for name in handle.keys()}
-    raise UsageError(f"{folder}: no model.safetensors or model.safetensors.index.json")
+        try:
+            with safe_open(str(single), framework="pt") as handle:
+                return {name: single.name for name in handle.keys()}
+        except SafetensorError as err:
+            raise UsageError(f"{single}: not a whole safetensors file ({err}); the file is damaged: "
+                             f"{_download_again(folder, single.name)}")
+    raise UsageError(f"{folder}: no model.safetensors or {WEIGHT_INDEX}")
 
 
 def _pick(names: list[str], suffix: str) -> str | None:
