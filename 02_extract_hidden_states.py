@@ -91,7 +91,7 @@ def work(args, log) -> None:
 
 
 def main(argv=None) -> int:
-    return run_stage(STAGE, parse, work, argv)
+    return run_stage(STAGE, parse, work, argv, reads=lambda args: () if args.verify else ("prepared_data",))
 
 
 if __name__ == "__main__":

@@ -112,7 +112,7 @@ def work(args, log):
 
 
 def main(argv=None) -> int:
-    return run_stage(STAGE, parse, work, argv)
+    return run_stage(STAGE, parse, work, argv, reads=lambda args: ("prepared_data",))
 
 
 if __name__ == "__main__":

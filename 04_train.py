@@ -52,9 +52,14 @@ def work(args, log, hooks=()):
         distributed.barrier()  # rank 0 has written its last checkpoint and the manifest
 
 
+def inputs_read(args):
+    """The other stages' outputs this run reads (common/cli/stage.py holds them against an --overwrite)."""
+    return ("prepared_data" if args.online else "data_dir", "vocab_mapping_dir")
+
+
 def main(argv=None, hooks=()) -> int:
     """`hooks` (in-process callers only): called as hook(trainer) after every optimizer step."""
-    return run_stage(STAGE, parse, lambda args, log: work(args, log, hooks), argv)
+    return run_stage(STAGE, parse, lambda args, log: work(args, log, hooks), argv, reads=inputs_read)
 
 
 if __name__ == "__main__":

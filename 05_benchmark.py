@@ -144,8 +144,13 @@ def run_benchmark(args, log):
              files["index"])
 
 
+def inputs_read(args):
+    """The other stages' outputs this run reads (common/cli/stage.py holds them against an --overwrite)."""
+    return ("draft_model_path", "data_dir") if args.mode == "eval" else ("draft_model_path",)
+
+
 def main(argv=None) -> int:
-    return run_stage(STAGE, parse, run_benchmark, argv)
+    return run_stage(STAGE, parse, run_benchmark, argv, reads=inputs_read)
 
 
 if __name__ == "__main__":

@@ -31,7 +31,7 @@ report_missing_packages()  # a missing package: one line naming it and the setup
 
 from common.cli.errors import USAGE_ERROR, UsageError  # noqa: E402
 from common.cli.parser import StageArgumentParser  # noqa: E402
-from common.cli.lock import OutputLock  # noqa: E402
+from common.cli.lock import hold_run_directory  # noqa: E402
 from common.cli.pipeline import (STAGES, check_all_flags, is_current, log_size, output_manifest,  # noqa: E402
     run_one, split_shared_flags, stage_argv, stage_command, stage_named, tail)
 from common.cli.run_status import print_status  # noqa: E402
@@ -91,8 +91,8 @@ def main(argv: list[str] | None = None) -> int:
         selected = [s for s in selected if s >= args.from_stage]
     argvs = {stage: stage_argv(stage, str(run_dir), shared, extra) for stage in selected}
     resolved = check_all_flags(argvs)
-    try:  # one pipeline per run directory (each stage also locks its own folder)
-        atexit.register(OutputLock(run_dir, "another run_pipeline.py").acquire().release)
+    try:  # one pipeline per run directory, and no stage but its own there (each stage also locks its own folder)
+        atexit.register(hold_run_directory(run_dir).release)
     except UsageError as err:
         print(f"run_pipeline.py: {err}", file=sys.stderr)
         return USAGE_ERROR

@@ -16,12 +16,12 @@ import threading
 import time
 import traceback
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Sequence
 
 from common.formats.files import atomic_path, write_json_atomic
 from common.cli.errors import FAILURE, USAGE_ERROR, StageFailure, UsageError, missing_package_message
 from common.cli.parser import log_dir_for
-from common.cli.lock import OutputLock
+from common.cli.lock import OutputLock, OverwriteLock, ReaderLock, check_run_directory_free, folder_read
 
 LOGGER_NAME = "eagle3"
 CONFIG_FILE_SUFFIX = ".config.json"
@@ -79,13 +79,37 @@ def resolved_config(args: argparse.Namespace) -> dict:
     return {key: value for key, value in sorted(vars(args).items())}
 
 
-def take_output_lock(stage: str, output_dir: Path) -> OutputLock | None:
-    """The output folder's lock, held by the main process (under torchrun rank 0 holds it for every rank)."""
+# A stage's declaration of what it reads of other stages' outputs: flag dests of RUN_INPUTS, given its flags.
+Reads = Callable[[argparse.Namespace], Sequence[str]]
+
+
+def take_locks(stage: str, args: argparse.Namespace, output_dir: Path, reads: Reads | None) -> list:
+    """The locks the stage holds while it runs (common/cli/lock.py), taken by the main process (under torchrun
+    rank 0 holds them for every rank): none in a run directory the runner holds but its own stages; its output
+    folder's, and with --overwrite no reader there; a reader's on each input folder."""
     from common.cli.distributed import rank_info
 
     if not rank_info().is_main:
-        return None
-    return OutputLock(output_dir, f"another {stage} run").acquire()
+        return []
+    for run_dir in {Path(args.run_dir) if getattr(args, "run_dir", None) else None, output_dir.parent} - {None}:
+        check_run_directory_free(run_dir, stage)
+    locks = [OutputLock(output_dir, f"another {stage} run").acquire()]
+    try:
+        if getattr(args, "overwrite", False):
+            locks.append(OverwriteLock(output_dir, stage).acquire())
+        for dest in (reads(args) if reads else ()):
+            folder = folder_read(dest, getattr(args, dest, None))
+            if folder is not None:
+                locks.append(ReaderLock(folder, stage).acquire())
+    except BaseException:
+        release_all(locks)
+        raise
+    return locks
+
+
+def release_all(locks: list) -> None:
+    for lock in reversed(locks):
+        lock.release()
 
 
 def read_earlier(path: Path) -> bytes | None:
@@ -108,8 +132,9 @@ def restore_earlier(path: Path, content: bytes | None) -> None:
 
 def run_stage(stage: str, parse: Callable[[list[str] | None], argparse.Namespace],
               work: Callable[[argparse.Namespace, logging.Logger], None],
-              argv: list[str] | None = None) -> int:
-    """Parse flags, set up logs, log and save the configuration, run `work`, map errors to exit codes."""
+              argv: list[str] | None = None, reads: Reads | None = None) -> int:
+    """Parse flags, set up logs, log and save the configuration, run `work`, map errors to exit codes. `reads`:
+    what the stage reads of other stages' outputs (held against their --overwrite while it runs)."""
     args = parse(argv)  # exits 2 on a bad flag
     quiet_other_progress_bars()
     try:
@@ -123,14 +148,14 @@ def run_stage(stage: str, parse: Callable[[list[str] | None], argparse.Namespace
     logger.info("%s resolved configuration:\n%s", stage, json.dumps(config, indent=2, default=str), extra=FILE_ONLY)
     config_places = [log_file_for(stage, log_dir_for(args))]
     started = time.time()
-    lock = None
+    locks = []
     try:
         output_dir = Path(args.output_dir)
         try:
             output_dir.mkdir(parents=True, exist_ok=True)
         except OSError as err:
             raise UsageError(f"--output-dir {output_dir} is not writable ({err}); choose another folder")
-        lock = take_output_lock(stage, output_dir)  # before anything in the folder changes
+        locks = take_locks(stage, args, output_dir, reads)  # before anything in the folder changes
         config_file = output_dir / f"{stage}{CONFIG_FILE_SUFFIX}"
         earlier_config = read_earlier(config_file)
         try:
@@ -165,8 +190,7 @@ def run_stage(stage: str, parse: Callable[[list[str] | None], argparse.Namespace
         logger.error("%s failed:\n%s", stage, traceback.format_exc())
         return FAILURE
     finally:
-        if lock is not None:
-            lock.release()
+        release_all(locks)
     logger.info("%s finished in %.1f s", stage, time.time() - started)
     return 0
 
