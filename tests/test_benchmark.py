@@ -590,6 +590,7 @@ def test_offline_mode_reports_every_number(stage05, stories260k, drafters, tmp_p
     markdown = (out / "bench_offline_k3_t0_prompts.md").read_text()
     assert "| tau | tok/s speculative |" in markdown and "## Acceptance by draft position" in markdown
     assert "| story |" in markdown
+    assert "**Not checked against the drafter's training prompts** (training lineage not found" in markdown
     # The settings table shows the flags a person sets; what the run worked out stays in the JSON.
     assert settings_rows(markdown) == [
         "--model-path", "--draft-model-path", "--prompts", "--num-prompts", "--max-new-tokens", "--num-steps",

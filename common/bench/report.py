@@ -119,6 +119,20 @@ def compute_dtype_line(settings: dict[str, Any]) -> list[str]:
     return [f"Computed in **{used}** on {settings.get('device')}{note}.", ""]
 
 
+def overlap_markdown(overlap: dict[str, Any] | None) -> list[str]:
+    """A warning in the report itself when the prompts were not checked against the drafter's training prompts (the
+    log's warning is gone once the report travels), or when some were and --allow-overlap measured them anyway."""
+    if not overlap:
+        return []
+    if not overlap.get("checked"):
+        return ["", f"**Not checked against the drafter's training prompts** ({overlap.get('reason')}): if these "
+                    "prompts were trained on, tau is overstated."]
+    if overlap.get("overlapping"):
+        return ["", f"**{overlap['overlapping']} of {overlap['prompts_checked']} prompts were training prompts of "
+                    "the drafter** (--allow-overlap): tau is overstated on them."]
+    return []
+
+
 def greedy_match_markdown(match: dict[str, Any]) -> list[str]:
     """The greedy check and the divergence report of a temperature-0 run."""
     reference = {"plain_decode": "the verifier's own greedy decoding (the loop without drafting)",
@@ -164,7 +178,8 @@ def offline_markdown(results: dict[str, Any]) -> str:
     acceptance = overall["acceptance"]
     timed = "speedup_vs_plain" in overall  # absent in a --tau-only run: no baselines, no speedups
     parts = [f"# Speculative decoding benchmark (offline, {results['settings']['drafting']})", "",
-             *compute_dtype_line(results["settings"]), settings_table(results["settings"]), "", "## Overall", ""]
+             *compute_dtype_line(results["settings"]), settings_table(results["settings"]),
+             *overlap_markdown(results.get("overlap_check")), "", "## Overall", ""]
     tps = overall["tokens_per_s"]
     if timed:
         parts.append(markdown_table(
@@ -220,7 +235,8 @@ def _marked_speedup(summary: dict[str, Any]) -> str:
 
 
 def server_markdown(results: dict[str, Any]) -> str:
-    parts = ["# Speculative decoding benchmark (server)", "", settings_table(results["settings"]), ""]
+    parts = ["# Speculative decoding benchmark (server)", "", settings_table(results["settings"]),
+             *overlap_markdown(results.get("overlap_check")), ""]
     rows = []
     for name in ("speculative", "baseline"):
         run = results.get(name)
