@@ -1118,6 +1118,11 @@ def test_eval_mode_scores_the_validation_split(stage05, pipeline_run):
     assert short["settings"]["max_new_tokens"] == 2
     assert len(val_ids) <= short["metrics"]["chain_verify_steps"] < metrics["chain_verify_steps"]
     assert short["metrics"]["acc_per_step"] == metrics["acc_per_step"]  # the teacher-forced scores do not change
+    # More samples asked for than the split holds: all are evaluated, and the log says so.
+    assert stage05.main(pipeline_run["model"] + ["--mode", "eval", "--num-steps", "3", "--device", "cpu",
+                                                 "--num-prompts", "100000", "--output-dir", str(run / "bench3")]) == 0
+    log = (run / "logs" / "05_benchmark.log").read_text()
+    assert f"--num-prompts 100000: there are only {len(val_ids)} samples (validation split" in log
 
 
 

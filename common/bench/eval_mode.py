@@ -65,6 +65,9 @@ def run_eval(args, log, begin, *_ignored) -> dict:
     if not entries:
         raise UsageError(f"--data-dir {data_dir}: the index lists no complete sample; rerun 02_extract_hidden_states.py")
     entries, split = validation_entries(Path(args.draft_model_path), entries, log)
+    if args.num_prompts and args.num_prompts > len(entries):
+        log.warning("--num-prompts %d: there are only %d samples (%s); all of them are evaluated", args.num_prompts,
+                    len(entries), split)
     if args.num_prompts:
         entries = entries[:args.num_prompts]
     begin()
