@@ -9,7 +9,8 @@
 #   scripts/device_check_sglang.sh TOKENIZER_DIR [PART ...]
 #     TOKENIZER_DIR  a folder whose tokenizer files the random verifiers copy (e.g. SmolLM2-135M-Instruct's)
 #     PART           llama, dsv3 (random verifiers; default: both) or the path of a model folder
-# SGLang's site folder (../shared/tools/sglang_device.md: /tmp/site, with the transformers SGLang 0.5.17 needs)
+# Environment: OUT, WORK, MEM (below). SGLang's site folder (../shared/tools/sglang_device.md: /tmp/site, with
+# the transformers SGLang 0.5.17 needs)
 # comes first on PYTHONPATH, for every process of the check. The engine flags avoid the kernels the slim wheels
 # leave out. Writes $OUT/sglang_NAME.json (the check's summary) and $OUT/sglang_NAME.log (its output, tail).
 set -uo pipefail
@@ -22,6 +23,8 @@ SITE=${SGLANG_SITE:-/tmp/site}
 export PYTHONPATH=$SITE${PYTHONPATH:+:$PYTHONPATH} CUDA_HOME=${CUDA_HOME:-/usr/local/cuda} PYTHONUNBUFFERED=1
 ENGINE=(--attention-backend triton --sampling-backend pytorch --sglang-arg grammar_backend=none
         --sglang-arg mm_feature_transport=cpu)
+# MEM: stage 02's --gpu-memory-utilization (SGLang's static share), for a check beside other GPU work, e.g. 0.25
+[ -n "${MEM:-}" ] && ENGINE+=(--gpu-memory-utilization "$MEM")
 python3 -c "import importlib.metadata as m; print('sglang', m.version('sglang'), 'transformers', m.version('transformers'))"
 for part in $PARTS; do
   REFERENCE=()
