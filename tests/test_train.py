@@ -322,15 +322,21 @@ def test_fp8_training_learns_like_bf16_and_exports_the_same_format(trained, run_
     from common.formats.hidden_states import open_hidden_states
 
     out = tmp_path / "fp8"
-    done = run_script("04_train.py", *train_argv(run_a, out, stories260k, epochs=EPOCHS, eval_interval=1000,
+    # Half the full run's epochs: torch's CPU FP8 GEMM is a slow reference kernel (0.3 s for 512 x 64 x 176), and
+    # six epochs took 570 s of the subprocess's 600.
+    epochs = EPOCHS // 2
+    done = run_script("04_train.py", *train_argv(run_a, out, stories260k, epochs=epochs, eval_interval=1000,
                                                  save_interval=1000, keep_last=1, fp8=True,
                                                  drafter_config='{"intermediate_size": 176}'), env=ONE_THREAD)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     assert "--fp8: the drafter's GEMMs run on FP8 tensor cores" in log_text(out)
     fp8_evals, full_evals = records(out, "eval"), records(trained, "eval")
-    assert fp8_evals[-1]["sim_accept_len"] > fp8_evals[0]["sim_accept_len"] + 0.2
-    # as good as full precision, within what a different intermediate size and FP8 rounding can explain
-    assert fp8_evals[-1]["sim_accept_len"] > full_evals[-1]["sim_accept_len"] - 0.15, (fp8_evals[-1], full_evals[-1])
+    assert len(fp8_evals) >= epochs
+    assert fp8_evals[-1]["sim_accept_len"] > fp8_evals[0]["sim_accept_len"] + 0.1
+    # as good as full precision after as many steps, within what a different intermediate size and FP8 rounding
+    # can explain
+    full_then = min(full_evals, key=lambda r: abs(r["step"] - fp8_evals[-1]["step"]))
+    assert fp8_evals[-1]["sim_accept_len"] > full_then["sim_accept_len"] - 0.15, (fp8_evals[-1], full_then)
     data_manifest, _ = open_hidden_states(run_a / "hidden_states")
     assert check_drafter_dir(out / "best", data_manifest=data_manifest) == []
 
