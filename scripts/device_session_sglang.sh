@@ -12,7 +12,7 @@
 #     VERIFIER  SmolLM2's .gguf (converted once to WORK_DIR's smollm2-dense beside it) or its dense folder
 #     DATA_DIR  made by scripts/prepare_device_data.py, plus REGEN_CACHE's smollm2_sharegpt_greedy_10k.tgz if there
 #     WORK_DIR  run in WORK_DIR/run, check in WORK_DIR/check, serving in WORK_DIR/serve; progress in WORK_DIR/session.log
-# Environment passes through to the three scripts (RUNS, NEW_TOKENS, CUDA_GRAPH, ...). With "pack" it only packs
+# Environment passes through to the three scripts (RUNS, NEW_TOKENS, CUDA_GRAPH, ...); CHECK=0 leaves out step 2. With "pack" it only packs
 # what exists so far (logs, reports, no weights) into $OUT/session.tgz: run it in every polling call.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -33,7 +33,8 @@ say "train: gpu_smollm2.sh STAGES=train"
   echo "train exit $?" >> "$WORK/session.log" ) &
 TRAIN=$!
 
-( waited=0
+( [ "${CHECK:-1}" = 0 ] && exit 0
+  waited=0
   until grep -qs '"complete"' "$WORK/run/data/manifest.json" || [ $waited -ge 1200 ]; do sleep 10; waited=$((waited + 10)); done
   echo "$(date +%T) check: device_check_sglang.sh on $DENSE and dsv3 (stage 01 done after ${waited}s)" >> "$WORK/session.log"
   mkdir -p "$WORK/check/out"
