@@ -30,7 +30,7 @@ TWO_TURN_PROMPTS = ASSETS / "prompts_two_turn.jsonl"
 
 # A chat template for stories260K (which has none): special tokens around turns, the assistant header
 # "Answer:" emitted by the generation prompt exactly as in the rendered assistant turn. A file, since
-# scripts/cpu_recipe_levers.sh runs the stages with it too.
+# scripts/lab/cpu_recipe_levers.sh runs the stages with it too.
 STORIES_TEMPLATE = (ASSETS / "stories260K_chat.jinja").read_text()
 
 

@@ -1,4 +1,4 @@
-"""scripts/bench_decode_attention.py on a CPU: every way of computing a decoding step's attention over a
+"""scripts/lab/bench_decode_attention.py on a CPU: every way of computing a decoding step's attention over a
 left-padded cache (SDPA's GQA, folded GQA heads, plain matmuls, multiplies and sums, the Triton kernel in
 Triton's interpreter, FlexAttention) gives the result of transformers' repeat-the-heads way."""
 from __future__ import annotations
@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "bench_decode_attention.py"
+SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "lab" / "bench_decode_attention.py"
 
 
 def load_script():

@@ -1,4 +1,4 @@
-"""scripts/bench_regenerate.py on a CPU: stories260K and a tiny Llama, every engine part but continuous batching,
+"""scripts/lab/bench_regenerate.py on a CPU: stories260K and a tiny Llama, every engine part but continuous batching,
 with --profile; and a run of one engine alone (--static-only --engines loop)."""
 from __future__ import annotations
 
@@ -24,7 +24,7 @@ def sharegpt_file(path):
 
 def bench(tmp_path, stories260k, out_name, *extra):
     out = tmp_path / out_name
-    done = run_script("scripts/bench_regenerate.py", "--model-path", str(stories260k),
+    done = run_script("scripts/lab/bench_regenerate.py", "--model-path", str(stories260k),
                       "--chat-template", str(ASSETS / "stories260K_chat.jinja"),
                       "--data", str(sharegpt_file(tmp_path / "sharegpt.json")), "--out", str(out),
                       "--device", "cpu", "--dtype", "float32", "--max-new-tokens", str(NEW_TOKENS),
@@ -86,7 +86,7 @@ def test_differing_replies_say_where_they_part():
 
     from conftest import REPO
 
-    spec = importlib.util.spec_from_file_location("bench_regenerate", REPO / "scripts" / "bench_regenerate.py")
+    spec = importlib.util.spec_from_file_location("bench_regenerate", REPO / "scripts" / "lab" / "bench_regenerate.py")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     found = module.same_replies(["abcdefghij", "same", "xyz", None], ["abcdeXXXXX", "same", "qrs", "unpaired"])
@@ -107,7 +107,8 @@ def test_parting_margin_is_the_models_logit_gap_at_the_first_differing_token(sto
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    spec = importlib.util.spec_from_file_location("bench_regenerate", ASSETS.parents[1] / "scripts" / "bench_regenerate.py")
+    spec = importlib.util.spec_from_file_location("bench_regenerate",
+                                                  ASSETS.parents[1] / "scripts" / "lab" / "bench_regenerate.py")
     bench_module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(bench_module)
     tokenizer = AutoTokenizer.from_pretrained(stories260k)
@@ -137,7 +138,8 @@ def test_bench_prompts_are_a_seeded_sample_spread_over_the_file(tmp_path):
     first lines."""
     import importlib.util
 
-    spec = importlib.util.spec_from_file_location("bench_regenerate", ASSETS.parents[1] / "scripts" / "bench_regenerate.py")
+    spec = importlib.util.spec_from_file_location("bench_regenerate",
+                                                  ASSETS.parents[1] / "scripts" / "lab" / "bench_regenerate.py")
     bench_module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(bench_module)
     rows = [{"id": f"c{i}", "conversations": [{"from": "human", "value": f"question {i}"}, {"from": "gpt", "value": "ok"}]}

@@ -1202,7 +1202,7 @@ def test_tau_along_the_reply_gives_a_short_runs_tau_in_its_first_window(stage05,
 
 
 def test_reply_lengths_reports_greedy_replies_their_end_and_repetition(stories260k, tmp_path):
-    """scripts/reply_lengths.py: one first turn per category, each reply the verifier's own greedy decoding
+    """scripts/lab/reply_lengths.py: one first turn per category, each reply the verifier's own greedy decoding
     (checked here against an argmax loop over the full sequence), cut at the budget or at an end-of-turn
     token, with stage 05's 4-gram repetition share over its first 128 tokens and over all of it."""
     from common.bench.metrics import repetition_share
@@ -1211,7 +1211,7 @@ def test_reply_lengths_reports_greedy_replies_their_end_and_repetition(stories26
     from conftest import run_script
 
     out = tmp_path / "lengths.json"
-    done = run_script("scripts/reply_lengths.py", "--model-path", str(stories260k), "--prompts",
+    done = run_script("scripts/lab/reply_lengths.py", "--model-path", str(stories260k), "--prompts",
                       str(bench_prompts(tmp_path)), "--num-prompts", "2", "--max-new-tokens", "40",
                       "--device", "cpu", "--output", str(out))
     assert done.returncode == 0, done.stderr

@@ -802,7 +802,7 @@ def test_speculators_converter_accepts_the_export(tmp_path, stories260k):
 
 
 def test_check_drafter_script_and_bench_smoke(tmp_path, monkeypatch):
-    """scripts/check_drafter.py on a valid and a broken folder; scripts/bench_train_step.py on a tiny shape."""
+    """scripts/check_drafter.py on a valid and a broken folder; scripts/lab/bench_train_step.py on a tiny shape."""
     import importlib.util
 
     from conftest import REPO, run_script
@@ -817,7 +817,7 @@ def test_check_drafter_script_and_bench_smoke(tmp_path, monkeypatch):
     done = run_script("scripts/check_drafter.py", str(tmp_path / "d"), "--data-dir", str(tmp_path / "hs"))
     assert done.returncode == 1 and "SGLang will capture" in done.stdout
 
-    spec = importlib.util.spec_from_file_location("bench_train_step", REPO / "scripts" / "bench_train_step.py")
+    spec = importlib.util.spec_from_file_location("bench_train_step", REPO / "scripts" / "lab" / "bench_train_step.py")
     bench = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(bench)
     monkeypatch.setenv("OUT", str(tmp_path / "out"))

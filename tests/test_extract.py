@@ -431,7 +431,7 @@ def test_refusals_before_any_load(stories_weightless, deepseek_dir, tmp_path):
 def test_bench_smoke_on_cpu(stories260k, tmp_path):
     out = tmp_path / "bench_out"
     out.mkdir()
-    proc = run_script("scripts/bench_extraction.py", "--device", "cpu", "--model-path", str(stories260k),
+    proc = run_script("scripts/lab/bench_extraction.py", "--device", "cpu", "--model-path", str(stories260k),
                       "--batch-size", "4", "--seq-len", "64", "--num-batches", "3", "--warmup-batches", "1",
                       "--num-workers", "2", "--disk-test-mb", "16", "--output-dir", str(tmp_path / "scratch"),
                       timeout=120, env={"OUT": str(out), **ONE_THREAD})
@@ -450,7 +450,7 @@ def test_bench_measures_the_storage_format_it_is_given(stories260k, tmp_path):
     """FP8 aux + top-k targets through the benchmark: the files and bytes of that format, not bf16's."""
     out = tmp_path / "bench_out"
     out.mkdir()
-    proc = run_script("scripts/bench_extraction.py", "--device", "cpu", "--model-path", str(stories260k),
+    proc = run_script("scripts/lab/bench_extraction.py", "--device", "cpu", "--model-path", str(stories260k),
                       "--batch-size", "4", "--seq-len", "64", "--num-batches", "2", "--warmup-batches", "1",
                       "--num-workers", "2", "--disk-test-mb", "8", "--naive-batches", "0",
                       "--aux-dtype", "float8_e4m3", "--targets", "topk", "--target-topk", "8",
@@ -470,7 +470,7 @@ def test_bench_builds_a_random_verifier_of_a_known_shape(tmp_path):
     machine without the checkpoint can measure it."""
     out = tmp_path / "bench_out"
     out.mkdir()
-    proc = run_script("scripts/bench_extraction.py", "--device", "cpu", "--random-shape", "smollm2",
+    proc = run_script("scripts/lab/bench_extraction.py", "--device", "cpu", "--random-shape", "smollm2",
                       "--batch-size", "2", "--seq-len", "32", "--num-batches", "1", "--warmup-batches", "0",
                       "--num-workers", "1", "--disk-test-mb", "4", "--naive-batches", "0",
                       "--output-dir", str(tmp_path / "scratch"), timeout=180, env={"OUT": str(out), **ONE_THREAD})

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 
@@ -48,6 +49,15 @@ def test_every_stage_uses_one_definition_per_flag():
             assert seen.setdefault(key, described) == described, key
             assert action.help == FLAGS[key].help_for(stage), (stage, key)
     assert set(seen) <= set(FLAGS)
+
+
+def test_flag_help_states_no_measured_figures():
+    """Help says what a flag does and where the docs are; measured figures (a percentage, a speed, a ratio) age and
+    belong in docs/results/, where each has its date and command."""
+    measured = re.compile(r"\d\s*%|\d(?:\.\d+)?x (?:faster|slower|the)|tok(?:ens)?/s")
+    for flag in FLAGS.values():
+        for text in (flag.help, *(help for _, help in flag.stage_help)):
+            assert not measured.search(text), f"{flag.name}'s help quotes a measurement: move it to docs/results/"
 
 
 def test_misspelled_flag_exits_2_with_suggestion(capsys):

@@ -1,4 +1,4 @@
-"""scripts/gpu_checks.sh on a CPU at a tiny size: stage 04's profile of the real loop and the lossless checks
+"""scripts/lab/gpu_checks.sh on a CPU at a tiny size: stage 04's profile of the real loop and the lossless checks
 (chain and tree, float32 and float64, decoded in worker processes) on a stories260K run and drafter; the
 regeneration phase is bench_regenerate.py's own test (tests/test_bench_regenerate.py)."""
 from __future__ import annotations
@@ -11,6 +11,8 @@ import sys
 from conftest import REPO
 from test_benchmark import write_jsonl
 from test_train import _load_module, build_run, train_argv
+
+GPU_CHECKS = REPO / "scripts" / "lab" / "gpu_checks.sh"
 
 
 def test_checks_profile_the_loop_and_find_every_turn_lossless(tmp_path, stories260k):
@@ -25,7 +27,7 @@ def test_checks_profile_the_loop_and_find_every_turn_lossless(tmp_path, stories2
     out = tmp_path / "checks"
     env = {**os.environ, "PHASES": "profile lossless", "DECODE_WORKERS": "2", "PROFILE_STEPS": "2",
            "OMP_NUM_THREADS": "1", "PYTHON": sys.executable}
-    done = subprocess.run(["bash", str(REPO / "scripts" / "gpu_checks.sh"), str(stories260k), str(data), str(run),
+    done = subprocess.run(["bash", str(GPU_CHECKS), str(stories260k), str(data), str(run),
                            str(run / "checkpoints" / "best"), str(out)], cwd=REPO, env=env, capture_output=True,
                           text=True, timeout=1200)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
@@ -48,7 +50,7 @@ def test_checks_profile_the_loop_and_find_every_turn_lossless(tmp_path, stories2
                                                                        "04_train.config.json"})
 
     # A drafter that never comes: the lossless phase gives up after WAIT_S and says so.
-    again = subprocess.run(["bash", str(REPO / "scripts" / "gpu_checks.sh"), str(stories260k), str(data), str(run),
+    again = subprocess.run(["bash", str(GPU_CHECKS), str(stories260k), str(data), str(run),
                             str(tmp_path / "missing"), str(tmp_path / "again")], cwd=REPO,
                            env={**env, "PHASES": "lossless", "WAIT_S": "0"}, capture_output=True, text=True,
                            timeout=600)

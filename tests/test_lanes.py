@@ -1,4 +1,4 @@
-"""Lanes (common/lab, scripts/run_lanes.py): every lane the shell scripts knew keeps its meaning, names are composed
+"""Lanes (common/lab, scripts/lab/run_lanes.py): every lane the shell scripts knew keeps its meaning, names are composed
 by one grammar, and the lanes command runs lanes over a base run, records each in lane.json and skips finished ones.
 
 The grammar tests take milliseconds. The expected flags below are what scripts/recipe_lanes.sh and the case lists
@@ -20,6 +20,8 @@ from common.cli.errors import UsageError
 from common.lab.argv import last_value, merged
 from common.lab.lanes import EXTRACT, PREPARE, SPECFORGE, TRAIN, Base, Knobs, lane_named
 from conftest import REPO, STORIES260K, TWO_TURN_PROMPTS
+
+LAB = REPO / "scripts" / "lab"  # the lab's commands
 
 BASE_RUN = Path("/runs/q")
 HELDOUT = str(BASE_RUN / "data" / "eval_data.jsonl")
@@ -175,7 +177,7 @@ def test_a_data_part_comes_first_and_specforge_alone():
 
 def run_lanes(*args: str, timeout: float = 300) -> subprocess.CompletedProcess:
     env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
-    return subprocess.run([sys.executable, str(REPO / "scripts" / "run_lanes.py"), *args], capture_output=True,
+    return subprocess.run([sys.executable, str(LAB / "run_lanes.py"), *args], capture_output=True,
                           text=True, timeout=timeout, cwd=str(REPO), env=env)
 
 
@@ -212,13 +214,13 @@ def test_two_lanes_run_over_a_tiny_base_record_lane_json_and_are_skipped_the_sec
     assert "=== " not in again.stdout  # no step ran
     assert (base / "lanes" / "default" / "checkpoints" / "manifest.json").stat().st_mtime_ns == trained_at
 
-    table = subprocess.run([sys.executable, str(REPO / "scripts" / "quality_table.py"), str(base)],
+    table = subprocess.run([sys.executable, str(LAB / "quality_table.py"), str(base)],
                            capture_output=True, text=True, cwd=str(REPO))
     assert table.returncode == 0, table.stderr
     for name in ("default", "lr3_steps2"):
         assert f"| {name}_heldout | " in table.stdout and f"| {name}_eval | " in table.stdout
     # storage_formats_table.py finds each lane's hidden states and drafter through its lane.json
-    formats = subprocess.run([sys.executable, str(REPO / "scripts" / "storage_formats_table.py"), str(tmp_path / "out"),
+    formats = subprocess.run([sys.executable, str(LAB / "storage_formats_table.py"), str(tmp_path / "out"),
                               str(base / "lanes" / "default"), str(base / "lanes" / "lr3_steps2")],
                              capture_output=True, text=True, cwd=str(REPO))
     assert formats.returncode == 0, formats.stderr
@@ -236,9 +238,9 @@ SHELLS = ("cpu_recipe_levers.sh", "gpu_drafter_quality.sh", "gpu_storage_formats
 
 @pytest.mark.parametrize("script", SHELLS)
 def test_the_lab_shell_scripts_parse(script):
-    done = subprocess.run(["bash", "-n", str(REPO / "scripts" / script)], capture_output=True, text=True)
+    done = subprocess.run(["bash", "-n", str(LAB / script)], capture_output=True, text=True)
     assert done.returncode == 0, done.stderr
-    assert "recipe_lanes" not in (REPO / "scripts" / script).read_text()  # the lanes' meanings live in Python now
+    assert "recipe_lanes" not in (LAB / script).read_text()  # the lanes' meanings live in Python now
 
 
 def dry_run(tmp_path: Path, script: str, *args: str, **env: str) -> dict[str, dict[str, list[str]]]:
@@ -250,7 +252,7 @@ def dry_run(tmp_path: Path, script: str, *args: str, **env: str) -> dict[str, di
     (bin_dir / "python3").chmod(0o755)
     full_env = {**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}", "PYTHON": sys.executable, "DRY_RUN": "1",
                 **env}
-    done = subprocess.run(["bash", str(REPO / "scripts" / script), *args], capture_output=True, text=True,
+    done = subprocess.run(["bash", str(LAB / script), *args], capture_output=True, text=True,
                           env=full_env, timeout=60)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     plans: dict[str, dict[str, list[str]]] = {}
@@ -287,7 +289,7 @@ def test_cpu_recipe_levers_default_lanes_dry_run(tmp_path):
             ["1", "60", "128", "float32"]
         if name != "specforge":
             assert values_of(plans[name]["04_train"]) == {**base, **RECIPE[name]}, name
-    specforge = plans["specforge"]["scripts/train_specforge_recipe"]
+    specforge = plans["specforge"]["scripts/lab/train_specforge_recipe"]
     assert last_value(specforge, "--lr") == "1e-4"  # SpecForge's own
     default = tmp_path / "run" / "lanes" / "default"
     assert specforge[specforge.index("--checkpoints-dir") + 1] == str(default / "checkpoints")

@@ -5,6 +5,8 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
+import pytest
+
 from common.cli.flags import FLAGS, STAGE_FLAGS
 
 REPO = Path(__file__).resolve().parents[1]
@@ -40,6 +42,27 @@ def test_readme_layout_lists_every_library_module_and_nothing_else():
     listed = listed_modules()
     assert sorted(on_disk - listed) == [], "modules missing from the README's Layout section"
     assert sorted(listed - on_disk) == [], "the README's Layout section names modules that do not exist"
+
+
+def listed_scripts(folder: str) -> set[str]:
+    """The script names on the Layout lines of one scripts folder ("scripts/" or "scripts/lab/"): its first line
+    and the indented lines under it."""
+    names, inside = set(), False
+    for line in layout_block().splitlines():
+        if line[:1].strip():  # a top-level path starts a new entry
+            inside = line.split()[0] == folder
+        if inside:
+            names.update(re.findall(r"\b\w+\.(?:py|sh)\b", line))
+    return names
+
+
+@pytest.mark.parametrize("folder", ["scripts/", "scripts/lab/"])
+def test_readme_layout_lists_every_script_in_its_folder(folder):
+    """scripts/ holds the user's tools and scripts/lab/ the lab: each listed under its own folder, none elsewhere."""
+    on_disk = {p.name for p in (REPO / folder).iterdir() if p.suffix in (".py", ".sh")}
+    listed = listed_scripts(folder)
+    assert sorted(on_disk - listed) == [], f"scripts in {folder} missing from its line in the README's Layout section"
+    assert sorted(listed - on_disk) == [], f"the README's Layout line for {folder} names scripts not there"
 
 
 def test_every_top_level_path_in_the_layout_exists():

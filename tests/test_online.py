@@ -271,10 +271,11 @@ def test_smollm2_online_trains_as_offline(smollm2, sharegpt_path, stage02, stage
 
 @pytest.mark.slow
 def test_bench_scaling_times_online_against_offline_on_the_same_batches(tmp_path):
-    """scripts/bench_scaling.py --online (the GPU benchmark of the online source), run small on the CPU: both
+    """scripts/lab/bench_scaling.py --online (the GPU benchmark of the online source), run small on the CPU: both
     stage 04 runs train the same batches to the same loss, and the ratio is reported per process count."""
-    done = run_script("scripts/bench_scaling.py", "--device", "cpu", "--random-llama", "tiny", "--num-samples", "24",
-                      "--min-len", "32", "--max-len", "96", "--max-tokens-per-batch", "512", "--gpus", "1", "--online",
+    done = run_script("scripts/lab/bench_scaling.py", "--device", "cpu", "--random-llama", "tiny",
+                      "--num-samples", "24", "--min-len", "32", "--max-len", "96", "--max-tokens-per-batch", "512",
+                      "--gpus", "1", "--online",
                       "--ttt-steps", "2", "--draft-vocab-size", "256", "--work-dir", str(tmp_path / "work"),
                       env={"OUT": str(tmp_path / "out")})
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]

@@ -1,5 +1,5 @@
-"""scripts/cpu_recipe_levers.sh end to end at a tiny size: the real stages on stories260K and PyPI ShareGPT prompts,
-two lanes whose names are their changes (run by scripts/run_lanes.py into RUN/lanes/NAME), every benchmark, the
+"""scripts/lab/cpu_recipe_levers.sh end to end at a tiny size: the real stages on stories260K and PyPI ShareGPT prompts,
+two lanes whose names are their changes (run by scripts/lab/run_lanes.py into RUN/lanes/NAME), every benchmark, the
 table; a rerun skips finished lanes."""
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ from conftest import REPO
 def _run(run_dir, lanes: str) -> subprocess.CompletedProcess:
     env = {**os.environ, "PROMPTS": "60", "EPOCHS": "1", "LANES": lanes, "HELDOUT": "2", "NEW_TOKENS": "8",
            "PYTHON": sys.executable}
-    return subprocess.run(["bash", str(REPO / "scripts" / "cpu_recipe_levers.sh"), str(run_dir)], cwd=REPO, env=env,
+    return subprocess.run(["bash", str(REPO / "scripts/lab/cpu_recipe_levers.sh"), str(run_dir)], cwd=REPO, env=env,
                           capture_output=True, text=True, timeout=900)
 
 

@@ -442,7 +442,7 @@ def test_regeneration_resumes_after_a_kill_with_the_same_output(tmp_path, storie
 
 def use_triton_interpreter(monkeypatch):
     """EAGLE3_DECODE_ATTENTION=triton on this CPU: the kernel runs in Triton's interpreter (conftest.py sets
-    TRITON_INTERPRET; the GPU's compiled kernel is checked by scripts/bench_decode_attention.py); skips where
+    TRITON_INTERPRET; the GPU's compiled kernel is checked by scripts/lab/bench_decode_attention.py); skips where
     Triton is not installed."""
     pytest.importorskip("triton", reason="Triton is not installed (requirements-test.txt installs it)")
     monkeypatch.setenv("EAGLE3_DECODE_ATTENTION", "triton")

@@ -72,8 +72,8 @@ def test_the_checked_releases_are_the_ones_setup_env_provides():
     assert fetch.SOURCE_FOLDER == src.SOURCE_FOLDER and ".venv" in (REPO / ".gitignore").read_text().split()
     assert list(CHECKED_VERSIONS) == sorted(CHECKED_VERSIONS, key=lambda v: tuple(map(int, v.split("."))))
     # Any mention of an installable sglang in the repository names a checked release.
-    for path in [*REPO.glob("*.md"), *REPO.glob("*.txt"), *REPO.glob("docs/*.md"), *REPO.glob("scripts/*"),
-                 *REPO.glob("common/**/*.py"), *REPO.glob("patches/*.py")]:
+    for path in [*REPO.glob("*.md"), *REPO.glob("*.txt"), *REPO.glob("docs/*.md"), *REPO.glob("scripts/*.*"),
+                 *REPO.glob("scripts/lab/*.*"), *REPO.glob("common/**/*.py"), *REPO.glob("patches/*.py")]:
         for version in re.findall(r"sglang==([0-9][0-9A-Za-z.]*)", path.read_text()):
             assert version in CHECKED_VERSIONS, f"{path} names sglang=={version}"
 

@@ -1,4 +1,4 @@
-"""SpecForge 0.2.0's training recipe on our data (scripts/train_specforge_recipe.py), on CPU with stories260K.
+"""SpecForge 0.2.0's training recipe on our data (scripts/lab/train_specforge_recipe.py), on CPU with stories260K.
 
 A real run directory (stages 01-03 as in test_train.py, plus a one-epoch stage 04 whose settings and validation
 split the recipe takes over) is trained a few steps with SpecForge's own drafter, loss, optimizer and trainer
@@ -28,7 +28,8 @@ STEPS = 6
 
 
 def _script():
-    spec = importlib.util.spec_from_file_location("train_specforge_recipe", REPO / "scripts" / "train_specforge_recipe.py")
+    spec = importlib.util.spec_from_file_location("train_specforge_recipe",
+                                                  REPO / "scripts" / "lab" / "train_specforge_recipe.py")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
@@ -161,12 +162,12 @@ def split_ids(run_dir: Path) -> list[str]:
 
 
 def test_compare_recipes_prints_the_side_by_side_table(run_dir, trained, stories260k, tmp_path):
-    """scripts/compare_recipes.py's bench and table parts on the trained run (the train part is the fixture)."""
+    """scripts/lab/compare_recipes.py's bench and table parts on the trained run (the train part is the fixture)."""
     from test_benchmark import bench_prompts
 
     prompts = bench_prompts(tmp_path)
     out = tmp_path / "compare"
-    done = run_script("scripts/compare_recipes.py", "--run-dir", str(run_dir), "--model-path", str(stories260k),
+    done = run_script("scripts/lab/compare_recipes.py", "--run-dir", str(run_dir), "--model-path", str(stories260k),
                       "--mt-bench", str(prompts), "--heldout", str(prompts), "--output-dir", str(out), "--parts",
                       "bench", "table", "--device", "cpu", "--dtype", "float32", "--max-new-tokens", "8",
                       "--num-prompts", "2", "--jobs", "2", "--decode-workers", "2", env=ONE_THREAD)
@@ -213,15 +214,16 @@ def test_compare_recipes_prints_the_side_by_side_table(run_dir, trained, stories
     assert report["validation_sim_accept_len"]["specforge"] == evals["specforge"]["metrics"]["sim_accept_len"]
     assert "| validation split, teacher-forced" in table
 
-    # scripts/quality_table.py tabulates the same reports, found through a lane.json per drafter that names each
-    # set's folder (as scripts/run_lanes.py writes it): a row each, with the prompts used, and the teacher-forced scores.
+    # scripts/lab/quality_table.py tabulates the same reports, found through a lane.json per drafter that names each
+    # set's folder (as scripts/lab/run_lanes.py writes it): a row each, with the prompts used, and the teacher-forced
+    # scores.
     run = tmp_path / "tabulated"
     for lane in ("ours", "specforge"):
         steps = [{"name": f"bench_{folder.name.removeprefix(lane + '_')}", "output_dir": str(folder),
                   "benchmark": folder.name.removeprefix(lane + "_")}
                  for folder in sorted(out.glob(f"{lane}_*")) if folder.is_dir()]
         write_json_atomic(run / lane / "lane.json", {"lane": {"name": lane}, "steps": steps})
-    done = run_script("scripts/quality_table.py", str(run))
+    done = run_script("scripts/lab/quality_table.py", str(run))
     assert done.returncode == 0, done.stderr[-3000:]
     rows = [line for line in done.stdout.splitlines() if line.startswith("| ours_") or line.startswith("| specforge_")]
     tau_rows = [row for row in rows if "chain (num_steps 3)" in row]
@@ -236,11 +238,11 @@ def test_compare_recipes_prints_the_side_by_side_table(run_dir, trained, stories
     shutil.copytree(run_dir / "checkpoints", other)
     manifest = json.loads((other / "manifest.json").read_text())
     (other / "manifest.json").write_text(json.dumps({**manifest, "wall_time_s": 2 * manifest["wall_time_s"]}))
-    done = run_script("scripts/compare_recipes.py", "--run-dir", str(run_dir), "--model-path", str(stories260k),
+    done = run_script("scripts/lab/compare_recipes.py", "--run-dir", str(run_dir), "--model-path", str(stories260k),
                       "--ours", str(other), "--output-dir", str(out), "--parts", "table", env=ONE_THREAD)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     assert json.loads((out / "compare.json").read_text())["training"]["ours_s"] == 2 * manifest["wall_time_s"]
-    missing = run_script("scripts/compare_recipes.py", "--run-dir", str(run_dir), "--model-path", str(stories260k),
+    missing = run_script("scripts/lab/compare_recipes.py", "--run-dir", str(run_dir), "--model-path", str(stories260k),
                          "--ours", str(tmp_path / "nowhere"), "--mt-bench", str(prompts), "--parts", "bench")
     assert missing.returncode == 2 and f"our drafter (stage 04) not found at {tmp_path / 'nowhere'}" in missing.stderr
 

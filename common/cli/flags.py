@@ -314,7 +314,7 @@ _ALL_FLAGS: list[Flag] = [
     Flag("--resume", "Continue the run in --output-dir from its latest checkpoint.", type=None, action="store_true"),
     Flag("--fp8", "Run the drafter's GEMMs (forward and backward) on FP8 tensor cores, per-tensor scales; weights "
          "and optimizer keep their dtype. Faster steps for wide drafters, slower for small ones (docs/model.md; "
-         "scripts/bench_train_step.py --fp8 measures it). Needs compute capability 8.9+ (Ada, Hopper, Blackwell).",
+         "measured speeds: docs/results/throughput.md). Needs compute capability 8.9+ (Ada, Hopper, Blackwell).",
          type=None, action="store_true"),
     Flag("--fsdp", "Under torchrun: shard the drafter's parameters, gradients and optimizer state over the ranks "
          "(FSDP2) instead of replicating them (DDP); for drafters whose optimizer state does not fit one GPU.",

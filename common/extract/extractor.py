@@ -79,7 +79,7 @@ class Extractor:
 
     Create it BEFORE loading the model: it forks the writer processes, which should not inherit a CUDA
     context or a model. `num_workers` = 0 writes in the calling thread (no overlap; simplest to debug).
-    The stage and scripts/bench_extraction.py both call `run`, so the benchmark measures this code.
+    The stage and scripts/lab/bench_extraction.py both call `run`, so the benchmark measures this code.
     """
 
     def __init__(self, output_dir: str | os.PathLike, samples: Sequence[Sample], batches: Sequence[list[int]],

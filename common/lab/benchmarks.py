@@ -39,7 +39,7 @@ BENCHMARKS = {b.name: b for b in (
 
 @dataclass(frozen=True)
 class BenchSettings:
-    """What the benchmarks' flags refer to (scripts/run_lanes.py's flags of the same names)."""
+    """What the benchmarks' flags refer to (scripts/lab/run_lanes.py's flags of the same names)."""
     mt_bench: str | None = None  # MT-bench's questions (mt_bench.jsonl)
     heldout_prompts: str | None = None  # default: the base run's data/eval_data.jsonl
     heldout: int = 60  # held-out prompts decoded

@@ -21,15 +21,15 @@ from common.lab.benchmarks import BENCHMARKS
 
 PREPARE, EXTRACT, VOCAB = "01_prepare_data", "02_extract_hidden_states", "03_build_vocab_mapping"
 TRAIN, BENCH = "04_train", "05_benchmark"
-SPECFORGE = "scripts/train_specforge_recipe"  # SpecForge's own recipe: the specforge lane's trainer
+SPECFORGE = "scripts/lab/train_specforge_recipe"  # SpecForge's own recipe: the specforge lane's trainer
 JOIN = "_"
-# Names spelled with "_" inside one part before the grammar existed (scripts/gpu_storage_formats.sh's variants).
+# Names spelled with "_" inside one part before the grammar existed (scripts/lab/gpu_storage_formats.sh's variants).
 ALIASES = {"bf16_final": "bf16final", "fp8_final": "fp8final", "bf16_topk": "bf16topk", "fp8_topk": "fp8topk"}
 
 
 @dataclass(frozen=True)
 class Knobs:
-    """Values a part's meaning refers to that are not flags of the base run (scripts/run_lanes.py's flags)."""
+    """Values a part's meaning refers to that are not flags of the base run (scripts/lab/run_lanes.py's flags)."""
     lever_step_tokens: int = 2048  # the steps lane's tokens a step
     format_step_tokens: int = 16384  # the storage-format lanes' tokens a step
     data_samples: int = 17000  # prompts of the data and all lanes
@@ -85,7 +85,7 @@ DATA_PARTS = (
 )
 RECIPE_PARTS = (
     Part("default", "the base recipe, unchanged"),
-    Part("specforge", "SpecForge 0.2.0's own recipe (scripts/train_specforge_recipe.py), alone, after default"),
+    Part("specforge", "SpecForge 0.2.0's own recipe (scripts/lab/train_specforge_recipe.py), alone, after default"),
     Part("steps", "--lever-step-tokens tokens a step"),
     Part("lrX", "X times the base's --lr (lr3, lr0.5)"),
     Part("stepsX", "the base's --max-tokens-per-batch / X: X times the optimizer steps"),

@@ -34,7 +34,7 @@ def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
 
 # Elementwise islands of a TTT step, each one fused kernel each way when compiled (CUDA; autograd through
 # torch.compile). A candidate, on only with EAGLE3_FUSE_ELEMENTWISE=1 until it is measured against the
-# eager ops on a GPU (scripts/bench_train_step.py --fuse-elementwise); the maths is the same either way.
+# eager ops on a GPU (scripts/lab/bench_train_step.py --fuse-elementwise); the maths is the same either way.
 
 def _attention_input(emb: Tensor, w_in: Tensor, hidden: Tensor, w_hidden: Tensor, eps: float) -> Tensor:
     """cat(emb * input_layernorm.weight, hidden_norm(hidden)); emb is already normalised."""

@@ -217,7 +217,7 @@ def fp8_available(device: torch.device) -> bool:
 
 def fuse_elementwise() -> bool:
     """EAGLE3_FUSE_ELEMENTWISE=1: compile the TTT step's elementwise islands (a candidate until measured on a GPU
-    against the eager ops with scripts/bench_train_step.py --fuse-elementwise; the maths is the same either way)."""
+    against the eager ops with scripts/lab/bench_train_step.py --fuse-elementwise; the maths is the same either way)."""
     return os.environ.get("EAGLE3_FUSE_ELEMENTWISE", "0") == "1"
 
 

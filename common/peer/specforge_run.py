@@ -1,6 +1,6 @@
 """One SpecForge-recipe training run on a run directory of ours: the settings taken from our stage-04 run,
 the same training samples, the loop over epochs (one sequence per step, as SpecForge trains), the export to
-our checkpoint format and the results file. scripts/train_specforge_recipe.py is its command line."""
+our checkpoint format and the results file. scripts/lab/train_specforge_recipe.py is its command line."""
 from __future__ import annotations
 
 import time
@@ -194,7 +194,7 @@ def drafter_config_for(plan: RunPlan, checkpoints_dir: Path, info):
 
 
 def run_recipe(args, log):
-    """scripts/train_specforge_recipe.py's work: plan, train, export, results. Returns (recipe, results)."""
+    """scripts/lab/train_specforge_recipe.py's work: plan, train, export, results. Returns (recipe, results)."""
     import sys
 
     from common.peer import specforge, specforge_export
@@ -247,7 +247,7 @@ def run_recipe(args, log):
     write_json_lines(output_dir / "metrics.jsonl", history)
     notes = specforge_export.export_specforge_drafter(
         state, cfg, best,
-        extra={"trained_by": f"SpecForge {SPECFORGE_VERSION} recipe (scripts/train_specforge_recipe.py)"},
+        extra={"trained_by": f"SpecForge {SPECFORGE_VERSION} recipe (scripts/lab/train_specforge_recipe.py)"},
         data_manifest=plan.data_manifest, verifier_info=info)
     for note in notes:
         log.warning("checkpoint check: %s", note)

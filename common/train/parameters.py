@@ -10,7 +10,7 @@ def compute_dtype_for(device: str, dtype: str) -> str:
 
     Training computes in the parameters' dtype rather than under torch.autocast: common.model.drafter is built
     that way (its compute dtype is fc.weight.dtype; embeddings, RoPE tables and hidden states are cast to
-    it), and scripts/bench_train_step.py times exactly that configuration. bf16 parameters are paired with
+    it), and scripts/lab/bench_train_step.py times exactly that configuration. bf16 parameters are paired with
     fp32 master weights and fp32 moments in the optimizer (DrafterAdamW), so the update has autocast's
     precision. evaluate() still takes an autocast dtype for inference callers with float32 weights.
     """

@@ -1,6 +1,6 @@
 """--profile-steps N: where stage 04's optimizer steps spend their time, from inside the real training loop.
 
-scripts/bench_train_step.py times the step alone on synthetic inputs already on the device. A real run adds the
+scripts/lab/bench_train_step.py times the step alone on synthetic inputs already on the device. A real run adds the
 data loader, host-to-device copies, metrics and progress; on a small drafter the loop measured about three times
 the benchmark's step time (SmolLM2 on an H200, 2026-12-02), so the gap is looked for here. torch.profiler runs
 over N steps after a warm-up; the tables (by operation: device time first, then host time) go to

@@ -27,7 +27,7 @@ from common.figures import TTT_ESTIMATE, WALKED_CHAIN_TAU
 from common.model.layer_init import init_layer_from_verifier
 from common.verifier.loading import read_embedding_tensors, read_layer_tensors
 
-OFFLOAD_EMBEDDING_BYTES = 1 << 28  # as scripts/bench_train_step.py's "auto": embeddings of 256 MB and more
+OFFLOAD_EMBEDDING_BYTES = 1 << 28  # as scripts/lab/bench_train_step.py's "auto": embeddings of 256 MB and more
 
 
 def build_drafter(args, inputs: Inputs, tensors: dict, device: str, dtype, log):

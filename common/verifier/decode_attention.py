@@ -10,7 +10,7 @@ Prefill (several query tokens) and models without grouped heads use transformers
 
 The folded step then runs as two batched matmuls around a float32 softmax (matmul_attention): SDPA's
 memory-efficient kernel ran it about 5x slower than one read of the cache, the matmuls 1.2-1.7x faster than
-that kernel (scripts/bench_decode_attention.py), and stage 01's loop engine 1.37x faster end to end on an H200
+that kernel (scripts/lab/bench_decode_attention.py), and stage 01's loop engine 1.37x faster end to end on an H200
 (266.3 against 194.9 conversations/s, docs/results/2026-12-02-h200-turns2-matmul.md). The scores are rounded
 to the model's dtype before the softmax, as in transformers' eager attention.
 

@@ -7,7 +7,7 @@ once, in one pass with an online softmax (one program per sequence and K/V head,
 padded to 16 rows for tensor-core dots), and loads nothing at the positions the mask hides: the left padding
 and the cache's unwritten tail. The mask is a device tensor, so one compiled step with its CUDA graphs serves
 every step of a batch. On an H200 at SmolLM2's heads and 1024 x 384 it took 2.2 ms a step against 4.4 for
-the matmuls, with OPTIONS, the fastest of `scripts/bench_decode_attention.py --triton-sweep` (with a branch
+the matmuls, with OPTIONS, the fastest of `scripts/lab/bench_decode_attention.py --triton-sweep` (with a branch
 around each block's loads instead, the best at blocks of 128 took 2.47 ms).
 
 Rounding follows matmul_attention: scores rounded to the inputs' dtype before a float32 softmax, the
@@ -32,7 +32,7 @@ except ImportError:
 
 # Query heads of one K/V head are padded to this many rows: tensor-core dots take at least 16.
 QUERY_ROWS = 16
-# The kernel's options (scripts/bench_decode_attention.py --triton-sweep times others): K/V positions a program
+# The kernel's options (scripts/lab/bench_decode_attention.py --triton-sweep times others): K/V positions a program
 # reads per iteration; whether a block the mask hides entirely is skipped by a branch (else its loads are only
 # masked off); Triton's num_warps and num_stages (None: Triton's default).
 OPTIONS = {"block": 128, "skip": False, "num_warps": 4, "num_stages": 2}

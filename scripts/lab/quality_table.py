@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""One Markdown table of every stage-05 report of every lane (scripts/run_lanes.py's, as gpu_drafter_quality.sh and
+"""One Markdown table of every stage-05 report of every lane (scripts/lab/run_lanes.py's, as gpu_drafter_quality.sh and
 cpu_recipe_levers.sh run them), found through each lane's lane.json: the lane's name and its benchmarks' folders.
 
 A row per lane and benchmark (LANE_BENCHMARK): prompt set, prompts used, drafting setting, temperature, dtype, tau,
@@ -8,14 +8,14 @@ repetition, tau per output window (runs past 128 new tokens); then the teacher-f
 (--mode eval).
 Ours against SpecForge's recipe is compare_recipes.py's table, which gpu_drafter_quality.sh appends.
 
-  python3 scripts/quality_table.py DIR...   (a lane's folder, a folder of lanes, or a base run with lanes/)
+  python3 scripts/lab/quality_table.py DIR...   (a lane's folder, a folder of lanes, or a base run with lanes/)
 """
 from __future__ import annotations
 
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from common.bench.report import fmt as report_fmt, read_reports, window_name  # noqa: E402
 from common.formats.files import read_json  # noqa: E402

@@ -19,10 +19,10 @@ MFU = model FLOPs / (step time * 989e12), model FLOPs counted as the peer benchm
 numbers compare directly; mfu_fc_once removes the fc over-count (fc runs once per step, not per TTT step).
 
 Usage (H200):
-  python scripts/bench_train_step.py --device cuda --shapes smollm2,llama8b,kimi --seq-lens 2048,8192
-  python scripts/bench_train_step.py --device cuda --shapes kimi --seq-lens 2048 --optimizer sr
+  python scripts/lab/bench_train_step.py --device cuda --shapes smollm2,llama8b,kimi --seq-lens 2048,8192
+  python scripts/lab/bench_train_step.py --device cuda --shapes kimi --seq-lens 2048 --optimizer sr
 CPU smoke test (numbers mean nothing; bf16 matmuls are very slow on most CPUs):
-  python scripts/bench_train_step.py --device cpu --dtype fp32 --shapes tiny --seq-lens 64 --steps 2 --warmup 1
+  python scripts/lab/bench_train_step.py --device cpu --dtype fp32 --shapes tiny --seq-lens 64 --steps 2 --warmup 1
 
 Each (shape, length) runs in its own subprocess, so an OOM or a crash is recorded and the next one starts
 clean. stdout carries only JSON lines; they are also appended to $OUT/bench_train_step.jsonl when OUT is set.
@@ -41,7 +41,7 @@ import time
 import traceback
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 

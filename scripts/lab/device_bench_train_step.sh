@@ -1,12 +1,12 @@
 #!/usr/bin/env bash
 # Stage 04's training step against SpecForge 0.2.0's, side by side on one GPU machine.
 #
-#   scripts/device_bench_train_step.sh PEER_DIR [PART ...]
+#   scripts/lab/device_bench_train_step.sh PEER_DIR [PART ...]
 #     PEER_DIR  holds specforge-0.2.0-py3-none-any.whl and peer_specforge_train_bench.py (the peer benchmark,
 #               ../shared/tools/peer_specforge_train_bench.py), e.g. a carried folder
 #     PART      any of (default: ours peer), each under about 6 minutes, so that a session's 10-minute
 #               commands can take them one or two at a time on the same machine:
-#       ours     scripts/bench_train_step.py at SmolLM2, Llama-3.1-8B and Kimi shapes, S = 2048 and 8192, with
+#       ours     scripts/lab/bench_train_step.py at SmolLM2, Llama-3.1-8B and Kimi shapes, S = 2048 and 8192, with
 #                bf16 parameters and stochastic rounding (--optimizer sr): bf16 GEMMs, then --fp8
 #                -> $OUT/ours.jsonl, $OUT/ours_fp8.jsonl
 #       best     each of the issue's five points in its faster mode (bf16 GEMMs at SmolLM2 and Llama-8B S=2048,
@@ -17,14 +17,14 @@
 #                Llama-8B S=8192 with --fp8 -> $OUT/profile_*_{bf16,fp8}.txt
 #       peer     SpecForge's own trainer step with flex_attention (its default) -> $OUT/peer.jsonl
 #                (PEER_BUDGET_S bounds its sweep, default 420 s)
-# TTT 7, draft vocabulary 32000, batch 1 throughout. scripts/compare_train_step.py $OUT prints the table.
+# TTT 7, draft vocabulary 32000, batch 1 throughout. scripts/lab/compare_train_step.py $OUT prints the table.
 set -uo pipefail
-cd "$(dirname "$0")/.."
+cd "$(dirname "$0")/../.."
 PEER=$1; shift
 PARTS=${*:-ours peer}
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
-BENCH="python3 scripts/bench_train_step.py --device cuda --optimizer sr"
+BENCH="python3 scripts/lab/bench_train_step.py --device cuda --optimizer sr"
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
 for part in $PARTS; do
   case $part in

@@ -14,9 +14,9 @@ continuation, so every draft is accepted and tau = k+1: the loop's best case on 
 see whether the loop itself can reach the target speedup before a trained drafter exists.
 
 Usage (H200; the verifier as a dense HF folder, e.g. the SmolLM2 copy made per device_smollm2.md):
-  python scripts/bench_speculative.py --model-path /root/v/dense --device cuda --num-steps 3 --oracle
-  python scripts/bench_speculative.py --model-path /root/v/dense --device cuda --draft-model-path RUN/checkpoints/best
-CPU smoke test: python scripts/bench_speculative.py --model-path ../shared/models/stories260K --device cpu \\
+  python scripts/lab/bench_speculative.py --model-path /root/v/dense --device cuda --num-steps 3 --oracle
+  python scripts/lab/bench_speculative.py --model-path /root/v/dense --device cuda --draft-model-path RUN/checkpoints/best
+CPU smoke test: python scripts/lab/bench_speculative.py --model-path ../shared/models/stories260K --device cpu \\
   --dtype float32 --max-new-tokens 32 --oracle
 Where a GPU loop loses its time: --cprofile (host time by function), --sync-debug (every operation that makes
 the host wait for the GPU, by source line). --random-weights builds the verifier from the folder's config.json
@@ -34,7 +34,7 @@ import sys
 import time
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 

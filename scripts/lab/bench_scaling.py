@@ -12,10 +12,10 @@ in --gpus (default 1,2):
             stage 04 --online (each rank runs its own verifier on its batches) on the same prepared data, and
             its tokens/s against the offline run's of the same G (the same batches), with both peak memories.
 
-    python scripts/bench_scaling.py --random-llama 8b                     # 2 GPUs: 8B-shaped random verifier
-    python scripts/bench_scaling.py --model-path /models/Llama-3.1-8B-Instruct --gpus 1,2,4
-    python scripts/bench_scaling.py --random-llama 8b --gpus 1 --online --ttt-steps 3   # online against offline
-    python scripts/bench_scaling.py --device cpu --random-llama tiny --num-samples 24 \\
+    python scripts/lab/bench_scaling.py --random-llama 8b                     # 2 GPUs: 8B-shaped random verifier
+    python scripts/lab/bench_scaling.py --model-path /models/Llama-3.1-8B-Instruct --gpus 1,2,4
+    python scripts/lab/bench_scaling.py --random-llama 8b --gpus 1 --online --ttt-steps 3   # online against offline
+    python scripts/lab/bench_scaling.py --device cpu --random-llama tiny --num-samples 24 \\
         --min-len 32 --max-len 96 --max-tokens-per-batch 512      # CPU smoke run (gloo, 2 processes)
 
 The random verifier is written once into --work-dir (weights drawn on the device, saved as safetensors;
@@ -35,7 +35,7 @@ import tempfile
 import time
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
 
 SHAPES = {  # Llama shapes for --random-llama (vocabulary and widths as the real models)

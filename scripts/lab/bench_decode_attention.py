@@ -31,7 +31,7 @@ Each is timed with CUDA events over --iters calls, after a warm-up, under common
 (as the engine runs), and checked against `repeat` (max abs difference). The lower bound printed beside them is
 one read of K and V at --bandwidth GB/s.
 
-  python scripts/bench_decode_attention.py [--shapes 1024x384,624x512,180x1280] [--heads 9 --kv-heads 3 --head-dim 64]
+  python scripts/lab/bench_decode_attention.py [--shapes 1024x384,624x512,180x1280] [--heads 9 --kv-heads 3 --head-dim 64]
 
 The defaults are SmolLM2-135M's heads and the batch shapes (rows x cache width) of bench_regenerate's warm
 loop call on 2026-12-02; --heads 32 --kv-heads 8 --head-dim 128 is Llama-3.1-8B's.
@@ -47,7 +47,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from common.model.kernels import sdpa_without_cudnn  # noqa: E402
 from common.verifier.decode_attention import folded_decode_attention  # noqa: E402
 

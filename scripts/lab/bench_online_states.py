@@ -11,8 +11,8 @@ at most --max-tokens-per-batch padded tokens, lengths rounded up to --pad-to), s
 each after --warmup batches, with a device sync after every batch, as ms per batch and tokens/s. With
 --profile the states part also runs under torch.profiler and its top operations by host time are printed.
 
-    python scripts/bench_online_states.py --model-path /models/SmolLM2-135M-Instruct --device cuda
-    python scripts/bench_online_states.py --model-path tests/assets/stories260K --device cpu --batches 4
+    python scripts/lab/bench_online_states.py --model-path /models/SmolLM2-135M-Instruct --device cuda
+    python scripts/lab/bench_online_states.py --model-path tests/assets/stories260K --device cpu --batches 4
 """
 from __future__ import annotations
 
@@ -22,7 +22,7 @@ import sys
 import time
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
 
 import torch  # noqa: E402

@@ -2,7 +2,7 @@
 """Train a drafter with SpecForge 0.2.0's own offline EAGLE-3 recipe on a run directory of ours, and export it
 where stage 05 benchmarks it.
 
-  python scripts/train_specforge_recipe.py --run-dir RUN_DIR [--model-path VERIFIER] [--output-dir DIR]
+  python scripts/lab/train_specforge_recipe.py --run-dir RUN_DIR [--model-path VERIFIER] [--output-dir DIR]
 
 RUN_DIR needs stages 02 (hidden_states/) and 03 (vocab/); with our stage 04 run (checkpoints/) its epochs, lr,
 seed, max_seq_len (SpecForge's max_length) and TTT steps are used, and its validation ids are left out, so both
@@ -25,7 +25,7 @@ import argparse
 import sys
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 

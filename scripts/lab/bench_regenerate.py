@@ -34,7 +34,7 @@ keeps what it measured) and prints the ratios. On one H200 with the defaults, be
 float32 check); part 2's generate took 63 s, and its static engine was still compiling 3 minutes later
 when the run was stopped, so budget 6 minutes or more for part 2, or leave it out (--llama-prompts 0):
 
-  python scripts/bench_regenerate.py --model-path /path/smollm2-dense --data sharegpt.jsonl --out results/
+  python scripts/lab/bench_regenerate.py --model-path /path/smollm2-dense --data sharegpt.jsonl --out results/
 """
 from __future__ import annotations
 
@@ -47,7 +47,7 @@ import sys
 import time
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 

@@ -1,8 +1,8 @@
 #!/usr/bin/env python3
 """Side-by-side table of stage 04's training step against SpecForge's, from one device session's results.
 
-    python3 scripts/compare_train_step.py DIR
-DIR holds what scripts/device_bench_train_step.sh wrote: peer.jsonl (SpecForge 0.2.0) and any of ours.jsonl
+    python3 scripts/lab/compare_train_step.py DIR
+DIR holds what scripts/lab/device_bench_train_step.sh wrote: peer.jsonl (SpecForge 0.2.0) and any of ours.jsonl
 (bf16 GEMMs), ours_fp8.jsonl (--fp8), ours_best.jsonl (each point in its faster mode), ours_fused.jsonl and
 ours_fused_fp8.jsonl (--fuse-elementwise). Prints a Markdown table: tokens/s and peak GiB of each, speed and
 memory ratios against the peer, and whether the target (>= 1.3x the peer's tokens/s at <= 0.7x its peak

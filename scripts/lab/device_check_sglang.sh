@@ -1,12 +1,12 @@
 #!/usr/bin/env bash
 # Stage 02's SGLang backend against its hf backend on a real SGLang (scripts/check_sglang_capture.py: the same
 # random-token samples through both, every stored file compared by cosine), on small random verifiers written by
-# scripts/make_random_verifier.py: a Llama (SGLang's LlamaModel) and a DeepSeek-V3 (MLA and MoE, Kimi-K2.5's text
+# scripts/lab/make_random_verifier.py: a Llama (SGLang's LlamaModel) and a DeepSeek-V3 (MLA and MoE, Kimi-K2.5's text
 # model, through SGLang's DeepseekV2Model), or on any Hugging Face folder given as a part. The dsv3 part is judged
 # with --reference float32 (each bf16 run against a float32 hf run: an MoE's bf16 noise flips expert choices, see
 # the check's docstring); the others by cosine > 0.999 between the two backends.
 #
-#   scripts/device_check_sglang.sh TOKENIZER_DIR [PART ...]
+#   scripts/lab/device_check_sglang.sh TOKENIZER_DIR [PART ...]
 #     TOKENIZER_DIR  a folder whose tokenizer files the random verifiers copy (e.g. SmolLM2-135M-Instruct's)
 #     PART           llama, dsv3 (random verifiers; default: both) or the path of a model folder
 # Environment: OUT, WORK, MEM (below). SGLang's site folder (../shared/tools/sglang_device.md: /tmp/site, with
@@ -14,7 +14,7 @@
 # comes first on PYTHONPATH, for every process of the check. The engine flags avoid the kernels the slim wheels
 # leave out. Writes $OUT/sglang_NAME.json (the check's summary) and $OUT/sglang_NAME.log (its output, tail).
 set -uo pipefail
-cd "$(dirname "$0")/.."
+cd "$(dirname "$0")/../.."
 TOKENIZER=$1; shift
 PARTS=${*:-llama dsv3}
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
@@ -32,7 +32,7 @@ for part in $PARTS; do
     llama|dsv3) name=$part; model=$WORK/$part
        [ "$part" = dsv3 ] && REFERENCE=(--reference float32)
        arch=$([ "$part" = dsv3 ] && echo deepseek_v3 || echo llama)
-       [ -d "$model" ] || python3 scripts/make_random_verifier.py --arch "$arch" --tokenizer-from "$TOKENIZER" \
+       [ -d "$model" ] || python3 scripts/lab/make_random_verifier.py --arch "$arch" --tokenizer-from "$TOKENIZER" \
          --out "$model" ;;
     *) [ -d "$part" ] || { echo "unknown part $part (llama, dsv3 or a model folder)" >&2; exit 2; }
        name=$(basename "$part"); model=$part ;;

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The GPU measurements of issues 17 and 18 that train nothing of their own, in one command, beside
-# scripts/gpu_drafter_quality.sh on a second GPU or after it on the same one:
-#   1. regen     scripts/bench_regenerate.py --profile: stage 01's engines (generate, static, loop) on the same
+# scripts/lab/gpu_drafter_quality.sh on a second GPU or after it on the same one:
+#   1. regen     scripts/lab/bench_regenerate.py --profile: stage 01's engines (generate, static, loop) on the same
 #                2,000 ShareGPT prompts, the float32 equality check, the Llama-8B-shaped verifier, and where a
 #                warm batch's time goes (issue 18)
 #   2. profile   stage 04 --profile-steps on RUN's hidden states (2,048-token steps, TTT 3, one epoch at most):
@@ -14,7 +14,7 @@
 # Phases 2 and 3 wait (up to WAIT_S) for RUN's hidden states and for DRAFTER, so this can start beside the job
 # that makes them.
 #
-#   scripts/gpu_checks.sh VERIFIER DATA_DIR RUN_DIR DRAFTER OUT_DIR
+#   scripts/lab/gpu_checks.sh VERIFIER DATA_DIR RUN_DIR DRAFTER OUT_DIR
 #     VERIFIER  dense SmolLM2 folder; DATA_DIR holds sharegpt.json and mt_bench.jsonl
 #               (scripts/prepare_device_data.py); RUN_DIR a run with stage 02's hidden states (e.g.
 #               gpu_drafter_quality.sh's RUN-small); DRAFTER a drafter checkpoint folder
@@ -24,7 +24,7 @@
 #   REGEN_ARGS [""] more flags for bench_regenerate.py (e.g. "--llama-prompts 0" to leave the 8B shape out).
 # Progress: OUT_DIR/checks.log; each step's own log beside it.
 set -euo pipefail
-cd "$(dirname "$0")/.."
+cd "$(dirname "$0")/../.."
 VERIFIER=$1; DATA=$2; RUN=$3; DRAFTER=$4; OUT=$5
 PHASES=${PHASES:-"regen profile lossless"}; DECODE_WORKERS=${DECODE_WORKERS:-4}; PROFILE_STEPS=${PROFILE_STEPS:-20}
 WAIT_S=${WAIT_S:-1200}; REGEN_ARGS=${REGEN_ARGS:-}; PY=${PYTHON:-python3}; PROFILE_PADS=${PROFILE_PADS:-"1 64"}
@@ -44,7 +44,7 @@ wait_for() {  # $1 file another job makes: wait for it, or give up after WAIT_S 
 if has regen; then
   say "regeneration engines"
   # shellcheck disable=SC2086
-  "$PY" scripts/bench_regenerate.py --model-path "$VERIFIER" --data "$DATA/sharegpt.json" --out "$OUT/regen" \
+  "$PY" scripts/lab/bench_regenerate.py --model-path "$VERIFIER" --data "$DATA/sharegpt.json" --out "$OUT/regen" \
     --profile --continuous-prompts 0 $REGEN_ARGS > "$OUT/regen.log" 2>&1 || say "FAILED: regen (see regen.log)"
 fi
 if has profile && wait_for "$RUN/hidden_states/manifest.json"; then

@@ -5,10 +5,10 @@
 #               for each data lane (sampled) in RUN/lanes/<lane>; the same prepared data extracted again for
 #               each storage-format lane (RUN/lanes/<lane>). Extractions run alone.
 #   2. compare  the timed part, alone on the GPU: our stage 04 on RUN-small, then SpecForge 0.2.0's recipe
-#               (scripts/compare_recipes.py) on the same samples and epochs. SpecForge trains one sequence a step,
+#               (scripts/lab/compare_recipes.py) on the same samples and epochs. SpecForge trains one sequence a step,
 #               so equal tokens on the full run would not fit one session.
 #   3. lanes    side by side, each lane a training on RUN followed by its benchmarks (acceptance only, no timing);
-#               LANES picks them (unset: "default epochs2 ttt7"). scripts/run_lanes.py runs each into
+#               LANES picks them (unset: "default epochs2 ttt7"). scripts/lab/run_lanes.py runs each into
 #               RUN/lanes/<lane> with its lane.json, skipping what is complete; what a name means is declared
 #               once, in common/lab/lanes.py (docs/lab.md), read against this script's recipe and knobs. At
 #               4,096-token steps and TTT 7 a lane trains about 10 minutes beside one to three others on an H200;
@@ -64,11 +64,11 @@
 #               (--mode eval); every lane but the storage-format ones also chain at T=1 on MT-bench. The
 #               default lane also (unless EXTRAS=0): chain and tree in float32 and in float64 on all of
 #               MT-bench (every turn checked against the verifier's greedy choice in the same precision: lossless).
-#   4. table    scripts/quality_table.py -> RUN/quality.md (a row per lane and benchmark, through each lane.json)
+#   4. table    scripts/lab/quality_table.py -> RUN/quality.md (a row per lane and benchmark, through each lane.json)
 # Each stage-05 run writes its own output folder (a folder has one writer at a time). With MPS=1 the CUDA MPS daemon
 # is started first (when it starts and works), so the side-by-side processes run their kernels concurrently.
 #
-#   scripts/gpu_drafter_quality.sh VERIFIER DATA_DIR RUN_DIR
+#   scripts/lab/gpu_drafter_quality.sh VERIFIER DATA_DIR RUN_DIR
 #     VERIFIER  dense SmolLM2 folder (../shared/tools/device_smollm2.md)
 #     DATA_DIR  scripts/prepare_device_data.py DATA --conversations 20000 --prompts-only (sharegpt.json,
 #               mt_bench.jsonl); with REGEN_CACHE=FILE (../shared/cache/smollm2_sharegpt_greedy_10k.tgz) stage 01
@@ -100,7 +100,7 @@
 #   FIELD_TOKENS [NEW_TOKENS]  new tokens a turn of each lane's MT-bench run at T=0 instead of NEW_TOKENS, e.g. 2048 as
 #                            SpecForge's benchmarks decode (its report's tau along the reply still gives the
 #                            0-127 window, the NEW_TOKENS=128 figure: docs/benchmarking.md, "Reply length"); on
-#                            SmolLM2 most replies then loop to the budget (scripts/reply_lengths.py), so read it
+#                            SmolLM2 most replies then loop to the budget (scripts/lab/reply_lengths.py), so read it
 #                            with the windows' repetition
 #   LONG_TOKENS [1024]       the long lane's longest reply
 #   WORKERS [3]              data workers of each side-by-side training
@@ -149,7 +149,7 @@
 # side 268-274 s, their 20 benchmarks 8 min at once; then init_epochs2 alone 285 s and 2.3 min of benchmarks:
 # docs/results/2026-12-03-h200-lk-init-aux.md.
 set -euo pipefail
-cd "$(dirname "$0")/.."
+cd "$(dirname "$0")/../.."
 VERIFIER=$1; DATA=$2; RUN=$3; SMALL_RUN=$RUN-small
 SAMPLES=${SAMPLES:-10000}; SMALL=${SMALL:-800}; EPOCHS=${EPOCHS:-4}; LR=${LR:-1e-3}; DATA_SAMPLES=${DATA_SAMPLES:-17000}; DATA_EPOCHS=${DATA_EPOCHS:-2}; DATA_EXTRA=${DATA_EXTRA:-}; DATA_TURNS=${DATA_TURNS:-2}; SMALL_STEP_TOKENS=${SMALL_STEP_TOKENS:-2048}
 SMALL_EVAL_RATIO=${SMALL_EVAL_RATIO:-0.1}; SMALL_CANDIDATE_FLAGS=${SMALL_CANDIDATE_FLAGS:-}
@@ -160,10 +160,10 @@ HELDOUT=${HELDOUT:-60}; NEW_TOKENS=${NEW_TOKENS:-128}; FIELD_TOKENS=${FIELD_TOKE
 SPECFORGE=${SPECFORGE:-}; SPECFORGE_ARGS=${SPECFORGE_ARGS:-}; PHASES=${PHASES:-"data compare lanes table"}
 BENCHMARKS=eval,mtbench,heldout,mtbench_t1
 if [ "$EXTRAS" = 1 ]; then BENCHMARKS+=,fp32_chain,fp32_tree,fp64_chain,fp64_tree; fi  # the default lane's only
-lanes() {  # scripts/run_lanes.py over RUN: the flags RUN was prepared with, the lanes' recipe, knobs and benchmarks
+lanes() {  # scripts/lab/run_lanes.py over RUN: the flags RUN was prepared with, the lanes' recipe, knobs and benchmarks
   local recipe="--epochs $EPOCHS --max-tokens-per-batch $STEP_TOKENS --num-workers $WORKERS --lr $LR"
   # shellcheck disable=SC2046  # DATA_EXTRA: several files
-  python3 scripts/run_lanes.py --base "$RUN" --model-path "$VERIFIER" --dataset "$DATA/sharegpt.json" --regenerate \
+  python3 scripts/lab/run_lanes.py --base "$RUN" --model-path "$VERIFIER" --dataset "$DATA/sharegpt.json" --regenerate \
     --max-turns 1 --num-samples "$SAMPLES" --eval-ratio 0.02 --max-seq-len 2048 --draft-vocab-size 32000 \
     --stage-args 01 "--batch-size 1024 --max-new-tokens 256" \
     --stage-args 02 "--batch-size 64 --num-workers 8 --target-topk $TOPK" \
@@ -286,7 +286,7 @@ if [ -n "$SPECFORGE" ]; then
 fi
 specforge_train() {  # SpecForge's recipe on RUN-small's samples and epochs
   say "SpecForge's recipe on $SMALL_RUN"
-  python3 scripts/compare_recipes.py --run-dir "$SMALL_RUN" --model-path "$VERIFIER" --parts train \
+  python3 scripts/lab/compare_recipes.py --run-dir "$SMALL_RUN" --model-path "$VERIFIER" --parts train \
     --recipe-args "$SPECFORGE_ARGS" > "$SMALL_RUN/logs/specforge.log" 2>&1 || say "FAILED: SpecForge's recipe"
   say "SpecForge done"
 }
@@ -295,7 +295,7 @@ compare_bench() {  # both small drafters through the same stage-05 runs, and the
   local ours=checkpoints pids=()
   [ -n "$SMALL_CANDIDATE_FLAGS" ] && ours="checkpoints checkpoints_candidate"
   for ours in $ours; do
-    python3 scripts/compare_recipes.py --run-dir "$SMALL_RUN" --model-path "$VERIFIER" --parts bench table \
+    python3 scripts/lab/compare_recipes.py --run-dir "$SMALL_RUN" --model-path "$VERIFIER" --parts bench table \
       --ours "$SMALL_RUN/$ours" --output-dir "$SMALL_RUN/compare${ours#checkpoints}" --mt-bench "$DATA/mt_bench.jsonl" \
       --max-new-tokens "$NEW_TOKENS" --jobs 6 --decode-workers "$DECODE_WORKERS" \
       > "$SMALL_RUN/logs/compare${ours#checkpoints}.log" 2>&1 || say "FAILED: compare bench ($ours)" & pids+=($!)
@@ -322,7 +322,7 @@ if has lanes; then
   say "lanes done"
 fi
 if has table; then
-  python3 scripts/quality_table.py "$RUN" > "$RUN/quality.md"
+  python3 scripts/lab/quality_table.py "$RUN" > "$RUN/quality.md"
   for compared in "$SMALL_RUN"/compare/compare.md "$SMALL_RUN"/compare_candidate/compare.md; do
     [ -f "$compared" ] && { echo; echo "$compared:"; cat "$compared"; } >> "$RUN/quality.md"
   done

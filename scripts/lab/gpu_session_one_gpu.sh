@@ -17,7 +17,7 @@
 #                here is not its own (its steps/s in specforge.log show by how much)
 #   5. lanes     LANES alone, without the comparison (instead of compare, once it is settled)
 #
-#   scripts/gpu_session_one_gpu.sh VERIFIER DATA_DIR WORK_DIR [snapshot]
+#   scripts/lab/gpu_session_one_gpu.sh VERIFIER DATA_DIR WORK_DIR [snapshot]
 #     VERIFIER, DATA_DIR  as gpu_drafter_quality.sh's (DATA_DIR also holds REGEN_CACHE's smollm2_sharegpt_greedy_10k.tgz
 #                         and SpecForge's wheel, specforge-0.2.0-py3-none-any.whl)
 #     WORK_DIR            runs go to WORK_DIR/q-small, the checks to WORK_DIR/checks
@@ -34,7 +34,7 @@
 # REGEN_CACHE for the next machine): run it in every polling call, since a lent machine can be taken back
 # mid-session with everything on it (it was on 2026-12-02, 17 minutes in, and again 8 minutes in).
 set -uo pipefail
-cd "$(dirname "$0")/.."
+cd "$(dirname "$0")/../.."
 VERIFIER=$1; DATA=$2; WORK=$3
 PARTS=${PARTS:-"data profile regen attention compare"}; LANES=${LANES:-}
 SMALL=${SMALL:-500}; ENGINES=${ENGINES:-generate,loop}; PY=${PYTHON:-python3}
@@ -59,11 +59,11 @@ quality() {  # $1 phases of gpu_drafter_quality.sh: the comparison on RUN-small,
              # wheel (empty: no comparison, and no RUN-small)
   MPS=1 EXTRAS=0 LANES=$LANES SPECFORGE_BESIDE=1 SMALL=$SMALL REGEN_CACHE=$DATA/smollm2_sharegpt_greedy_10k.tgz \
     SPECFORGE=${2-$DATA/specforge-0.2.0-py3-none-any.whl} SPECFORGE_ARGS=$SPECFORGE_ARGS PHASES=$1 \
-    bash scripts/gpu_drafter_quality.sh "$VERIFIER" "$DATA" "$RUN"
+    bash scripts/lab/gpu_drafter_quality.sh "$VERIFIER" "$DATA" "$RUN"
 }
 checks() {  # $1 phases of gpu_checks.sh
   PYTHON=$PY PHASES=$1 DECODE_WORKERS=3 REGEN_ARGS="--llama-prompts $LLAMA_PROMPTS --engines $ENGINES --fp32-check-prompts 32" \
-    bash scripts/gpu_checks.sh "$VERIFIER" "$DATA" "$RUN-small" "$RUN-small/checkpoints/best" "$CHECKS"
+    bash scripts/lab/gpu_checks.sh "$VERIFIER" "$DATA" "$RUN-small" "$RUN-small/checkpoints/best" "$CHECKS"
 }
 
 part_data() {  # RUN-small only for the compare part
@@ -77,9 +77,9 @@ part_attention() {  # the decoding attention's ways: the kernels alone (ATTENTIO
                    # EAGLE3_DECODE_ATTENTION for the later parts (regen) and alone runs the other batch sizes
   say "decoding attention"
   if [ "$ATTENTION_KERNELS" = 1 ]; then
-    { timeout 300 "$PY" scripts/bench_decode_attention.py --compile --ways matmul,triton \
+    { timeout 300 "$PY" scripts/lab/bench_decode_attention.py --compile --ways matmul,triton \
         --shapes 1024x384,194x1280 --triton-sweep
-      timeout 300 "$PY" scripts/bench_decode_attention.py --compile --ways matmul,triton,flex --heads 32 \
+      timeout 300 "$PY" scripts/lab/bench_decode_attention.py --compile --ways matmul,triton,flex --heads 32 \
         --kv-heads 8 --head-dim 128 --layers 32 --shapes 128x1280 --triton-sweep; } > "$CHECKS/decode_attention.md" \
       2> "$CHECKS/decode_attention.log"
   fi
@@ -110,7 +110,7 @@ EOF
 }
 loop_run() {  # $1 way, $2 batch size: the loop engine alone (bench_regenerate.py --static-only, regen's prompts)
   say "loop engine, $1 attention, batch $2"
-  EAGLE3_DECODE_ATTENTION=$1 timeout 420 "$PY" scripts/bench_regenerate.py --model-path "$VERIFIER" \
+  EAGLE3_DECODE_ATTENTION=$1 timeout 420 "$PY" scripts/lab/bench_regenerate.py --model-path "$VERIFIER" \
     --data "$DATA/sharegpt.json" --out "$CHECKS/regen_$1_$2" --static-only --engines loop \
     --batch-size "$2" > "$CHECKS/regen_$1_$2.log" 2>&1
 }
@@ -132,6 +132,6 @@ done
 for part in $PARTS; do "part_$part"; done
 say "session done"
 if [ -n "$FINAL_OUT" ]; then
-  OUT=$FINAL_OUT PHASES=pack bash scripts/gpu_drafter_quality.sh "$VERIFIER" "$DATA" "$RUN"
+  OUT=$FINAL_OUT PHASES=pack bash scripts/lab/gpu_drafter_quality.sh "$VERIFIER" "$DATA" "$RUN"
   tar czf "$FINAL_OUT/checks.tgz" --exclude='*.safetensors' --exclude='*.pt' -C "$WORK" checks session.log
 fi

@@ -1,17 +1,17 @@
 #!/usr/bin/env bash
 # What stage 02's storage formats cost, on one GPU: the same prepared data and vocabulary map extracted four ways
 # (--aux-dtype bfloat16|float8_e4m3 x --targets final|topk), a drafter trained on each with the same flags, and
-# each drafter's chain tau (stage 05 --tau-only, 3/1/4, T=0, MT-bench), and scripts/bench_extraction.py in each
+# each drafter's chain tau (stage 05 --tau-only, 3/1/4, T=0, MT-bench), and scripts/lab/bench_extraction.py in each
 # format (its extraction against the verifier's forward pass alone, on the same synthetic batches). Tabulated by
-# scripts/storage_formats_table.py: bytes per token (written and on disk), stage 02 tokens/s and its ratio to the
+# scripts/lab/storage_formats_table.py: bytes per token (written and on disk), stage 02 tokens/s and its ratio to the
 # forward pass alone, stage 04 tokens/s, chain tau and the teacher-forced agreement.
 # The four formats are the storage-format lanes bf16final (the base run's own extraction), fp8final, bf16topk and
 # fp8topk (common/lab/lanes.py, docs/lab.md; bf16_final and the like are their old spellings), run by
-# scripts/run_lanes.py into RUN_ROOT/<lane> with their lane.json; every lane trains with this script's
+# scripts/lab/run_lanes.py into RUN_ROOT/<lane> with their lane.json; every lane trains with this script's
 # STEP_TOKENS. Extractions and trainings run alone on the GPU, one after another (their rates are compared); the
 # benchmarks (acceptance only, no timing) run side by side at the end.
 #
-#   scripts/gpu_storage_formats.sh VERIFIER DATA_DIR RUN_ROOT OUT
+#   scripts/lab/gpu_storage_formats.sh VERIFIER DATA_DIR RUN_ROOT OUT
 #     VERIFIER  dense SmolLM2 folder (../shared/tools/device_smollm2.md)
 #     DATA_DIR  scripts/prepare_device_data.py DATA --conversations 20000 --prompts-only (sharegpt.json,
 #               mt_bench.jsonl); with REGEN_CACHE=FILE (../shared/cache/smollm2_sharegpt_greedy_10k.tgz) stage 01
@@ -21,21 +21,21 @@
 # Environment: SAMPLES (4000), EPOCHS (2), TOPK (64), STEP_TOKENS (16384), NEW_TOKENS (128), PHASES ("data extract
 # rate train bench table"; a phase can be rerun alone: finished stages are skipped), RATE_MODEL (the rate phase's
 # verifier flags for bench_extraction.py; default --model-path VERIFIER; "--random-shape smollm2" needs no checkpoint:
-# PHASES="rate table" RATE_MODEL="--random-shape smollm2" scripts/gpu_storage_formats.sh - - ROOT OUT), DRY_RUN (1:
+# PHASES="rate table" RATE_MODEL="--random-shape smollm2" scripts/lab/gpu_storage_formats.sh - - ROOT OUT), DRY_RUN (1:
 # print the lanes' plan and stop). Expected on one H200 with the defaults and REGEN_CACHE: about 8 minutes (stage 01
 # from the cache ~1 min, each extraction ~10 s, each training ~1 min, the four benchmarks side by side ~2 min);
 # without REGEN_CACHE stage 01 regenerates (~3 more minutes).
 set -euo pipefail
-cd "$(dirname "$0")/.."
+cd "$(dirname "$0")/../.."
 VERIFIER=$1; DATA=$2; ROOT=$3; OUT=$4
 SAMPLES=${SAMPLES:-4000}; EPOCHS=${EPOCHS:-2}; TOPK=${TOPK:-64}; STEP_TOKENS=${STEP_TOKENS:-16384}
 NEW_TOKENS=${NEW_TOKENS:-128}; PHASES=${PHASES:-"data extract rate train bench table"}
 RATE_MODEL=${RATE_MODEL:-"--model-path $VERIFIER"}
 LANES="bf16final fp8final bf16topk fp8topk"  # the first is the table's reference
 export PYTHONUNBUFFERED=1
-lanes() {  # scripts/run_lanes.py over RUN_ROOT/base, each lane in RUN_ROOT/<lane>: this script's recipe, then flags
+lanes() {  # scripts/lab/run_lanes.py over RUN_ROOT/base, each lane in RUN_ROOT/<lane>: this script's recipe, then flags
   local recipe="--epochs $EPOCHS --max-tokens-per-batch $STEP_TOKENS --num-workers 8 --lr 1e-3"
-  python3 scripts/run_lanes.py --base "$ROOT/base" --lanes-dir "$ROOT" --lanes "$LANES" --model-path "$VERIFIER" \
+  python3 scripts/lab/run_lanes.py --base "$ROOT/base" --lanes-dir "$ROOT" --lanes "$LANES" --model-path "$VERIFIER" \
     --max-seq-len 2048 --stage-args 02 "--batch-size 64 --num-workers 8 --target-topk $TOPK" \
     --stage-args 04 "$recipe --eval-interval 500 --save-interval 100000" \
     --format-step-tokens "$STEP_TOKENS" --benchmarks eval,mtbench --eval-steps 3 --mt-bench "$DATA/mt_bench.jsonl" \
@@ -75,7 +75,7 @@ if has rate; then  # each format's extraction against the forward pass alone, al
   while IFS=$'\t' read -r name flags; do
     say "bench_extraction $name: $flags"; mkdir -p "$ROOT/$name/logs"
     # shellcheck disable=SC2086
-    OUT=$ROOT/$name python3 scripts/bench_extraction.py $RATE_MODEL --output-dir "$ROOT/$name/bench_scratch" \
+    OUT=$ROOT/$name python3 scripts/lab/bench_extraction.py $RATE_MODEL --output-dir "$ROOT/$name/bench_scratch" \
       $flags > "$ROOT/$name/logs/bench_extraction.log" 2>&1 || say "FAILED: bench_extraction $name"
   done < <(lanes --flags-of 02)
 fi
@@ -94,6 +94,6 @@ if has bench; then
 fi
 if has table; then
   # shellcheck disable=SC2046
-  python3 scripts/storage_formats_table.py "$OUT" $(for name in $LANES; do echo "$ROOT/$name"; done)
+  python3 scripts/lab/storage_formats_table.py "$OUT" $(for name in $LANES; do echo "$ROOT/$name"; done)
   say "all done"; cat "$OUT/storage_formats.md"
 fi

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Second turns on the CPU proxy (stories260K): a drafter trained on first turns only against one trained on the
 # first two turns of the same ShareGPT conversations, both decoded on the same held-out prompts, turn by turn.
-#   1. two runs of scripts/cpu_recipe_levers.sh (LANES=default): ROOT/first (--max-turns 1, the recipe) and
+#   1. two runs of scripts/lab/cpu_recipe_levers.sh (LANES=default): ROOT/first (--max-turns 1, the recipe) and
 #      ROOT/turns2 (PREPARE_FLAGS="--max-turns 2"); rerunning skips what exists
 #   2. two held-out sets that neither run trained on (by first prompt): ROOT/cross/two_turn.jsonl (turns2's held-out
 #      conversations, most with two turns) and ROOT/cross/first_turn.jsonl (first's)
@@ -10,16 +10,16 @@
 #      training conversation's first prompt, which stage 05's overlap check counts)
 #   4. the table: stage 05's tau overall and per turn -> ROOT/cross/turns.md
 #
-#   scripts/cpu_second_turns.sh [ROOT]      (default runs/second_turns; about 25 minutes on two cores)
+#   scripts/lab/cpu_second_turns.sh [ROOT]      (default runs/second_turns; about 25 minutes on two cores)
 # Environment: PYTHON (.venv/bin/python), PROMPTS (2000, passed to cpu_recipe_levers.sh).
 set -euo pipefail
-cd "$(dirname "$0")/.."
+cd "$(dirname "$0")/../.."
 ROOT=${1:-runs/second_turns}
 PY=${PYTHON:-.venv/bin/python}
 export PYTHON=$PY LANES=default OMP_NUM_THREADS=1
-[ -f "$ROOT/first/levers.md" ] || bash scripts/cpu_recipe_levers.sh "$ROOT/first"
+[ -f "$ROOT/first/levers.md" ] || bash scripts/lab/cpu_recipe_levers.sh "$ROOT/first"
 # The turns2 run's own held-out bench may stop at the overlap check (see 3.); its drafter is what this needs.
-[ -f "$ROOT/turns2/levers.md" ] || PREPARE_FLAGS="--max-turns 2" bash scripts/cpu_recipe_levers.sh "$ROOT/turns2"
+[ -f "$ROOT/turns2/levers.md" ] || PREPARE_FLAGS="--max-turns 2" bash scripts/lab/cpu_recipe_levers.sh "$ROOT/turns2"
 mkdir -p "$ROOT/cross"
 
 "$PY" - "$ROOT" <<'EOF'

@@ -1,11 +1,11 @@
 #!/usr/bin/env python3
 """Our drafter against SpecForge 0.2.0's recipe on the same data, side by side: one table of tau and training time.
 
-  python scripts/compare_recipes.py --run-dir RUN_DIR --model-path VERIFIER [--mt-bench FILE] [--output-dir DIR]
+  python scripts/lab/compare_recipes.py --run-dir RUN_DIR --model-path VERIFIER [--mt-bench FILE] [--output-dir DIR]
 
 RUN_DIR has stages 01-04 done (our drafter in RUN_DIR/checkpoints/best). In order, each part skipped when its
 output is already there (so a stopped comparison resumes; --redo to redo them):
-  train  scripts/train_specforge_recipe.py: SpecForge's drafter on the same samples, epochs, lr and TTT steps
+  train  scripts/lab/train_specforge_recipe.py: SpecForge's drafter on the same samples, epochs, lr and TTT steps
          -> RUN_DIR/specforge/best, RUN_DIR/specforge/specforge_results.json
   bench  05_benchmark.py --tau-only for both drafters: chain k=3 (--num-steps 3 --topk 1 --num-draft-tokens 4),
          T=0, on MT-bench (all 80 by default) and the held-out split (RUN_DIR/data/eval_data.jsonl)
@@ -30,7 +30,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
@@ -112,7 +112,7 @@ def train(args) -> None:
     if results.exists() and not args.redo:
         print(f"train: {results} exists (--redo to train again)")
         return
-    run([sys.executable, "scripts/train_specforge_recipe.py", "--run-dir", str(args.run_dir), "--model-path",
+    run([sys.executable, "scripts/lab/train_specforge_recipe.py", "--run-dir", str(args.run_dir), "--model-path",
          args.model_path, "--device", args.device, *shlex.split(args.recipe_args)])
 
 

@@ -12,7 +12,7 @@ its first 128 tokens and over all of it.
 category). Greedy decoding with transformers' generate (stage 05's hf_generate), batch 1. Prints one Markdown table; --output also
 writes the rows, with each reply's tokens, as JSON (atomically).
 
-  python3 scripts/reply_lengths.py --model-path smollm2-dense --prompts mt_bench.jsonl --max-new-tokens 2048
+  python3 scripts/lab/reply_lengths.py --model-path smollm2-dense --prompts mt_bench.jsonl --max-new-tokens 2048
 """
 from __future__ import annotations
 
@@ -21,7 +21,7 @@ import json
 import sys
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 

@@ -8,7 +8,7 @@ twice after a warm-up read: files in the page cache, so the figures are the host
 from a disk costs the same with or without the check: the check reads the bytes first, the load then finds them
 cached). Prints one JSON line.
 
-  python scripts/bench_state_checksums.py --hidden 4096 --tokens 1024 --samples 16
+  python scripts/lab/bench_state_checksums.py --hidden 4096 --tokens 1024 --samples 16
 """
 from __future__ import annotations
 
@@ -21,7 +21,7 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from common.extract.writer import write_sample  # noqa: E402
 from common.formats.hidden_states import sample_path  # noqa: E402

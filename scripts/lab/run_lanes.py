@@ -2,7 +2,7 @@
 """Run lanes - experiments, each a declared change from a base run - over a base run directory, each into its own
 folder.
 
-    python scripts/run_lanes.py --base runs/q --lanes default,ttt7,lr3_steps2 --model-path VERIFIER \\
+    python scripts/lab/run_lanes.py --base runs/q --lanes default,ttt7,lr3_steps2 --model-path VERIFIER \\
         --stage-args 04 "--epochs 4 --lr 1e-3 --max-tokens-per-batch 4096" --benchmarks eval,heldout [--dry-run]
 
 A lane's name says what it changes (the parts below; docs/lab.md). Stage flags are given as to run_pipeline.py: a
@@ -21,7 +21,7 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from common.cli.errors import USAGE_ERROR, UsageError  # noqa: E402
 from common.cli.parser import StageArgumentParser  # noqa: E402

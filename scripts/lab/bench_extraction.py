@@ -15,10 +15,10 @@ forward-only, or >= 80% of the disk's sequential rate where the disk is the limi
 its files are on the disk (the writers fdatasync every file, and a final os.sync() is counted), so the rate
 is the sustained one a long run sees, not the page cache's.
 
-    python scripts/bench_extraction.py --random-llama8b                      # H200: 8B-shaped random Llama
-    python scripts/bench_extraction.py --random-shape smollm2 --aux-dtype float8_e4m3 --targets topk
-    python scripts/bench_extraction.py --model-path /models/SmolLM2-135M-Instruct
-    python scripts/bench_extraction.py --device cpu --model-path ../shared/models/stories260K \\
+    python scripts/lab/bench_extraction.py --random-llama8b                      # H200: 8B-shaped random Llama
+    python scripts/lab/bench_extraction.py --random-shape smollm2 --aux-dtype float8_e4m3 --targets topk
+    python scripts/lab/bench_extraction.py --model-path /models/SmolLM2-135M-Instruct
+    python scripts/lab/bench_extraction.py --device cpu --model-path ../shared/models/stories260K \\
         --batch-size 4 --seq-len 64                                          # CPU smoke run
 
 Prints one JSON object per line; the last line is the full result, also written to $OUT/bench_extraction.json
@@ -37,7 +37,7 @@ import tempfile
 import time
 from pathlib import Path
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
 import torch  # noqa: E402
 

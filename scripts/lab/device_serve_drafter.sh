@@ -5,7 +5,7 @@
 # concurrency, and stage 05's offline --tau-only on the same drafter and prompts, to compare SGLang's accept length
 # with. The offline run goes first, while the servers start; the timed server runs go one at a time, alone.
 #
-#   scripts/device_serve_drafter.sh VERIFIER DRAFTER PROMPTS OUT_DIR
+#   scripts/lab/device_serve_drafter.sh VERIFIER DRAFTER PROMPTS OUT_DIR
 #     VERIFIER  the verifier's Hugging Face folder (SmolLM2: the dense folder gpu_smollm2.sh converts)
 #     DRAFTER   the drafter folder stage 04 exported (RUN/checkpoints/best)
 #     PROMPTS   a prompt file stage 05 reads (MT-bench: ../shared/bench/mt_bench.jsonl)
@@ -17,7 +17,7 @@
 # Writes OUT_DIR/summary.txt (one SUMMARY line per run), OUT_DIR/commands.txt (both server commands), the servers'
 # logs and each stage-05 report under OUT_DIR/server_T<t>_c<c> and OUT_DIR/offline_T<t>.
 set -uo pipefail
-cd "$(dirname "$0")/.."
+cd "$(dirname "$0")/../.."
 VERIFIER=$1; DRAFTER=$2; PROMPTS=$3; OUT_DIR=$4
 RUNS=${RUNS:-"0:1 0:8 1:8 1:1"}; OFFLINE_TEMPS=${OFFLINE_TEMPS:-"0 1"}; NEW_TOKENS=${NEW_TOKENS:-128}
 read -r STEPS TOPK DRAFT_TOKENS <<< "${CHAIN:-3 1 4}"

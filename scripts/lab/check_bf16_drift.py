@@ -2,7 +2,7 @@
 """How far bf16 rounding alone moves a verifier's hidden states: transformers in bfloat16 against float32 on the same
 random token ids, per layer (the output_hidden_states index), as the mean and the lowest single-token cosine.
 
-    python scripts/check_bf16_drift.py --model-path /tmp/dsv3 [--device cpu]
+    python scripts/lab/check_bf16_drift.py --model-path /tmp/dsv3 [--device cpu]
 
 A dense model stays near 1 at every layer; an MoE model whose gate scores are near ties (a random one) routes some
 tokens to other experts in bf16, and those tokens fall well below. This is the noise floor a comparison of two bf16

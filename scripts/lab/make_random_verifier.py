@@ -3,7 +3,7 @@
 architecture no small real model has here: a DeepSeek-V3 (MLA attention and MoE, the text model of Kimi-K2.5) with
 DeepSeek's own head sizes, or a Llama.
 
-    python scripts/make_random_verifier.py --arch deepseek_v3 --tokenizer-from /models/SmolLM2 --out /tmp/dsv3
+    python scripts/lab/make_random_verifier.py --arch deepseek_v3 --tokenizer-from /models/SmolLM2 --out /tmp/dsv3
     python scripts/check_sglang_capture.py --model-path /tmp/dsv3 ...
 
 The tokenizer files are copied from --tokenizer-from and the vocabulary sized to it. Weights are random (seed

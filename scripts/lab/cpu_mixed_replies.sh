@@ -2,7 +2,7 @@
 # Greedy and sampled replies together on the CPU proxy (stories260K): does a greedy reply with a sampled one beside it
 # keep T=0's tau and gain T=1's? (Sampled replies alone traded T=0 for T=1: -16 % / +19 %,
 # docs/results/2026-12-02-stories260k-sampled-replies.md.) Four drafters, the same prompts, split and held-out set,
-# each a run of scripts/cpu_recipe_levers.sh (two at a time):
+# each a run of scripts/lab/cpu_recipe_levers.sh (two at a time):
 #   ROOT/greedy   the recipe (LANES="default epochs2": also twice the epochs, as many optimizer steps as mixed takes)
 #   ROOT/sampled  PREPARE_FLAGS="--temperature 0.8": one sampled reply a prompt
 #   ROOT/mixed    PREPARE_FLAGS="--replies-per-prompt 2 --temperature 0.8 --greedy-first-reply": the greedy reply and a
@@ -10,14 +10,14 @@
 # Each decodes its held-out prompts (the same 60 of the same 100 in every run) with chain 3-1-4 at T=0 and T=1
 # (stage 05 --tau-only, float32); the table -> ROOT/mixed.md.
 #
-#   scripts/cpu_mixed_replies.sh [ROOT]      (default runs/mixed_replies; about 25 minutes on two cores)
+#   scripts/lab/cpu_mixed_replies.sh [ROOT]      (default runs/mixed_replies; about 25 minutes on two cores)
 # Environment: PYTHON (.venv/bin/python), PROMPTS (2000, passed to cpu_recipe_levers.sh).
 set -euo pipefail
-cd "$(dirname "$0")/.."
+cd "$(dirname "$0")/../.."
 ROOT=${1:-runs/mixed_replies}
 export PYTHON=${PYTHON:-.venv/bin/python} OMP_NUM_THREADS=1
 run() {  # $1 run name, $2 lanes, $3 stage-01 flags
-  [ -f "$ROOT/$1/levers.md" ] || LANES=$2 PREPARE_FLAGS=$3 bash scripts/cpu_recipe_levers.sh "$ROOT/$1" \
+  [ -f "$ROOT/$1/levers.md" ] || LANES=$2 PREPARE_FLAGS=$3 bash scripts/lab/cpu_recipe_levers.sh "$ROOT/$1" \
     > "$ROOT/$1.log" 2>&1
 }
 mkdir -p "$ROOT"
