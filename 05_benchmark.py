@@ -47,7 +47,8 @@ MODES = {  # --mode: (the run, its SUMMARY line)
 
 
 TAKEN: list[str] = []  # the flags parse() took from the run directory, logged once the log is set up
-DECODING_SETTINGS = ("num_steps", "topk", "num_draft_tokens", "temperature", "top_p", "concurrency")
+DECODING_SETTINGS = ("num_steps", "topk", "num_draft_tokens", "temperature", "top_p", "acceptance_rule",
+                     "concurrency")
 # --mode is as given (default offline; the record must match it); --decode-workers, how a run is spread, too
 NOT_TAKEN = ("mode", "decode_workers", *DECODING_SETTINGS)
 
@@ -103,6 +104,9 @@ def run_benchmark(args, log):
         log.info("not given: %s", note)
     if args.temperature < 0 or not 0 < args.top_p <= 1:
         raise UsageError(f"--temperature must be >= 0 and --top-p in (0, 1] (got {args.temperature}, {args.top_p})")
+    if args.acceptance_rule == "target-only" and (args.mode != "offline" or args.topk > 1):
+        raise UsageError(f"--acceptance-rule target-only is offline mode's, for a chain (--topk 1); got --mode "
+                         f"{args.mode}, --topk {args.topk} (a server applies its own rule)")
     if getattr(args, "tau_only", False) and args.mode != "offline":
         raise UsageError(f"--tau-only applies to --mode offline (its timing baselines); not to --mode {args.mode}")
     check_verifier_weights(args, log)  # the same verifier, not just the same shape
@@ -128,7 +132,7 @@ def run_benchmark(args, log):
     stem = results_stem(args.mode, num_steps=args.num_steps, topk=args.topk,
                         num_draft_tokens=results["settings"].get("num_draft_tokens"),
                         temperature=args.temperature, top_p=args.top_p, concurrency=args.concurrency,
-                        tau_only=bool(getattr(args, "tau_only", False)),
+                        tau_only=bool(getattr(args, "tau_only", False)), acceptance_rule=args.acceptance_rule,
                         prompt_set=prompt_set_name(prompt_spec, args) if prompt_spec else
                         results["settings"].get("draft_checkpoint"))
     files = write_reports(output_dir, stem, results, log)

@@ -397,6 +397,51 @@ def test_sampled_first_two_tokens_follow_the_verifier(topk, num_steps, verifier,
     assert accepted > draws // 4  # the second token often came from an accepted draft
 
 
+
+def test_target_only_rule_accepts_the_drafters_top_token_with_the_verifiers_probability(verifier, drafters):
+    """--acceptance-rule target-only (SGLang's default for EAGLE3 at T > 0): after a given first token (sampled
+    from the verifier at prefill) the first draft is always the drafter's top token d, accepted in a share of draws
+    equal to the verifier's p(d); the second token still follows the verifier (500 draws, loose bounds)."""
+    from common.bench.speculative import SpeculativeDecoder
+
+    model, tokenizer = verifier
+    ids = tokenizer("Once upon a time").input_ids
+    decoder = SpeculativeDecoder(model, drafters["trained"], num_steps=2, temperature=1.0, seed=3,
+                                 acceptance_rule="target-only")
+    runs = [decoder.generate(ids, 2, []) for _ in range(500)]
+    root = max({out[0] for out, _ in runs}, key=lambda r: sum(out[0] == r for out, _ in runs))
+    after_root = [(out, stats) for out, stats in runs if out[0] == root]
+    with torch.no_grad():
+        p = torch.softmax(model(torch.tensor([ids + [root]])).logits[0, -1].float(), dim=-1)
+    accepted = [out[1] for out, stats in after_root if stats.accept_lengths[0] > 1]
+    assert len(after_root) > 100 and len(set(accepted)) == 1  # one proposal: the drafter's top token, not a sample
+    share = len(accepted) / len(after_root)
+    assert abs(share - float(p[accepted[0]])) < 0.1, (share, float(p[accepted[0]]))
+    second = np.bincount([out[1] for out, _ in after_root], minlength=p.shape[0]) / len(after_root)
+    assert 0.5 * np.abs(second - p.numpy()).sum() < 0.2
+    with pytest.raises(ValueError, match="chain"):
+        SpeculativeDecoder(model, drafters["trained"], num_steps=2, topk=2, temperature=1.0,
+                           acceptance_rule="target-only")
+
+
+def test_stage05_offline_target_only_rule_is_recorded_and_kept_apart(stage05, stories260k, drafters, tmp_path):
+    """The rule is in the report's settings and file name (a rejection-sampling report of the same settings is not
+    overwritten); a server run or a tree refuses it before loading anything."""
+    out = tmp_path / "bench"
+    common = ["--model-path", str(stories260k), "--draft-model-path", str(drafters["trained_dir"]), "--prompts",
+              str(bench_prompts(tmp_path)), "--max-new-tokens", "12", "--device", "cpu", "--dtype", "float32",
+              "--output-dir", str(out), "--tau-only", "--num-prompts", "2", "--temperature", "1"]
+    assert stage05.main(common + ["--acceptance-rule", "target-only"]) == 0
+    results = json.loads((out / "bench_offline_k3_t1_target_only_tau_prompts.json").read_text())
+    assert results["settings"]["acceptance_rule"] == "target-only" and results["overall"]["tau"] >= 1.0
+    assert "target-only sampling at temperature 1.0" in (out / "logs" / "05_benchmark.log").read_text()
+    assert stage05.main(common) == 0
+    assert json.loads((out / "bench_offline_k3_t1_tau_prompts.json").read_text())["settings"][
+        "acceptance_rule"] == "rejection"
+    assert stage05.main(common + ["--acceptance-rule", "target-only", "--topk", "2"]) == 2
+    assert stage05.main(["--mode", "server", "--url", "http://127.0.0.1:9", "--acceptance-rule", "target-only",
+                         "--output-dir", str(tmp_path / "s")]) == 2
+
 # --- reports -----------------------------------------------------------------------------------------
 
 def assert_valid_png(path: Path) -> tuple[int, int]:
@@ -594,8 +639,8 @@ def test_offline_mode_reports_every_number(stage05, stories260k, drafters, tmp_p
     # The settings table shows the flags a person sets; what the run worked out stays in the JSON.
     assert settings_rows(markdown) == [
         "--model-path", "--draft-model-path", "--prompts", "--num-prompts", "--max-new-tokens", "--num-steps",
-        "--topk", "--num-draft-tokens", "--temperature", "--top-p", "--device", "--dtype", "--seed",
-        "--chat-template", "--allow-overlap", "--tau-only"]
+        "--topk", "--num-draft-tokens", "--temperature", "--top-p", "--acceptance-rule", "--device", "--dtype",
+        "--seed", "--chat-template", "--allow-overlap", "--tau-only"]
     assert "raw_text_prompts" not in markdown and "baselines_reused" not in markdown
     assert "every other setting the run recorded" in markdown
     columns = assert_every_column_explained_once(markdown)

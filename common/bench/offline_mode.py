@@ -165,7 +165,8 @@ def load_session(session: DecodingSession, log, warm: bool = True) -> None:
     session.text_model = find_text_model(verifier)
     session.decoder = SpeculativeDecoder(verifier, drafter, num_steps=args.num_steps, topk=args.topk,
                                          num_draft_tokens=session.num_draft_tokens, temperature=args.temperature,
-                                         top_p=args.top_p, seed=args.seed)
+                                         top_p=args.top_p, seed=args.seed,
+                                         acceptance_rule=getattr(args, "acceptance_rule", None) or "rejection")
     if not tau_only(args):
         session.baseline_cache = BaselineCache(
             Path(args.output_dir) / BASELINE_CACHE,
@@ -273,7 +274,7 @@ def run_offline(args, log, begin, prompt_spec, prompts, overlap) -> dict:
     greedy = args.temperature == 0
     log.info("stop tokens: %s; verification: %s", session.eos,
              "greedy (output must equal the verifier's greedy output)" if greedy else
-             f"rejection sampling at temperature {args.temperature}, top-p {args.top_p}")
+             f"{args.acceptance_rule or 'rejection'} sampling at temperature {args.temperature}, top-p {args.top_p}")
     if tau_only(args):
         log.info("--tau-only: the two timing baselines (the loop without drafting, transformers' generate) are "
                  "skipped, so no speedups are reported%s", "; the greedy check compares each output with the "

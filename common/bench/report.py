@@ -39,7 +39,7 @@ def _tag(text: str) -> str:
 
 def results_stem(mode: str, *, num_steps: int | None = None, topk: int = 1, num_draft_tokens: int | None = None,
                  temperature: float | None = None, top_p: float = 1.0, concurrency: int | None = None,
-                 prompt_set: str | None = None, tau_only: bool = False) -> str:
+                 prompt_set: str | None = None, tau_only: bool = False, acceptance_rule: str | None = None) -> str:
     """bench_offline_k3_t0, bench_offline_k4_topk4_n16_t0.7_p0.9_mt_bench, bench_offline_k3_t0_tau (--tau-only),
     bench_server_t0_c8, ..."""
     parts = [f"bench_{mode}"]
@@ -53,6 +53,8 @@ def results_stem(mode: str, *, num_steps: int | None = None, topk: int = 1, num_
         parts.append(f"t{_number(temperature)}")
         if top_p < 1.0:
             parts.append(f"p{_number(top_p)}")
+        if acceptance_rule == "target-only" and temperature > 0 and mode == "offline":
+            parts.append("target_only")
     if concurrency is not None and mode == "server":
         parts.append(f"c{concurrency}")
     if tau_only and mode == "offline":

@@ -8,7 +8,7 @@ STAGE = "05_benchmark"
 
 _SETTINGS = {  # the flags each mode's report records (and its Markdown settings table shows)
     "offline": ("model_path", "draft_model_path", "prompts", "num_prompts", "max_new_tokens", "num_steps", "topk",
-                "num_draft_tokens", "temperature", "top_p", "device", "dtype", "seed", "chat_template",
+                "num_draft_tokens", "temperature", "top_p", "acceptance_rule", "device", "dtype", "seed", "chat_template",
                 "allow_overlap", "tau_only"),
     "server": ("url", "baseline_url", "server_api", "model_path", "prompts", "num_prompts", "max_new_tokens",
                "temperature", "top_p", "concurrency", "chat_template", "allow_overlap", "draft_model_path"),

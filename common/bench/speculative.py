@@ -50,7 +50,8 @@ class SpeculativeDecoder:
 
     def __init__(self, verifier: torch.nn.Module, drafter: torch.nn.Module, num_steps: int = 3, topk: int = 1,
                  num_draft_tokens: int | None = None, temperature: float = 0.0, top_p: float = 1.0,
-                 seed: int = 0, aux_layers: Sequence[int] | None = None, explicit_mask: bool = True):
+                 seed: int = 0, aux_layers: Sequence[int] | None = None, explicit_mask: bool = True,
+                 acceptance_rule: str = "rejection"):
         from common.model.drafter import DrafterCache
 
         self.verifier = VerifierRunner(verifier)
@@ -62,6 +63,11 @@ class SpeculativeDecoder:
         self.device = self.verifier.device
         self.generator = make_generator(self.device, seed) if temperature > 0 else None
         self.sampler = Sampler(temperature, top_p, self.generator)
+        if acceptance_rule not in ("rejection", "target-only"):
+            raise ValueError(f"acceptance_rule must be rejection or target-only, got {acceptance_rule!r}")
+        if acceptance_rule == "target-only" and topk > 1:
+            raise ValueError("acceptance_rule target-only is a chain's rule (topk 1), as in SGLang")
+        self.target_only = acceptance_rule == "target-only"
         config = getattr(drafter, "config", None) or drafter.cfg
         self.aux_layers = list(aux_layers if aux_layers is not None else config.aux_layers)
         if len(self.aux_layers) != 3:
@@ -163,6 +169,11 @@ class SpeculativeDecoder:
         for j in range(k):
             if greedy:
                 draft_id = z.argmax(dim=-1)  # [1]
+            elif self.target_only:
+                # SGLang's default: the top draft token, as if the drafter were certain of it. With q one-hot,
+                # rejection sampling accepts it with probability p(token) and resamples from p without it.
+                draft_id = z.argmax(dim=-1)
+                q_rows.append(torch.nn.functional.one_hot(draft_id[0], z.shape[-1]).float())
             else:
                 q = self.sampler.probs(z)  # [1, Vd]
                 draft_id = self.sampler.draw(q)

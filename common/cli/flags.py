@@ -338,6 +338,11 @@ _ALL_FLAGS: list[Flag] = [
         ("01", "With --regenerate: sampling temperature of the regenerated replies; 0 is greedy."),
         ("05", "Sampling temperature of the decoding measured; 0 is greedy."))),
     Flag("--top-p", "Nucleus sampling threshold.", type=float, default=1.0),
+    Flag("--acceptance-rule", "Offline mode, a chain at --temperature above 0: how drafts are proposed and accepted. "
+         "rejection: sampled from the drafter, accepted with probability min(1, p/q); target-only: the drafter's top "
+         "token, accepted with the verifier's probability p, as SGLang serves EAGLE3 unless told otherwise "
+         "(docs/benchmarking.md).",
+         choices=("rejection", "target-only"), default="rejection"),
     Flag("--url", "Server base URL for --mode server.", aliases=("--server-url", "--base-url"), metavar="URL"),
     Flag("--baseline-url", "Server without speculation, for the speedup in --mode server. Default: none (no "
          "speedup is reported).", metavar="URL"),
@@ -396,8 +401,8 @@ STAGE_FLAGS: dict[str, list[str]] = {
                  "--allow-other-verifier"],
     "05_benchmark": ["--run-dir", "--model-path", "--trust-remote-code", "--draft-model-path",
                      "--data-dir", "--output-dir", "--mode", "--prompts", "--num-prompts", "--max-new-tokens",
-                     "--num-steps", "--topk", "--num-draft-tokens", "--temperature", "--top-p", "--url",
-                     "--baseline-url", "--concurrency", "--allow-overlap", "--device", "--dtype", "--seed",
+                     "--num-steps", "--topk", "--num-draft-tokens", "--temperature", "--top-p", "--acceptance-rule",
+                     "--url", "--baseline-url", "--concurrency", "--allow-overlap", "--device", "--dtype", "--seed",
                      "--chat-template", "--server-api", "--tau-only", "--decode-workers",
                      "--allow-other-verifier"],
 }
