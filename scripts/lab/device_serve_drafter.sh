@@ -3,7 +3,8 @@
 # scripts/sglang_launch_command.py prints, plus this machine's backend flags) beside the same SGLang without
 # speculation, then 05_benchmark.py --mode server on a prompt file (every prompt, every turn) at each temperature and
 # concurrency, and stage 05's offline --tau-only on the same drafter and prompts, to compare SGLang's accept length
-# with. The offline run goes first, while the servers start; the timed server runs go one at a time, alone.
+# with (above T=0 by both acceptance rules: offline's rejection sampling and SGLang's default target-only). The
+# offline runs go first, while the servers start; the timed server runs go one at a time, alone.
 #
 #   scripts/lab/device_serve_drafter.sh VERIFIER DRAFTER PROMPTS OUT_DIR
 #     VERIFIER  the verifier's Hugging Face folder (SmolLM2: the dense folder gpu_smollm2.sh converts)
@@ -78,12 +79,17 @@ say "starting both servers (CUDA graphs: $([ "$no_graph" = 0 ] && echo on || ech
 SPEC_PID=$(start_server $SPEC_PORT spec "$no_graph"); BASE_PID=$(start_server $BASE_PORT base "$no_graph")
 
 # Stage 05 offline on the same drafter and prompts while the servers start (the project's own packages, not SGLang's).
+# Above T=0 also by SGLang's default acceptance rule (--acceptance-rule target-only), the one the server applies.
 for t in $OFFLINE_TEMPS; do
-  timeout "$RUN_LIMIT" python3 05_benchmark.py --model-path "$VERIFIER" --draft-model-path "$DRAFTER" \
-    --prompts "$PROMPTS" --tau-only --decode-workers 8 --num-steps "$STEPS" --topk "$TOPK" \
-    --num-draft-tokens "$DRAFT_TOKENS" --temperature "$t" --max-new-tokens "$NEW_TOKENS" \
-    --output-dir "$OUT_DIR/offline_T$t" > "$OUT_DIR/offline_T$t.log" 2>&1
-  say "offline --tau-only T=$t (exit $?): $(grep -h SUMMARY "$OUT_DIR/offline_T$t.log" | tail -n 1)"
+  rules=rejection; [ "$t" != 0 ] && [ "$TOPK" = 1 ] && rules="rejection target-only"
+  for rule in $rules; do
+    name=offline_T$t$([ "$rule" = rejection ] || echo "_$rule")
+    timeout "$RUN_LIMIT" python3 05_benchmark.py --model-path "$VERIFIER" --draft-model-path "$DRAFTER" \
+      --prompts "$PROMPTS" --tau-only --decode-workers 8 --num-steps "$STEPS" --topk "$TOPK" \
+      --num-draft-tokens "$DRAFT_TOKENS" --temperature "$t" --acceptance-rule "$rule" --max-new-tokens "$NEW_TOKENS" \
+      --output-dir "$OUT_DIR/$name" > "$OUT_DIR/$name.log" 2>&1
+    say "offline --tau-only T=$t $rule (exit $?): $(grep -h SUMMARY "$OUT_DIR/$name.log" | tail -n 1)"
+  done
 done
 
 for port_pid_name in "$SPEC_PORT:$SPEC_PID:spec" "$BASE_PORT:$BASE_PID:base"; do
