@@ -26,12 +26,12 @@ from common.cli.distributed import RankInfo, share_by_cost
 from conftest import REPO
 
 from test_extract import write_prepared_data as write_token_data  # noqa: E402  (random ids, stage 01's format)
+from faults import fault_env  # noqa: E402
 from test_train import _load_module, crash_at, write_prepared_data as write_story_data  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("one_intra_op_thread")
 
 ONE_THREAD = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
-CRASH_ENV = "EAGLE3_TEST_CRASH_AFTER_SAMPLES"
 
 
 def torchrun(script: str, *args: str, nproc: int = 2, env: dict | None = None, timeout: float = 240):
@@ -128,7 +128,7 @@ def test_extraction_on_two_ranks_writes_the_files_of_one_process_and_resumes_on_
 
     # Two ranks killed (SIGKILL, as the OOM killer would) after a few samples each; one process resumes.
     killed = tmp_path / "killed"
-    crashed = torchrun(STAGE02, *flags, "--output-dir", str(killed), env={CRASH_ENV: "3"})
+    crashed = torchrun(STAGE02, *flags, "--output-dir", str(killed), env=fault_env(crash_after_samples=3))
     assert crashed.returncode != 0, crashed.stdout[-2000:]
     assert read_json(killed / "manifest.json")["status"] == "running"
     done_before = [p for p in killed.glob("shard_00000/*") if not p.name.startswith(".")]
@@ -260,10 +260,8 @@ def test_a_signal_to_one_rank_stops_both_after_the_same_step_and_one_process_res
     10), as a scheduler may signal one process of a job: both ranks stop after step 4 (none waits forever for
     the other's gradients), its checkpoint holds the single-process state, and one process resumes it to the
     uninterrupted run's end."""
-    from common.train.stopping import SIGNAL_ENV
-
     out = tmp_path / "signalled"
-    done = torchrun(STAGE04, *train_args(train_run, out, stories260k, grad_accum=1), env={SIGNAL_ENV: "4:1"})
+    done = torchrun(STAGE04, *train_args(train_run, out, stories260k, grad_accum=1), env=fault_env(signal_after_step=(4, 1)))
     assert done.returncode != 0, done.stdout[-3000:]
     latest = read_json(out / "latest.json")
     assert latest["checkpoint"] == "step_000004" and latest["world_size"] == 2

@@ -18,9 +18,10 @@ import pytest
 import torch
 
 from conftest import REPO, run_script, save_tiny_deepseek_v3
+from faults import fault_env
 from common.formats.manifest import Manifest
 from common.formats.files import read_json, write_json_atomic
-from common.extract.extractor import CRASH_ENV, Extractor
+from common.extract.extractor import Extractor
 from common.extract.plan import plan_batches
 from common.formats.hidden_states import (AUX_FILES, FINAL_FILE, LAYER_CONVENTION, META_FILE, RECORD_FILE,
     SAMPLE_FILES, TMP_PREFIX, load_sample, open_hidden_states, sample_dir_name)
@@ -311,7 +312,7 @@ def test_kill_midway_then_rerun_gives_identical_files(stories260k, tmp_path):
     killed = tmp_path / "killed"
     proc = run_script(STAGE_SCRIPT, "--model-path", str(stories260k), "--prepared-data", str(data),
                       "--output-dir", str(killed), "--device", "cpu", *flags, timeout=120,
-                      env={CRASH_ENV: "10", **ONE_THREAD})
+                      env={**fault_env(crash_after_samples=10), **ONE_THREAD})
     assert proc.returncode == -signal.SIGKILL, proc.stdout + proc.stderr
     assert read_json(killed / "manifest.json")["status"] == "running"
     done = [p for p in killed.glob("shard_00000/*") if not p.name.startswith(TMP_PREFIX)]

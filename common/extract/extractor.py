@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import os
 import queue
-import signal
 import threading
 import time
 import traceback
@@ -23,9 +22,6 @@ from common.formats.prepared_data import Sample
 from common.verifier.capture import LayerInputCapture, TextModel, TokenSelector, capture_batch, run_base
 from common.model.kernels import sdpa_without_cudnn
 
-# Test-only: kill this process (SIGKILL, like the OOM killer) once this many samples are written, to prove
-# that a rerun after a hard crash gives the same files as an uninterrupted run.
-CRASH_ENV = "EAGLE3_TEST_CRASH_AFTER_SAMPLES"
 
 @dataclass
 class ExtractionStats:
@@ -98,7 +94,6 @@ class Extractor:
         capacity = max((sum(samples[i].num_tokens for i in batch) for batch in batches), default=1)
         self.staging = StagingBuffers(staging_buffers, capacity, self.storage.fields(hidden_size))
         self.num_workers = num_workers
-        self.crash_after = int(os.environ.get(CRASH_ENV, "0") or 0)
         self._saved_crc = _SAVE_CONFIG.compute_crc32 if _SAVE_CONFIG is not None else None
         if _SAVE_CONFIG is not None:
             _SAVE_CONFIG.compute_crc32 = False
@@ -109,7 +104,6 @@ class Extractor:
         self._outstanding = [0] * staging_buffers
         self._error: str | None = None
         self._disk_full: str | None = None  # a writer's message for a full disk (DiskFull)
-        self._written = 0
         self._done: set[int] = set()  # samples written by this Extractor
         self._stats = ExtractionStats()
         self._processes = []
@@ -181,11 +175,7 @@ class Extractor:
             self._stats.samples_written += len(indices)
             self._stats.files_written += len(indices) * len(self.storage.files())
             self._stats.bytes_written += written_bytes
-            self._written += len(indices)
             self._done.update(indices)
-            done = self._written
-        if self.crash_after and done >= self.crash_after:
-            os.kill(os.getpid(), signal.SIGKILL)
 
     def _release(self, buffer: int) -> None:
         with self._lock:

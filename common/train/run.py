@@ -20,7 +20,6 @@ from common.train.parameters import cast_parameters
 from common.train.plots import CURVES_FILE, remove_stale_drawings, training_title, write_training_curves
 from common.train.step import TrainConfig
 from common.train.profiling import StepProfiler
-from common.train.stopping import signal_hooks_for_tests
 from common.train.trainer import LoopConfig, Trainer
 from common.bench.report import fmt
 from common.figures import TTT_ESTIMATE, WALKED_CHAIN_TAU
@@ -161,7 +160,7 @@ def train_drafter(args, log, inputs: Inputs, run_config: dict, resume_from: Path
                       run_config,
                       validate_checkpoint=lambda path: check_drafter_dir(path, data_manifest=inputs.data_manifest,
                                                                          verifier_info=inputs.verifier),
-                      is_main=rank.is_main, hooks=[*hooks, *signal_hooks_for_tests(rank.rank), *filter(None, [curves, profiler])],
+                      is_main=rank.is_main, hooks=[*hooks, *filter(None, [curves, profiler])],
                       parallel=parallel, source=states)
     if resume_from is not None:
         trainer.load_training_state(resume_from)

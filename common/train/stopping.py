@@ -1,16 +1,11 @@
-"""Stopping a training run cleanly on SIGINT/SIGTERM after the step in progress, and the test hook that
-sends such a signal."""
+"""Stopping a training run cleanly on SIGINT/SIGTERM after the step in progress."""
 from __future__ import annotations
 
-import os
 import signal
 import threading
-from typing import TYPE_CHECKING, Any, Callable
+from typing import Any
 
 from common.cli.stage import get_logger
-
-if TYPE_CHECKING:
-    from common.train.trainer import Trainer
 
 
 class StopRequests:
@@ -42,22 +37,3 @@ class StopRequests:
         self.received = signum
         get_logger().warning("%s received: stopping after this step, with a checkpoint (again to stop at once)",
                              signal.Signals(signum).name)
-
-
-SIGNAL_ENV = "EAGLE3_TEST_SIGNAL_AFTER_STEP"
-
-
-def signal_hooks_for_tests(rank: int) -> list[Callable[["Trainer"], None]]:
-    """EAGLE3_TEST_SIGNAL_AFTER_STEP=STEP:RANK (tests only): that rank sends itself SIGTERM after that optimizer
-    step, as a scheduler signalling one process of a distributed job would."""
-    wanted = os.environ.get(SIGNAL_ENV)
-    if not wanted:
-        return []
-    step, signalled_rank = (int(part) for part in wanted.split(":"))
-    if rank != signalled_rank:
-        return []
-
-    def hook(trainer: "Trainer") -> None:
-        if trainer.state.step == step:
-            signal.raise_signal(signal.SIGTERM)
-    return [hook]
