@@ -11,7 +11,8 @@ whether all rows are done. This loop does only what stage 01's replies need:
    every CHECK_EVERY steps.
 
 Greedy picks the first index of the largest float32 logit, as `generate` does; sampling draws from
-softmax(logits / temperature) with torch's global RNG (no top-k or top-p), as stage 01's --temperature does.
+softmax(logits / temperature) with torch's global RNG (no top-k; top-p only for --synthesize's user turns), as
+stage 01's --temperature does.
 The StaticCache keeps its own fill counter on the device (transformers 5.x), so no cache positions are
 passed: a reset cache starts at 0 and each forward advances it by its query length.
 """
@@ -31,10 +32,12 @@ COMPILE_OPTIONS = {"mode": "reduce-overhead", "dynamic": False}
 
 
 def decode(model, cache, input_ids, prompt_mask, cache_width: int, max_new_tokens: int, stop_ids, pad_id: int,
-           temperature: float) -> list[list[int]]:
+           temperature: float, top_p: float = 1.0, on_check=None) -> list[list[int]]:
     """Generated token rows (each `max_new_tokens` long at most, pads after its stop id) for `input_ids`, a
     [rows, width] batch left-padded as `prompt_mask` (1 = token, 0 = pad) says, decoding into `cache`, an
-    empty StaticCache of `cache_width` >= width + max_new_tokens positions."""
+    empty StaticCache of `cache_width` >= width + max_new_tokens positions. `on_check(steps, tokens)` is told
+    the steps run and the tokens generated (up to each stop id) every CHECK_EVERY steps, when the host waits
+    for the device anyway."""
     import torch
 
     rows, width = input_ids.shape
@@ -48,17 +51,21 @@ def decode(model, cache, input_ids, prompt_mask, cache_width: int, max_new_token
     stops = torch.tensor(sorted(stop_ids), dtype=torch.long, device=device)
     out = torch.full((rows, max_new_tokens), pad_id, dtype=torch.long, device=device)
     finished = torch.zeros(rows, dtype=torch.bool, device=device)
+    generated = torch.zeros((), dtype=torch.long, device=device)  # counted on the device: read only at checks
     given = {forward_cache_keyword(type(model)): cache, "attention_mask": mask, "use_cache": True, "logits_to_keep": 1}
 
     logits = model(input_ids=input_ids, position_ids=positions, **given).logits
     step_forward = decoding_forward(model)
     position = positions[:, -1:]
     for step in range(max_new_tokens):
-        token = next_token(logits[:, -1], temperature).masked_fill(finished, pad_id)
+        token = next_token(logits[:, -1], temperature, top_p).masked_fill(finished, pad_id)
         out[:, step] = token
+        generated += (~finished).sum()
         finished |= torch.isin(token, stops)
         if step + 1 == max_new_tokens or all_finished(finished, step + 1):
             break
+        if on_check is not None and (step + 1) % CHECK_EVERY == 0:
+            on_check(step + 1, int(generated))
         position = position + 1
         mark_step(device)
         logits = step_forward(input_ids=token[:, None], position_ids=position, **given).logits
@@ -70,14 +77,19 @@ def all_finished(finished, steps: int) -> bool:
     return steps % CHECK_EVERY == 0 and bool(finished.all())
 
 
-def next_token(logits, temperature: float):
-    """One token per row: greedy (the first index of the largest logit) at temperature 0, else a sample."""
+def next_token(logits, temperature: float, top_p: float = 1.0):
+    """One token per row: greedy (the first index of the largest logit) at temperature 0, else a sample (from
+    the smallest set of most likely tokens holding `top_p` of the probability, when below 1)."""
     import torch
 
     scores = logits.float()
     if temperature <= 0:
         return scores.argmax(dim=-1)
     probabilities = torch.softmax(scores / temperature, dim=-1)
+    if top_p < 1.0:
+        ordered, order = probabilities.sort(dim=-1, descending=True)
+        ordered[(ordered.cumsum(-1) - ordered) > top_p] = 0.0  # tokens after the nucleus is full
+        return order.gather(1, torch.multinomial(ordered, num_samples=1)).squeeze(1)
     return torch.multinomial(probabilities, num_samples=1).squeeze(1)
 
 

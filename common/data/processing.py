@@ -4,7 +4,8 @@ from __future__ import annotations
 import hashlib
 import json
 from dataclasses import replace
-from itertools import islice
+from collections import Counter
+from itertools import count, islice
 from typing import TYPE_CHECKING, Callable, Iterator
 
 from common.cli.errors import UsageError
@@ -59,10 +60,12 @@ class Processor:
         self.duplicate_samples = 0
         self._seen: set[bytes] = set()
 
-    def __call__(self, chunk: list[Record], replies: int = 1) -> list[tuple[Record, list[Sample]]]:
+    def __call__(self, chunk: list[Record], replies: int = 1,
+                 desc: str = "regenerate") -> list[tuple[Record, list[Sample]]]:
         """With a regenerator and `replies` > 1, each conversation gets that many regenerated replies, each
-        its own sample (id from reply_id); a reply that fails is counted bad on its own."""
-        generated = self.regenerate([r for r in chunk if r.is_chat], replies) if self.regenerate else {}
+        its own sample (id from reply_id); a reply that fails is counted bad on its own. `desc` names the
+        regeneration's progress lines."""
+        generated = self.regenerate([r for r in chunk if r.is_chat], replies, desc) if self.regenerate else {}
         accepted = []
         for record in chunk:
             variants = [record]
@@ -107,18 +110,42 @@ def fill(candidates: Iterator[Record], need: int | None, process: Processor,
     """Process candidates in order until `need` conversations are accepted (None: all of them), each with
     `replies` regenerated replies."""
     accepted = 0
-    get_logger().info("%s: taking %s conversations, in rounds of up to %d records (%s)", desc,
-                      need if need is not None else "all remaining", process.chunk_records,
-                      "regenerate the replies, then tokenize" if process.regenerate else "tokenize")
+    log = get_logger()
+    log.info("%s: taking %s conversations, in rounds of up to %d records (%s)", desc,
+             need if need is not None else "all remaining", process.chunk_records,
+             "regenerate the replies, then tokenize" if process.regenerate else "tokenize")
     with Progress(total=need, desc=desc, unit="conv") as progress:
-        while need is None or accepted < need:
+        for round_ in count(1):
+            if need is not None and accepted >= need:
+                break
             room = process.chunk_records if need is None else min(process.chunk_records, need - accepted)
             chunk = list(islice(candidates, room))
             if not chunk:
                 break
-            done = process(chunk, replies)
+            if round_ > 1 and need is not None:
+                log.info("%s, round %d: %d more conversation(s), in place of those round %d dropped (%s)", desc,
+                         round_, len(chunk), round_ - 1, dropped.reasons())
+            dropped = _Dropped(process)
+            done = process(chunk, replies, f"regenerate {desc}, round {round_}")
             for record, samples in done:
                 sink(record, samples)
             accepted += len(done)
             progress.update(len(done))  # once a round: a report after the round's first record said "ETA 400 h"
     return accepted
+
+
+class _Dropped:
+    """What the processor drops from here on (a round): bad records by reason, and repeated samples."""
+
+    def __init__(self, process: Processor):
+        self.process = process
+        self.bad_before = Counter(process.bad.counts)
+        self.duplicates_before = process.duplicate_samples
+
+    def reasons(self) -> str:
+        counts = Counter(self.process.bad.counts)
+        counts.subtract(self.bad_before)
+        duplicates = self.process.duplicate_samples - self.duplicates_before
+        if duplicates:
+            counts["repeated sample"] = duplicates
+        return ", ".join(f"{reason}: {n}" for reason, n in counts.most_common() if n > 0) or "none counted"

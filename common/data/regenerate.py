@@ -11,8 +11,9 @@ from pathlib import Path
 from typing import Any, Callable, Sequence
 
 from common.cli.errors import UsageError
-from common.cli.stage import Progress, get_logger
+from common.cli.stage import get_logger
 from common.data.records import ASSISTANT, USER
+from common.data.regen_progress import RegenerationProgress
 
 CACHE_FILE = "regenerated.jsonl"
 SETTINGS_FILE = "regenerated.settings.json"
@@ -63,9 +64,10 @@ class RegenerationCache:
     """regenerated.jsonl: one line per finished conversation, {"id", "prompts_sha256", "messages"} or
     {"id", "prompts_sha256", "bad": reason, "detail"}; the last line for an id wins."""
 
-    def __init__(self, folder: str | os.PathLike, settings: dict[str, Any]):
-        self.path = Path(folder) / CACHE_FILE
-        self.settings_path = Path(folder) / SETTINGS_FILE
+    def __init__(self, folder: str | os.PathLike, settings: dict[str, Any], name: str = CACHE_FILE):
+        self.path = Path(folder) / name  # another name: the same kind of file (stage 01 --synthesize's rounds)
+        settings_name = SETTINGS_FILE if name == CACHE_FILE else f"{Path(name).stem}.settings.json"
+        self.settings_path = Path(folder) / settings_name
         self.settings = settings
 
     def differences(self) -> list[str]:
@@ -198,9 +200,15 @@ def regenerate_conversations(conversations: Sequence[Any], respond: Responder, c
         get_logger().info("%s: reusing %d conversation(s) already generated in %s", desc, reused, cache.path)
     if not todo:
         return results, {"reused": reused, "generated": 0}
-    with Progress(total=len(todo), desc=desc, unit="conv") as progress:
+    progress = RegenerationProgress(desc, [len(c.segments) for c in todo], batch_size,
+                                    getattr(respond, "max_new_tokens", None))
+    listen = getattr(respond, "listen", None)  # a responder that counts its decoding steps (HFResponder)
+    if listen is not None:
+        listen(progress.on_step)
+    try:
         for start in range(0, len(todo), batch_size):
             batch = todo[start:start + batch_size]
+            progress.batch_started(start // batch_size)
             _generate_batch(batch, respond)
             entries = []
             for c in batch:
@@ -212,7 +220,11 @@ def regenerate_conversations(conversations: Sequence[Any], respond: Responder, c
                 entries.append(entry)
                 results[c.id] = entry
             cache.append(entries)
-            progress.update(len(batch))
+            progress.batch_done(len(batch))
+    finally:
+        if listen is not None:
+            listen(None)
+        progress.close()
     return results, {"reused": reused, "generated": len(todo)}
 
 
@@ -239,19 +251,19 @@ class Regenerator:
         self.greedy_first = greedy_first
         self.counts = {"reused": 0, "generated": 0}
 
-    def __call__(self, conversations: Sequence[Any], replies: int = 1) -> dict[str, dict]:
-        """Cache entries keyed by reply_id(conversation id, k) for k < replies."""
+    def __call__(self, conversations: Sequence[Any], replies: int = 1, desc: str = "regenerate") -> dict[str, dict]:
+        """Cache entries keyed by reply_id(conversation id, k) for k < replies; `desc` names the progress lines."""
         expanded = [(k, _Reply(reply_id(c.id, k), c.messages)) for c in conversations for k in range(replies)]
         if self.greedy_first:
-            runs = [([r for k, r in expanded if k == 0], AtTemperature(self.respond, 0.0)),
-                    ([r for k, r in expanded if k > 0], self.respond)]
+            runs = [([r for k, r in expanded if k == 0], AtTemperature(self.respond, 0.0), f"{desc} (greedy replies)"),
+                    ([r for k, r in expanded if k > 0], self.respond, f"{desc} (sampled replies)")]
         else:
-            runs = [([r for _, r in expanded], self.respond)]
+            runs = [([r for _, r in expanded], self.respond, desc)]
         results: dict[str, dict] = {}
-        for batch, respond in runs:
+        for batch, respond, run_desc in runs:
             if not batch:
                 continue
-            found, counts = regenerate_conversations(batch, respond, self.cache, self.batch_size)
+            found, counts = regenerate_conversations(batch, respond, self.cache, self.batch_size, run_desc)
             results.update(found)
             for key, value in counts.items():
                 self.counts[key] += value

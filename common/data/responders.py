@@ -17,6 +17,7 @@ from typing import Any, Callable, Sequence
 
 from common.cli.errors import UsageError
 from common.cli.stage import get_logger
+from common.data.regen_progress import StepListener, StepTally
 from common.data.regenerate import ENDPOINT_FAILED
 from common.data.static_cache import StaticCachePool, generate_cache_keyword, static_batches, static_width
 from common.model.kernels import sdpa_without_cudnn
@@ -85,6 +86,7 @@ class HFResponder:
         self.stop_ids = set(stop_ids)
         self.max_new_tokens = max_new_tokens
         self.temperature = temperature
+        self.top_p = 1.0  # nucleus sampling: --synthesize's user turns set it (common.data.turn_samplers)
         self.batch_size = batch_size
         self.max_prompt_tokens = max_prompt_tokens
         self.seed = seed
@@ -92,6 +94,7 @@ class HFResponder:
         self.generated_tokens = 0  # up to each reply's stop token, for rates
         self.batch_log: list[dict] = []
         self.caches = StaticCachePool()
+        self.on_step: StepListener | None = None  # told each batch's decoding steps as they run (listen)
         # Any id works for padding (padded positions are masked out); left padding is done by hand.
         self.pad_id = next(i for i in (tokenizer.pad_token_id, tokenizer.eos_token_id, min(stop_ids, default=0))
                            if i is not None)
@@ -109,6 +112,25 @@ class HFResponder:
             self.models = [self._load_model(device) for device in self.devices]
             torch.manual_seed(self.seed)
         return self.models
+
+    def reseed(self, seed: int) -> None:
+        """Load the verifier if not yet loaded, then seed torch's RNG: the sampling that follows repeats."""
+        import torch
+
+        self._ensure_models()
+        torch.manual_seed(seed)
+
+    def continue_tokens(self, prompts: list[list[int]]) -> list[list[int] | None]:
+        """Generated token rows for prompts given as token ids (None for one not shorter than the length
+        budget), batched as the responder batches conversations."""
+        usable = sorted((i for i, p in enumerate(prompts) if 0 < len(p) < self.max_prompt_tokens),
+                        key=lambda i: len(prompts[i]))
+        chunks = [[usable[k] for k in batch] for batch in self._batches([len(prompts[i]) for i in usable])]
+        rows: list[list[int] | None] = [None] * len(prompts)
+        for chunk, out in zip(chunks, self._generate_all([[prompts[i] for i in chunk] for chunk in chunks])):
+            for i, row in zip(chunk, out):
+                rows[i] = row
+        return rows
 
     def render(self, conversation: list[dict]) -> str | None:
         """The prompt text the verifier continues: the chat template with the assistant's turn opened."""
@@ -174,15 +196,21 @@ class HFResponder:
         sampling = self.temperature > 0
         return GenerationConfig(max_new_tokens=self.max_new_tokens, do_sample=sampling,
                                 temperature=self.temperature if sampling else None,
-                                top_p=1.0 if sampling else None, top_k=0 if sampling else None,
+                                top_p=self.top_p if sampling else None, top_k=0 if sampling else None,
                                 eos_token_id=sorted(self.stop_ids), pad_token_id=self.pad_id)
+
+    def listen(self, on_step: StepListener | None) -> None:
+        """Tell `on_step(token_steps, tokens)` how each batch's decoding advances (None: stop telling)."""
+        self.on_step = on_step
 
     def _generate(self, model, prompts: list[list[int]]) -> list[list[int]]:
         """One batch's generated rows, timed into `batch_log`."""
         device = next(model.parameters()).device
         width, cache_width = self._widths(prompts)
         started = synchronized_clock(device)
-        rows = self._run_batch(model, prompts, device, width, cache_width)
+        tally = StepTally(self.on_step, len(prompts), self.stop_ids)
+        rows = self._run_batch(model, prompts, device, width, cache_width, tally)
+        tally.finish(rows)
         self.batch_log.append({"engine": self.engine, "rows": len(prompts), "width": width,
                                "cache_width": cache_width, "seconds": synchronized_clock(device) - started,
                                "steps": max(len(row) for row in rows)})
@@ -198,7 +226,8 @@ class HFResponder:
         width = static_width(longest) if self.uses_static_cache else longest
         return width, width + self.max_new_tokens
 
-    def _run_batch(self, model, prompts: list[list[int]], device, width: int, cache_width: int | None):
+    def _run_batch(self, model, prompts: list[list[int]], device, width: int, cache_width: int | None,
+                   tally: StepTally):
         import torch
 
         self._set_attention(model)
@@ -210,8 +239,8 @@ class HFResponder:
                 return self._generate_continuous(model, prompts, device)
         with on_gpu, torch.inference_mode(), sdpa_without_cudnn():
             if self.engine == "loop":
-                return self._generate_loop(model, prompts, device, width, cache_width)
-            return self._generate_padded(model, prompts, device, width, cache_width)
+                return self._generate_loop(model, prompts, device, width, cache_width, tally)
+            return self._generate_padded(model, prompts, device, width, cache_width, tally)
 
     def _set_attention(self, model) -> None:
         """"static" and "loop" decode with common.verifier.decode_attention (no K/V copies for grouped heads);
@@ -224,7 +253,7 @@ class HFResponder:
             model.set_attn_implementation("sdpa")
 
     def _generate_padded(self, model, prompts: list[list[int]], device, width: int,
-                         cache_width: int) -> list[list[int]]:
+                         cache_width: int, tally: StepTally) -> list[list[int]]:
         """One batch left-padded to `width` through `generate`: "static" with a pooled StaticCache of
         `cache_width` positions, "generate" with the dynamic cache generate makes. generate compiles its
         decoding step on a GPU for a cache it is given as for one it makes: its test
@@ -235,11 +264,11 @@ class HFResponder:
         with lent as cache:
             given = {generate_cache_keyword(): cache} if static else {}
             output = model.generate(input_ids=input_ids, attention_mask=attention,
-                                    generation_config=self._config(), **given)
+                                    generation_config=self._config(), streamer=tally, **given)
         return output[:, width:].tolist()
 
     def _generate_loop(self, model, prompts: list[list[int]], device, width: int,
-                       cache_width: int) -> list[list[int]]:
+                       cache_width: int, tally: StepTally) -> list[list[int]]:
         """One batch left-padded to `width` through common.data.decode_loop, with a pooled StaticCache of
         `cache_width` positions."""
         from common.data.decode_loop import decode
@@ -247,7 +276,7 @@ class HFResponder:
         input_ids, attention = self._left_padded(prompts, device, width)
         with self.caches.lend(model, device, len(prompts), cache_width) as cache:
             return decode(model, cache, input_ids, attention, cache_width, self.max_new_tokens, self.stop_ids,
-                          self.pad_id, self.temperature)
+                          self.pad_id, self.temperature, self.top_p, on_check=tally.at)
 
     def _left_padded(self, prompts: list[list[int]], device, width: int):
         """The prompts left-padded to `width` with the pad id, and their attention mask (0 on pads)."""
