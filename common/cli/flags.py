@@ -142,6 +142,24 @@ _ALL_FLAGS: list[Flag] = [
          type=_positive_int, default=1),
     Flag("--greedy-first-reply", "With --replies-per-prompt N: reply ID (and the eval split's) greedy, the other N-1 "
          "sampled at --temperature (what it changes: docs/data.md).", type=None, action="store_true"),
+    Flag("--synthesize", "With --regenerate: add N conversations written by the verifier (user turns sampled from its "
+         "chat template's opening of a user turn, replies as --regenerate makes them; docs/data_engine.md). --dataset "
+         "is then optional. Default: none.", type=_positive_int, metavar="N"),
+    Flag("--synthesize-turns", "With --synthesize: user turns per made conversation, at most.", type=_positive_int,
+         default=1),
+    Flag("--synthesize-temperature", "With --synthesize: sampling temperature of the made user turns.", type=float,
+         default=1.0),
+    Flag("--synthesize-top-p", "With --synthesize: nucleus threshold of the made user turns.", type=_fraction,
+         default=1.0),
+    Flag("--synthesize-max-tokens", "With --synthesize: longest made user turn, in tokens; one not ended by then is "
+         "dropped (too_long).", type=_positive_int, default=128),
+    Flag("--near-duplicate-threshold", "With --synthesize: a made user turn whose word 3-gram Jaccard similarity "
+         "(MinHash) with a kept one reaches this is dropped; 1 keeps all but exact duplicates.", type=_fraction,
+         default=0.7),
+    Flag("--source-count", "Take N conversations from this source (a --dataset value as given, or synthesize for the "
+         "made ones), chosen by --seed once duplicates and --exclude-prompts are removed; a source not named gives all "
+         "of its own. Repeat for several sources. Default: all of every source.", action="append",
+         metavar="SOURCE=N"),
     # --- shared compute settings -----------------------------------------------------------------
     Flag("--batch-size", "Sequences per batch.", aliases=("--bs", "--per-device-batch-size",
          "--train-batch-size", "--micro-batch-size"), type=_positive_int, metavar="N", stage_help=(
@@ -379,7 +397,9 @@ STAGE_FLAGS: dict[str, list[str]] = {
                         "--eval-output", "--exclude-prompts", "--max-bad-fraction", "--max-turns", "--regenerate",
                         "--max-new-tokens", "--batch-size", "--device", "--device-map", "--dtype", "--temperature",
                         "--overwrite", "--regenerate-endpoint", "--concurrency", "--regenerate-engine",
-                        "--replies-per-prompt", "--greedy-first-reply"],
+                        "--replies-per-prompt", "--greedy-first-reply", "--synthesize", "--synthesize-turns",
+                        "--synthesize-temperature", "--synthesize-top-p", "--synthesize-max-tokens",
+                        "--near-duplicate-threshold", "--source-count"],
     "02_extract_hidden_states": ["--run-dir", "--model-path", "--trust-remote-code", "--prepared-data",
                                  "--output-dir", "--aux-layers", "--batch-size", "--max-tokens-per-batch",
                                  "--max-seq-len", "--device", "--dtype", "--num-workers",

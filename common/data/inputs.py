@@ -15,6 +15,8 @@ from common.formats.manifest import STATUS_COMPLETE
 from common.formats.resume import earlier_manifest, refuse_other_settings, setting_differences
 
 STAGE = "01_prepare_data"
+SYNTHESIS_FLAGS = ("synthesize", "synthesize_turns", "synthesize_temperature", "synthesize_top_p",
+                   "synthesize_max_tokens", "near_duplicate_threshold")
 
 
 @dataclass
@@ -48,7 +50,9 @@ def check_inputs(args) -> Inputs:
     """Paths, data sources, tokenizer, template and device: all checked in seconds, before any load."""
     from common.verifier.loading import load_tokenizer, pick_device, read_verifier_info
 
-    require(args, "model_path", "dataset")
+    require(args, "model_path", *(() if args.synthesize else ("dataset",)))
+    _check_synthesis(args)
+    source_counts(args)
     served_model = _check_endpoint(args)
     out = Path(args.output_dir)
     if args.eval_output and args.eval_ratio == 0:
@@ -59,7 +63,7 @@ def check_inputs(args) -> Inputs:
     check_writable(out, "--output-dir")
     if args.eval_ratio > 0:
         check_writable(eval_file.parent, "--eval-output")
-    sources = [resolve_source(spec) for spec in args.dataset]
+    sources = [resolve_source(spec) for spec in args.dataset or []]
     for source in sources:
         source.check()
     excluded = excluded_prompt_hashes(args.exclude_prompts or [])
@@ -68,6 +72,9 @@ def check_inputs(args) -> Inputs:
     tokenizer = load_tokenizer(args.model_path, args.trust_remote_code, args.chat_template)
     template = _template_text(tokenizer)
     template_sha = sha256_text(template) if template else None
+    if args.synthesize and template is None:
+        raise UsageError(f"--synthesize: the tokenizer of --model-path {args.model_path} has no chat template, whose "
+                         "opening of a user turn the verifier continues; give --chat-template FILE")
     fingerprint = _fingerprint(args, verifier.tokenizer_sha256, template_sha, eval_file, served_model)
     if excluded:  # only then, so outputs made before the flag existed stay complete
         fingerprint["excluded_prompts_sha256"] = sha256_text("".join(sorted(excluded)))
@@ -107,6 +114,32 @@ def _check_replies(args) -> None:
                          "greedy replies to one prompt are all the same; give --temperature (e.g. 0.7)")
 
 
+def _check_synthesis(args) -> None:
+    """--synthesize answers its user turns as --regenerate answers the data's: it needs --regenerate."""
+    if args.synthesize and not args.regenerate:
+        raise UsageError(f"--synthesize {args.synthesize} is set without --regenerate; add --regenerate (the "
+                         "verifier that writes the user turns also writes the replies, with its settings)")
+    if args.synthesize and args.synthesize_temperature <= 0:
+        raise UsageError(f"--synthesize-temperature {args.synthesize_temperature}: greedy user turns are all the "
+                         "same; give a temperature above 0 (e.g. 1.0)")
+
+
+def source_counts(args) -> dict[str, int]:
+    """--source-count SOURCE=N as {source: N}; a malformed value or a source that is not given stops here."""
+    from common.data.synthesis import SOURCE
+
+    given = set(args.dataset or []) | ({SOURCE} if args.synthesize else set())
+    counts: dict[str, int] = {}
+    for value in args.source_count or []:
+        source, _, number = value.rpartition("=")
+        if not number.isdigit() or int(number) < 1 or source not in given:
+            raise UsageError(f"--source-count {value}: expected SOURCE=N with N >= 1 and SOURCE one of "
+                             f"{', '.join(sorted(given)) or '(no source given)'} (a --dataset value as given, or "
+                             "synthesize with --synthesize)")
+        counts[source] = int(number)
+    return counts
+
+
 def _check_endpoint(args) -> str | None:
     """--regenerate-endpoint answers (before any data is read); returns the model name it serves."""
     if not args.regenerate_endpoint:
@@ -138,7 +171,7 @@ def _fingerprint(args, tokenizer_sha: str, template_sha: str | None, eval_file: 
     """The settings the output depends on; a complete output made with other settings is not reused."""
     fingerprint = {
         "model_path": args.model_path, "tokenizer_sha256": tokenizer_sha, "chat_template_sha256": template_sha,
-        "datasets": [_dataset_identity(spec) for spec in args.dataset], "max_seq_len": args.max_seq_len,
+        "datasets": [_dataset_identity(spec) for spec in args.dataset or []], "max_seq_len": args.max_seq_len,
         "num_samples": args.num_samples, "seed": args.seed, "eval_ratio": args.eval_ratio,
         "eval_output": str(eval_file.resolve()) if args.eval_ratio > 0 else None, "regenerate": args.regenerate,
         "max_turns": args.max_turns,
@@ -150,6 +183,10 @@ def _fingerprint(args, tokenizer_sha: str, template_sha: str | None, eval_file: 
             fingerprint["replies_per_prompt"] = args.replies_per_prompt
         if args.greedy_first_reply:  # likewise
             fingerprint["greedy_first_reply"] = True
+    if args.synthesize:  # likewise
+        fingerprint.update({name: getattr(args, name) for name in SYNTHESIS_FLAGS})
+    if args.source_count:  # likewise
+        fingerprint["source_count"] = sorted(args.source_count)
     return fingerprint
 
 

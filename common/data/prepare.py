@@ -13,6 +13,7 @@ from common.data.processing import Processor, preflight
 from common.data.records import (BadRecords, Record, drop_prompts, keep_first_user_turns, make_ids_unique,
                                  remove_duplicates)
 from common.data.sources import read_records
+from common.data.synthesis import SOURCE, synthesize
 from common.data.splits import (BAD_RECORDS_FILE, PROMPT_HASHES_FILE, REFUSED_BAD_RECORDS_FILE, check_bad_fraction,
                                 write_bad_records, write_splits)
 from common.formats.manifest import Manifest
@@ -132,6 +133,29 @@ def warn_of_fewer_samples(args, written, records_read: int, log) -> None:
                     args.num_samples, taken, records_read)
 
 
+def take_per_source(args, records: list[Record], log) -> tuple[list[Record], dict | None]:
+    """--source-count: N records of each named source, a sample seeded by --seed and the source's name (so
+    naming another source changes nothing here); the others kept whole, in order. Returns the counts too."""
+    from common.data.inputs import source_counts
+
+    wanted = source_counts(args)
+    if not wanted:
+        return records, None
+    chosen: set[int] = set()
+    mixing = {}
+    for source, count in wanted.items():
+        pool = [i for i, r in enumerate(records) if r.source == source]
+        random.Random(f"{args.seed}:{source}").shuffle(pool)
+        chosen.update(pool[:count])
+        mixing[source] = {"asked": count, "available": len(pool), "taken": min(count, len(pool))}
+        log.info("--source-count: %s: %d of its %d usable conversation(s) taken (%d asked)", source,
+                 mixing[source]["taken"], len(pool), count)
+        if len(pool) < count:
+            log.warning("--source-count %s=%d: the source gave only %d usable conversation(s); all were taken",
+                        source, count, len(pool))
+    return [r for i, r in enumerate(records) if r.source not in wanted or i in chosen], mixing
+
+
 # --- the stage's work ---------------------------------------------------------------------------------
 
 def prepare_data(args, inputs: Inputs, log) -> dict:
@@ -139,13 +163,24 @@ def prepare_data(args, inputs: Inputs, log) -> dict:
     from common.verifier.loading import resolve_model_path
 
     cache = regeneration_cache(args, inputs, log)
-    records, reading_bad, described, records_read = read_data(args, inputs, log)
+    records, reading_bad, described, records_read = read_data(args, inputs, log) if args.dataset \
+        else ([], BadRecords(), [], 0)
+    stop_ids = end_of_turn_ids(inputs.tokenizer, resolve_model_path(args.model_path)[0])
+    chat = ChatTokenizer(inputs.tokenizer, stop_ids, args.max_seq_len)
+    regenerator = make_regenerator(args, inputs, stop_ids, cache, records, log) if args.regenerate else None
+    discard_outdated_cache(args, cache, log)  # the new data has passed its checks (and the preflight)
+    synthesis = None
+    if args.synthesize:
+        made, synthesis = synthesize(args, inputs, regenerator, cache, stop_ids, log)
+        described.insert(0, {"dataset": SOURCE, "format": "synthesize", "records": len(made), "bad_records": 0})
+        records, records_read = made + records, records_read + len(made)
 
     records, duplicates = remove_duplicates(records)
     records, excluded = drop_prompts(records, inputs.excluded_prompts)
     if args.exclude_prompts:
         log.info("--exclude-prompts: %d conversation(s) dropped whose first prompt is in %s", excluded,
                  ", ".join(args.exclude_prompts))
+    records, mixing = take_per_source(args, records, log)
     make_ids_unique(records)
     random.Random(args.seed).shuffle(records)
     total = min(args.num_samples or len(records), len(records))
@@ -154,10 +189,6 @@ def prepare_data(args, inputs: Inputs, log) -> dict:
     log.info("%d usable record(s) after removing %d exact duplicate(s); taking %s for training and %d for "
              "evaluation", len(records), duplicates, n_train if n_train is not None else "the rest", n_eval)
 
-    stop_ids = end_of_turn_ids(inputs.tokenizer, resolve_model_path(args.model_path)[0])
-    chat = ChatTokenizer(inputs.tokenizer, stop_ids, args.max_seq_len)
-    regenerator = make_regenerator(args, inputs, stop_ids, cache, records, log) if args.regenerate else None
-    discard_outdated_cache(args, cache, log)  # the new data has passed its checks (and the preflight)
     if regenerator is not None:
         warn_of_merged_prompts(records, log)
 
@@ -211,5 +242,9 @@ def prepare_data(args, inputs: Inputs, log) -> dict:
         if args.regenerate_endpoint:  # requests that failed after retries (their conversations are bad records)
             manifest.data["regeneration"].update(failures=regenerator.respond.failures,
                                                  failure_examples=regenerator.respond.errors)
+    if synthesis is not None:
+        manifest.data["synthesis"] = synthesis
+    if mixing is not None:
+        manifest.data["mixing"] = mixing
     manifest.complete()
     return manifest.data

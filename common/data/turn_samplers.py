@@ -1,0 +1,89 @@
+"""Sampling token continuations for --synthesize's user turns: the in-process verifier's engines
+(common.data.responders.HFResponder, with the user turns' own length, temperature, top-p and stop ids), or a
+server's SGLang-style /generate with token ids. Both take prompts as token ids and return generated token ids,
+so the template's own tokens inside a turn stay visible to the leak check.
+"""
+from __future__ import annotations
+
+import json
+import time
+import urllib.error
+import urllib.request
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
+
+from common.cli.stage import get_logger
+from common.data.responders import _is_transient, endpoint_base
+
+
+@contextmanager
+def _settings(responder, **values):
+    """The responder's attributes set to `values` for the length of the block, then back."""
+    own = {name: getattr(responder, name) for name in values}
+    for name, value in values.items():
+        setattr(responder, name, value)
+    try:
+        yield responder
+    finally:
+        for name, value in own.items():
+            setattr(responder, name, value)
+
+
+class InProcessTurnSampler:
+    """User turns from the verifier stage 01 loaded (the same copy that writes the replies)."""
+
+    def __init__(self, responder, max_new_tokens: int, temperature: float, top_p: float, stop_ids: set[int]):
+        self.responder = responder
+        self.values = {"max_new_tokens": max_new_tokens, "temperature": temperature, "top_p": top_p,
+                       "stop_ids": set(stop_ids)}
+
+    def __call__(self, prompts: list[list[int]], seed: int) -> list[list[int] | None]:
+        with _settings(self.responder, **self.values) as responder:
+            responder.reseed(seed)
+            return responder.continue_tokens(prompts)
+
+
+class EndpointTurnSampler:
+    """User turns from POST /generate {"input_ids", "sampling_params"} (SGLang's native route), `concurrency`
+    requests in flight; transient failures retried with backoff, a request still failing gives None. Each
+    request carries its own `sampling_seed` (seed + row), which SGLang honours where its sampler is
+    deterministic; the generated ids come from "output_ids", else the text is tokenized here."""
+
+    def __init__(self, url: str, tokenizer, max_new_tokens: int, temperature: float, top_p: float,
+                 stop_ids: set[int], concurrency: int = 1, retries: int = 3, timeout_s: float = 600,
+                 backoff_s: float = 0.5):
+        self.url = endpoint_base(url) + "/generate"
+        self.tokenizer = tokenizer
+        self.params = {"max_new_tokens": max_new_tokens, "temperature": temperature, "top_p": top_p,
+                       "stop_token_ids": sorted(stop_ids), "skip_special_tokens": False}
+        self.concurrency, self.retries, self.timeout_s, self.backoff_s = concurrency, retries, timeout_s, backoff_s
+        self.failures = 0
+
+    def __call__(self, prompts: list[list[int]], seed: int) -> list[list[int] | None]:
+        jobs = [(ids, seed + i) for i, ids in enumerate(prompts)]
+        with ThreadPoolExecutor(max_workers=self.concurrency) as pool:
+            return list(pool.map(lambda job: self._sample(*job), jobs))
+
+    def _post(self, ids: list[int], seed: int) -> dict:
+        body = json.dumps({"input_ids": ids, "sampling_params": {**self.params, "sampling_seed": seed}})
+        request = urllib.request.Request(self.url, data=body.encode("utf-8"),
+                                         headers={"Content-Type": "application/json"})
+        with urllib.request.urlopen(request, timeout=self.timeout_s) as response:
+            return json.loads(response.read())
+
+    def _sample(self, ids: list[int], seed: int) -> list[int] | None:
+        for attempt in range(self.retries + 1):
+            try:
+                out = self._post(ids, seed)
+                if out.get("output_ids") is not None:
+                    return [int(t) for t in out["output_ids"]]
+                return list(self.tokenizer(out["text"], add_special_tokens=False)["input_ids"])
+            except Exception as err:  # noqa: BLE001 - every failure is either retried or counted
+                if _is_transient(err) and attempt < self.retries:
+                    time.sleep(self.backoff_s * 2 ** attempt)
+                    continue
+                self.failures += 1
+                get_logger().warning("%s: request failed after %d attempt(s): %s: %s", self.url, attempt + 1,
+                                     type(err).__name__, err)
+                return None
+        return None
