@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 
 from conftest import REPO, STORIES_TEMPLATE, TWO_TURN_PROMPTS
+from test_prepare_data import read_jsonl, smol_tokenizer, stage  # noqa: F401  (two fixtures)
 from common.data.prompt_filters import KEPT, PromptFilters
 from common.data.synthesis import SAMPLES_FILE, SYNTHESIS_FILE, round_seed
 from common.data.user_turns import (UserTurnFormat, template_special_tokens, user_turn_closing, user_turn_opening,
@@ -31,32 +32,6 @@ KIMI_LIKE = (
 KIMI_TOKENS = ["[EOS]", "<|im_end|>", "<|im_user|>", "<|im_assistant|>", "<|im_system|>", "<|im_middle|>"]
 HISTORY = [{"role": "user", "content": "What is the capital of France?"},
            {"role": "assistant", "content": "Paris."}]
-
-
-def load_stage():
-    import importlib.util
-
-    spec = importlib.util.spec_from_file_location("prepare_data_synthesis", REPO / SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    return module
-
-
-def read_jsonl(path: Path) -> list[dict]:
-    return [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
-
-
-@pytest.fixture(scope="module")
-def stage():
-    return load_stage()
-
-
-@pytest.fixture(scope="module")
-def smol_tokenizer(smollm2):
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(smollm2)
 
 
 @pytest.fixture(scope="module")
