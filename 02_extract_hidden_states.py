@@ -17,13 +17,13 @@ from pathlib import Path
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from common.cli.errors import report_missing_packages  # noqa: E402
+from common.errors import report_missing_packages  # noqa: E402
 
 report_missing_packages()  # a missing package: one line naming it and the setup command
 
-from common.cli import distributed  # noqa: E402
-from common.cli.errors import UsageError  # noqa: E402
-from common.cli.parser import parse_stage_args, require  # noqa: E402
+from common.errors import UsageError, require  # noqa: E402
+from common import distributed  # noqa: E402
+from common.cli.parser import parse_stage_args  # noqa: E402
 from common.cli.stage import run_stage  # noqa: E402
 from common.formats.layer_ids import check_aux_layers, default_aux_layers  # noqa: E402
 from common.verifier.loading import pick_device, read_verifier_info  # noqa: E402
@@ -45,7 +45,7 @@ def work(args, log) -> None:
         return verify_output(Path(args.output_dir), log)
     require(args, "model_path", "prepared_data")
     if args.backend == "sglang":  # a checked SGLang release, GPUs, one process: checked first (common/verifier/)
-        from common.verifier.sglang_backend import check_engine_settings, check_sglang_early
+        from common.extract.sglang_backend import check_engine_settings, check_sglang_early
 
         if args.aux_dtype != "bfloat16" or args.targets != "final":
             raise UsageError("--aux-dtype float8_e4m3 and --targets topk are written by the hf backend only (the "
@@ -73,7 +73,7 @@ def work(args, log) -> None:
     aux_layers = check_aux_layers(list(args.aux_layers) if args.aux_layers else default_aux_layers(info.num_layers),
                                   info.num_layers)
     if args.backend == "sglang":
-        from common.verifier.sglang_backend import check_sglang_verifier
+        from common.extract.sglang_backend import check_sglang_verifier
 
         check_sglang_verifier(args, info, aux_layers)
     device = pick_device(args.device)

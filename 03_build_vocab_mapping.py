@@ -11,13 +11,14 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-from common.cli.errors import report_missing_packages  # noqa: E402
+from common.errors import report_missing_packages  # noqa: E402
 
 report_missing_packages()  # a missing package: one line naming it and the setup command
 
-from common.cli.errors import UsageError
-from common.cli.parser import parse_stage_args, require
-from common.cli.stage import Progress, run_stage
+from common.errors import UsageError, require
+from common.cli.parser import parse_stage_args
+from common.progress import Progress
+from common.cli.stage import run_stage
 from common.formats.files import sha256_file, write_json_atomic
 from common.formats.manifest import MANIFEST, STATUS_COMPLETE, Manifest, check_verifier_matches, load_manifest
 from common.formats.prepared_data import iter_prepared_data

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import sys
 
-from common.cli.errors import report_missing_packages  # noqa: E402
+from common.errors import report_missing_packages  # noqa: E402
 
 report_missing_packages()  # a missing package: one line naming it and the setup command
 
@@ -28,7 +28,7 @@ def parse(argv):
 
 
 def work(args, log, hooks=()):
-    from common.cli import distributed
+    from common import distributed
     from common.train.checkpoints import CheckpointManager
     from common.train.run import count_parameters, train_drafter
 

@@ -21,10 +21,11 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-from common.cli.errors import report_missing_packages  # noqa: E402
+from common.errors import report_missing_packages  # noqa: E402
 
 report_missing_packages()  # a missing package: one line naming it and the setup command
 
+from common.errors import UsageError
 from common.bench.drafter_check import check_verifier_weights
 from common.bench.eval_mode import eval_summary_line, run_eval
 from common.bench.lineage import DATA_STAGE, check_overlap
@@ -32,8 +33,7 @@ from common.bench.offline_mode import offline_summary_line, run_offline
 from common.bench.report import headline, results_stem, run_counts, write_reports
 from common.bench.server_mode import run_server, server_summary_line
 from common.bench.settings import STAGE
-from common.cli.errors import UsageError
-from common.cli.flags import EVAL_DATA_FILE, RUN_LAYOUT
+from common.formats.run_layout import EVAL_DATA_FILE, RUN_LAYOUT
 from common.cli.parser import parse_stage_args
 from common.cli.recorded import take_recorded_flags
 from common.cli.stage import run_stage

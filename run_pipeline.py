@@ -25,11 +25,11 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from common.cli.errors import report_missing_packages  # noqa: E402
+from common.errors import report_missing_packages  # noqa: E402
 
 report_missing_packages()  # a missing package: one line naming it and the setup command
 
-from common.cli.errors import USAGE_ERROR, UsageError  # noqa: E402
+from common.errors import USAGE_ERROR, UsageError  # noqa: E402
 from common.cli.parser import StageArgumentParser  # noqa: E402
 from common.cli.lock import hold_run_directory  # noqa: E402
 from common.cli.pipeline import (STAGES, check_all_flags, is_current, log_size, output_manifest,  # noqa: E402

@@ -31,8 +31,9 @@ def main(argv=None) -> int:
     parser.add_argument("--json", action="store_true", help="print {problems, warnings} as JSON")
     args = parser.parse_args(argv)
 
-    from common.cli.errors import UsageError
-    from common.formats.checkpoint import CONFIG_FILE, WEIGHTS_FILE, check_drafter_readable, inspect_drafter_dir
+    from common.errors import UsageError
+    from common.formats.checkpoint import CONFIG_FILE, WEIGHTS_FILE, check_drafter_readable
+    from common.model.checkpoint import inspect_drafter_dir
 
     folder = Path(args.drafter)
     if all((folder / name).is_file() for name in (CONFIG_FILE, WEIGHTS_FILE)):  # missing ones: listed as problems

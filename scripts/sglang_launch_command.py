@@ -51,7 +51,7 @@ def main(argv=None) -> int:
     parser.add_argument("--json", action="store_true", help="print {argv, command, notes, problems} as JSON")
     args = parser.parse_args(argv)
 
-    from common.cli.errors import UsageError
+    from common.errors import UsageError
     from common.verifier.sglang_settings import parse_sglang_args
 
     try:

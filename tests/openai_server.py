@@ -213,7 +213,7 @@ def main(argv=None) -> int:
     model = load_verifier_model(args.model_path, args.device, args.dtype)
     decoder = None
     if args.draft_model_path:
-        from common.formats.checkpoint import load_drafter
+        from common.model.checkpoint import load_drafter
         from common.bench.speculative import SpeculativeDecoder
 
         drafter = load_drafter(args.draft_model_path, embed=model.get_input_embeddings().weight.detach(),

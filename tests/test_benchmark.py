@@ -71,7 +71,7 @@ def _new_drafter(model, stories260k, counts):
 def drafters(verifier, stories260k, tmp_path_factory):
     """{"random": untrained (random lm_head), "trained": a few TTT steps on the verifier's own greedy
     continuations, "trained_dir": that drafter saved as an SGLang-ready folder}."""
-    from common.formats.checkpoint import save_drafter
+    from common.model.checkpoint import save_drafter
     from common.train.loss import ttt_loss
     from common.bench.decoding import plain_decode
     from common.verifier.capture import LayerInputCapture, decoder_layers, whole
@@ -579,7 +579,7 @@ def bench_prompts(tmp_path: Path) -> Path:
 
 
 def test_prompt_files_of_every_supported_format(tmp_path):
-    from common.cli.errors import UsageError
+    from common.errors import UsageError
     from common.bench.prompts import load_prompts
 
     mt = load_prompts(str(TWO_TURN_PROMPTS))  # MT-bench's format

@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from common.cli.errors import UsageError
+from common.errors import UsageError
 from common.formats.files import read_json
 from common.formats.hidden_states import AUX_FILES, RECORD_FILE, open_hidden_states, verify_sample
 from common.train.checkpoints import CheckpointManager

@@ -1,6 +1,6 @@
-"""The EAGLE-3 drafter (common/model, common/train/loss.py and optimizer.py, common/formats/checkpoint.py and
-layer_ids.py): TTT attention and loss against naive full-mask references, the decode path, the SGLang export and
-its checker, the optimizer, and a conversion by the `speculators` package.
+"""The EAGLE-3 drafter (common/model with its checkpoint.py, common/train/loss.py and optimizer.py,
+common/formats/checkpoint.py and layer_ids.py): TTT attention and loss against naive full-mask references, the
+decode path, the SGLang export and its checker, the optimizer, and a conversion by the `speculators` package.
 
 Models are tiny random configurations built in code (fp64 where two implementations are compared, so any
 difference is a bug, not rounding), plus the real stories260K for the export/conversion tests.
@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 
 from common.formats import checkpoint as CK
-from common.formats.checkpoint import check_drafter_dir, inspect_drafter_dir, load_drafter, save_drafter
+from common.model.checkpoint import check_drafter_dir, inspect_drafter_dir, load_drafter, save_drafter
 from common.formats.layer_ids import aux_layers_from_eagle_config, eagle_config_layer_ids
 from common.model import config as C
 from common.model import drafter as D

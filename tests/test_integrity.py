@@ -18,7 +18,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from conftest import REPO, run_script
-from common.cli.errors import UsageError
+from common.errors import UsageError
 from common.formats.files import read_json, write_json_atomic
 from common.formats.hidden_states import AUX_FILES, FINAL_FILE, SAMPLE_FILES, load_sample, open_hidden_states
 from test_extract import ONE_THREAD, STAGE_SCRIPT, all_tensors, extract, stage02, stage_log, write_prepared_data
@@ -35,7 +35,7 @@ def entries_by_id(out: Path) -> dict[str, dict]:
 # --- 1. damaged hidden states ------------------------------------------------------------------------------
 
 def test_sizes_and_checksums_recorded_damage_found_named_and_redone(stories260k, tmp_path):
-    from common.cli.errors import StageFailure
+    from common.errors import StageFailure
 
     data = write_prepared_data(tmp_path / "data", stories260k, [12, 20, 9, 16])
     out = tmp_path / "out"

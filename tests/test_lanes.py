@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from common.cli.errors import UsageError
+from common.errors import UsageError
 from common.lab.argv import last_value, merged
 from common.lab.lanes import EXTRACT, PREPARE, SPECFORGE, TRAIN, Base, Knobs, lane_named
 from conftest import REPO, STORIES260K, TWO_TURN_PROMPTS

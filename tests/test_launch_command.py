@@ -1,6 +1,6 @@
 """scripts/sglang_launch_command.py: the SGLang command that serves a drafter, checked against the installed release.
 
-The verifiers: stories260K (a real Llama folder) with a real drafter saved by common.formats.checkpoint, and a Kimi-K2.5
+The verifiers: stories260K (a real Llama folder) with a real drafter saved by common.model.checkpoint, and a Kimi-K2.5
 shaped config (its config.json only, as published: multimodal wrapper, nested DeepSeek-V3 text config, int4
 compressed-tensors quantization, remote code) with drafter folders whose config.json is the real export of a
 Kimi-shaped DrafterConfig (their weights file holds no tensors: the command reads configs only). Every flag the
@@ -118,7 +118,7 @@ def test_layer_ids_that_sglang_would_read_differently_are_refused(tmp_path):
 def test_script_on_a_real_llama_drafter(stories260k, tmp_path):
     from test_drafter import stories260k_drafter
 
-    from common.formats.checkpoint import save_drafter
+    from common.model.checkpoint import save_drafter
 
     model, _, _, _ = stories260k_drafter(stories260k)
     save_drafter(model, tmp_path / "best", extra={"training": {"ttt_steps": 3}})  # as stage 04 records it

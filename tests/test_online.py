@@ -98,7 +98,7 @@ def assert_same_training(online: Path, offline: Path, loss_tol: float = 1e-5, we
 @pytest.mark.slow
 def test_online_training_is_offline_training_step_for_step(pair, run, stories260k):
     from common.bench.lineage import training_lineage
-    from common.formats.checkpoint import check_drafter_dir
+    from common.model.checkpoint import check_drafter_dir
     from common.formats.hidden_states import open_hidden_states
 
     offline, online = pair

@@ -151,7 +151,8 @@ def test_ctrl_c_reaches_stage_04_once_and_it_stops_with_a_checkpoint(tmp_path, t
 def test_progress_in_a_log_reports_the_end_once(tmp_path):
     """Under nohup (no terminal) progress goes to the log; an update that has just reported the last
     count is not repeated by the closing report, and a count reached between reports still is."""
-    from common.cli.stage import Progress, setup_logging
+    from common.progress import Progress
+    from common.cli.stage import setup_logging
 
     setup_logging("progress_test", tmp_path)
     with Progress(total=4, desc="work", interval=0.0) as progress:
@@ -167,7 +168,8 @@ def test_progress_in_a_log_is_never_silent_longer_than_its_interval(tmp_path):
     """A long item (a regeneration round, a big batch) still gets a line every interval, saying so."""
     import time
 
-    from common.cli.stage import Progress, setup_logging
+    from common.progress import Progress
+    from common.cli.stage import setup_logging
 
     setup_logging("heartbeat_test", tmp_path)
     with Progress(total=3, desc="regenerate", unit="conv", interval=0.4) as progress:

@@ -12,7 +12,7 @@ from collections import Counter
 import pytest
 
 from conftest import STORIES_TEMPLATE, run_script
-from common.cli.errors import UsageError
+from common.errors import UsageError
 
 INTERVAL = 0.25
 BATCH = 4
@@ -105,7 +105,8 @@ def test_a_responder_tells_its_listener_every_decoding_step(stories260k, engine)
 
 def test_nested_progress_writes_one_line_per_interval(tmp_path):
     """A progress inside another (a regeneration inside a split's round) speaks for both while it is open."""
-    from common.cli.stage import Progress, setup_logging
+    from common.progress import Progress
+    from common.cli.stage import setup_logging
 
     setup_logging("nested_test", tmp_path)
     with Progress(total=2, desc="outer", unit="round", interval=0.2) as outer:
@@ -123,7 +124,7 @@ def test_nested_progress_writes_one_line_per_interval(tmp_path):
 
 
 def test_the_progress_interval_comes_from_the_environment(monkeypatch):
-    from common.cli.stage import PROGRESS_INTERVAL_ENV, Progress
+    from common.progress import PROGRESS_INTERVAL_ENV, Progress
 
     monkeypatch.setenv(PROGRESS_INTERVAL_ENV, "0.5")
     with Progress(total=1, desc="env") as progress:

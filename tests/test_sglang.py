@@ -1,4 +1,4 @@
-"""Stage 02's SGLang backend (patches/sglang_capture.py, common/verifier/sglang_backend.py), without a GPU.
+"""Stage 02's SGLang backend (patches/sglang_capture.py, common/extract/sglang_backend.py), without a GPU.
 
 Four kinds of checks:
   * the source of every SGLang release the hooks are checked against (patches/sglang_releases.py: 0.5.17 and
@@ -34,7 +34,7 @@ import patches
 import sglang_source as src
 from conftest import REPO, save_tiny_deepseek_v3
 from sglang_standin import SGLangStyleTextModel, StandinForwardMode, pack
-from common.cli.errors import UsageError
+from common.errors import UsageError
 from patches.sglang_capture import (ACTIVE_FILE, CAPTURE_MODE, ERROR_FILE, FORWARD_BATCH_FIELDS, JOURNAL_FILE,
                                     TEXT_MODEL_ATTRIBUTES, CaptureError, CaptureHooks, CapturePlan, sample_rid)
 from patches.sglang_releases import CHECKED_VERSIONS, NEWEST, RELEASES, release_for, version_problem
@@ -106,8 +106,8 @@ class _Warnings(logging.Handler):
 
 
 def test_the_backend_dispatches_on_the_installed_release(monkeypatch):
-    from common.cli.stage import get_logger
-    from common.verifier.sglang_backend import check_sglang_installed, engine_kwargs, installed_release
+    from common.log import get_logger
+    from common.extract.sglang_backend import check_sglang_installed, engine_kwargs, installed_release
 
     args = Namespace(tp_size=8, dtype="bfloat16", trust_remote_code=True, gpu_memory_utilization=0.85)
     for version in CHECKED_VERSIONS:
@@ -137,7 +137,7 @@ def test_the_backend_dispatches_on_the_installed_release(monkeypatch):
 
 def test_layer_zero_is_refused_where_the_release_cannot_capture_it(stories260k, monkeypatch):
     from common.verifier.loading import read_verifier_info
-    from common.verifier.sglang_backend import SUPPORTED_ARCHITECTURES, check_sglang_verifier
+    from common.extract.sglang_backend import SUPPORTED_ARCHITECTURES, check_sglang_verifier
 
     info = read_verifier_info(str(stories260k), with_tokenizer_hash=False)  # a Llama
     args = Namespace(model_path=str(stories260k))
@@ -248,7 +248,7 @@ def test_decoder_layers_capture_their_input_before_attention(checked_sglang, nam
 
 
 def test_the_verifier_classes_run_the_hooked_text_models(checked_sglang):
-    from common.verifier.sglang_backend import SUPPORTED_ARCHITECTURES
+    from common.extract.sglang_backend import SUPPORTED_ARCHITECTURES
 
     sg, models = checked_sglang, "sglang.srt.models."
     assert {model.name for model in sg.release.text_models} == set(TEXT_MODELS) == set(SUPPORTED_ARCHITECTURES.values())
@@ -332,7 +332,7 @@ def test_every_module_of_the_hooks_package_is_safe_for_sglang_to_import():
 
 
 def test_engine_settings_and_calls_exist_in_each_release(checked_sglang):
-    from common.verifier.sglang_backend import engine_kwargs
+    from common.extract.sglang_backend import engine_kwargs
     from patches.sglang_releases import SHARED_CAPTURE_SETTINGS
 
     sg = checked_sglang
@@ -622,7 +622,7 @@ def test_the_hooks_refuse_an_sglang_other_than_the_one_stage02_checked(tmp_path,
 
 def test_journal_follower_and_request_order(tmp_path):
     from common.formats.prepared_data import Sample
-    from common.verifier.sglang_backend import JournalFollower, request_chunks
+    from common.extract.sglang_backend import JournalFollower, request_chunks
 
     path = tmp_path / JOURNAL_FILE
     follower = JournalFollower(path)
@@ -646,7 +646,7 @@ def test_stage02_backend_sglang_refuses_before_any_engine_starts(stories260k, tm
     a message naming the fix, before reading the data or starting an engine."""
     import importlib.util
 
-    from common.verifier.sglang_backend import check_sglang_verifier
+    from common.extract.sglang_backend import check_sglang_verifier
     from common.verifier.loading import read_verifier_info
 
     spec = importlib.util.spec_from_file_location("stage02_sglang", REPO / "02_extract_hidden_states.py")
@@ -735,7 +735,8 @@ def standin_engine(installed_checked_sglang, monkeypatch):
     """Stage 02 --backend sglang with tests/sglang_standin.StandinEngine in its engine process. Stand-ins (no GPU
     here): the engine, one visible GPU of 80 GiB. Everything else (preflight, plan, supervision, hooks, writer,
     manifest) is the stage's own."""
-    from common.verifier import sglang_backend, sglang_engine
+    from common.extract import sglang_backend
+    from common.verifier import sglang_engine
 
     monkeypatch.setattr(sglang_engine, "SGLANG_ENGINE", "sglang_standin:StandinEngine")
     monkeypatch.setattr(sglang_backend, "visible_gpu_count", lambda: 1)
@@ -751,7 +752,7 @@ def standin_engine(installed_checked_sglang, monkeypatch):
 def test_stage02_sglang_run_through_the_supervised_engine_process(standin_engine, stories260k, tmp_path,
                                                                   monkeypatch):
     from common.formats.hidden_states import open_hidden_states
-    from common.verifier import sglang_backend
+    from common.extract import sglang_backend
 
     import sglang_standin
     from patches.sglang_capture import PLAN_ENV
@@ -851,7 +852,7 @@ def test_stage02_reports_a_hooks_failure_in_the_engine_process_and_resumes(stand
 
 
 def test_capture_memory_for_kimi_is_taken_off_the_memory_fraction_or_refused():
-    from common.verifier.sglang_backend import capture_memory
+    from common.extract.sglang_backend import capture_memory
 
     gpu = 96 * 2**30  # an SM120 RTX PRO 6000 of the Kimi deployment
     weights = 547 * 10**9 // 8  # Kimi-K2.5 int4 over 8 GPUs

@@ -9,7 +9,7 @@ from argparse import Namespace
 import pytest
 
 import sglang_source as src
-from common.cli.errors import UsageError
+from common.errors import UsageError
 from common.verifier.sglang_settings import (as_launch_arguments, chosen_settings, parse_sglang_args,
                                              server_arg_names)
 
@@ -50,7 +50,7 @@ def test_chosen_settings_take_the_backends_and_refuse_what_a_stage_flag_sets():
 
 
 def test_engine_kwargs_carry_the_settings_and_the_installed_release_checks_their_names(installed_sglang):
-    from common.verifier.sglang_backend import check_engine_settings, engine_kwargs
+    from common.extract.sglang_backend import check_engine_settings, engine_kwargs
     from patches.sglang_releases import NEWEST
 
     args = stage02_args(attention_backend="triton", sampling_backend="pytorch",
@@ -73,7 +73,7 @@ def test_stage02_refuses_a_misspelled_engine_setting_before_the_verifier_loads(i
                                                                              tmp_path, monkeypatch):
     """The real stage 02 script: the bad name is named with the closest real one, exit 2, nothing written but the
     log. Stand-in (no GPU here): one visible GPU."""
-    from common.verifier import sglang_backend
+    from common.extract import sglang_backend
     from test_extract import stage02, write_prepared_data
 
     monkeypatch.setattr(sglang_backend, "visible_gpu_count", lambda: 1)

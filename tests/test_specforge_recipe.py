@@ -94,7 +94,7 @@ def test_recipe_takes_our_settings_and_split_and_records_the_run(run_dir, traine
 
 
 def test_export_is_exact_and_stage05_loads_it(run_dir, trained, stories260k):
-    from common.formats.checkpoint import check_drafter_dir, load_drafter
+    from common.model.checkpoint import check_drafter_dir, load_drafter
     from common.formats.hidden_states import load_sample, open_hidden_states
     from common.verifier.loading import read_embedding_tensors
 

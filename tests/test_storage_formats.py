@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from common.cli.errors import UsageError
+from common.errors import UsageError
 from common.formats.files import read_json, write_json_atomic
 from common.formats.hidden_states import estimate_disk_bytes, load_sample, open_hidden_states
 from common.formats.storage import (FP8_MAX, StorageFormat, dequantize_fp8, format_of_manifest, id_dtype,

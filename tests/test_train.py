@@ -263,7 +263,7 @@ def trained(run_a, nested_verifier, tmp_path_factory) -> Path:
 
 @pytest.mark.slow
 def test_training_learns_and_writes_sglang_ready_checkpoints(trained, run_a, nested_verifier):
-    from common.formats.checkpoint import check_drafter_dir
+    from common.model.checkpoint import check_drafter_dir
     from common.formats.hidden_states import open_hidden_states
 
     train, evals = records(trained, "train"), records(trained, "eval")
@@ -318,7 +318,7 @@ def test_training_learns_and_writes_sglang_ready_checkpoints(trained, run_a, nes
 def test_fp8_training_learns_like_bf16_and_exports_the_same_format(trained, run_a, stories260k, tmp_path):
     """Stage 04 --fp8 on the same data (CPU FP8 GEMMs; the intermediate size made a multiple of 16 so every
     GEMM runs in FP8): the validation agreement rises as in the full-precision run and checkpoints pass."""
-    from common.formats.checkpoint import check_drafter_dir
+    from common.model.checkpoint import check_drafter_dir
     from common.formats.hidden_states import open_hidden_states
 
     out = tmp_path / "fp8"
@@ -590,7 +590,7 @@ def test_unfinished_hidden_states_are_refused(run_a, stories260k, stage04, tmp_p
 def test_finetune_from_a_drafter_of_another_shape_is_refused(run_a, stories260k, stage04, tmp_path):
     from common.model.config import DrafterConfig
     from common.model.drafter import Eagle3Drafter
-    from common.formats.checkpoint import save_drafter
+    from common.model.checkpoint import save_drafter
     from common.formats.hidden_states import open_hidden_states
 
     manifest, _ = open_hidden_states(run_a / "hidden_states")
@@ -644,7 +644,7 @@ def test_resume_with_other_settings_is_refused(run_a, stories260k, stage04, tmp_
 @pytest.mark.slow
 def test_finetune_from_trained_drafter_and_evaluate_reproduces_validation(trained, run_a, nested_verifier,
                                                                           stories260k, stage04, tmp_path):
-    from common.formats.checkpoint import load_drafter
+    from common.model.checkpoint import load_drafter
     from common.formats.hidden_states import load_sample, open_hidden_states
     from common.train.step import evaluate
     from common.verifier.loading import read_embedding_tensors
@@ -769,7 +769,7 @@ def test_a_checkpoint_failing_its_check_stops_the_run(stories260k, tmp_path):
     """check_drafter_dir runs after every save; a failure raises and `latest` keeps the last good folder."""
     from common.model.config import DrafterConfig
     from common.model.drafter import Eagle3Drafter
-    from common.formats.checkpoint import check_drafter_dir
+    from common.model.checkpoint import check_drafter_dir
     from common.train.checkpoints import CheckpointManager
 
     info = read_verifier_info(str(stories260k))

@@ -16,7 +16,7 @@ import traceback
 from pathlib import Path
 from typing import Callable
 
-from common.cli.errors import UsageError
+from common.errors import UsageError
 
 
 def worker_count(args, prompt_count: int) -> int:

@@ -3,8 +3,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from common.cli.errors import UsageError
-from common.cli.parser import require
+from common.errors import UsageError, require
 from common.formats.files import read_json
 
 
@@ -15,7 +14,8 @@ def check_drafter(args, verifier_info, log) -> dict:
     if not (folder / "config.json").is_file():
         raise UsageError(f"--draft-model-path {folder}: no drafter there (config.json missing); run 04_train.py "
                          f"or point --draft-model-path at a checkpoint folder such as RUN_DIR/checkpoints/best")
-    from common.formats.checkpoint import check_drafter_dir, check_drafter_readable
+    from common.model.checkpoint import check_drafter_dir
+    from common.formats.checkpoint import check_drafter_readable
 
     check_drafter_readable(folder, "--draft-model-path")  # a damaged file is named, not "does not fit"
     config = read_json(folder / "config.json")

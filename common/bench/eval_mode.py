@@ -5,12 +5,10 @@ import time
 from pathlib import Path
 
 from common.bench.drafter_check import check_drafter
-from common.bench.report import fmt
+from common.figures import TTT_ESTIMATE, WALKED_CHAIN_TAU, fmt
 from common.bench.settings import STAGE, recorded_settings
-from common.cli.errors import UsageError
-from common.cli.parser import require
-from common.cli.stage import Progress
-from common.figures import TTT_ESTIMATE, WALKED_CHAIN_TAU
+from common.errors import UsageError, require
+from common.progress import Progress
 from common.formats.files import read_json
 from common.formats.manifest import MANIFEST
 
@@ -38,7 +36,7 @@ def run_eval(args, log, begin, *_ignored) -> dict:
     """Score the drafter teacher-forced on stored hidden states; the results of --mode eval."""
     import torch
     from common.formats.layer_ids import aux_layers_from_eagle_config
-    from common.formats.checkpoint import load_drafter
+    from common.model.checkpoint import load_drafter
     from common.formats.hidden_states import load_sample, open_hidden_states
     from common.train.parameters import compute_dtype_for
     from common.train.step import evaluate

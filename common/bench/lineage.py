@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from common.cli.errors import UsageError
+from common.errors import UsageError
 from common.formats.files import read_json
 from common.formats.manifest import MANIFEST, relocated
 

@@ -11,11 +11,11 @@ from common.bench.drafter_check import check_drafter
 from common.bench.metrics import (by_category, first_divergence, repetition_share, share_before_divergence,
                                   summarize_generations)
 from common.bench.prompts import has_chat_template, render_conversation
-from common.bench.report import fmt, noisy_timing
+from common.bench.report import noisy_timing
+from common.figures import fmt
 from common.bench.settings import STAGE, recorded_settings
-from common.cli.errors import UsageError
-from common.cli.parser import require
-from common.cli.stage import Progress
+from common.errors import UsageError, require
+from common.progress import Progress
 
 ANSWER_PREVIEW_CHARS = 2000
 BASELINE_CACHE = "baselines_cache.jsonl"
@@ -31,7 +31,7 @@ def gpu_name(device: str) -> str | None:
 def load_models(args, log):
     """The verifier and the drafter on one device, in the compute dtype: (verifier, drafter, device)."""
     import torch
-    from common.formats.checkpoint import load_drafter
+    from common.model.checkpoint import load_drafter
     from common.verifier.loading import load_verifier_model, pick_device
 
     from common.train.parameters import compute_dtype_for

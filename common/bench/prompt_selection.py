@@ -21,13 +21,13 @@ NO_CATEGORY = "(none)"  # the key of prompts without a category in the per-categ
 def select_prompts(prompts: Sequence[Any], num_prompts: int | None, seed: int = 0) -> tuple[list, dict[str, Any]]:
     """(chosen prompts, selection record) for --num-prompts `num_prompts` (None: all) and --seed `seed`.
 
-    `prompts` need `.id` and `.category` (common.bench.prompts.BenchPrompt). The chosen prompts come in the
+    `prompts` need `.id` and `.category` (common.data.prompt_files.BenchPrompt). The chosen prompts come in the
     order they were picked (one per category per round). The record, written into the reports: method, seed,
     requested, available, chosen, ids (in run order) and per_category (category -> count, file order).
     """
     prompts = list(prompts)
     if num_prompts is not None and num_prompts > len(prompts):
-        from common.cli.stage import get_logger
+        from common.log import get_logger
 
         get_logger().warning("--num-prompts %d: there are only %d prompts; all of them are used", num_prompts,
                              len(prompts))

@@ -5,7 +5,6 @@ File naming and the PNG fallback: docs/benchmarking.md ("Output files").
 """
 from __future__ import annotations
 
-import math
 import os
 import re
 import time
@@ -15,7 +14,7 @@ from typing import Any, Sequence
 from common.bench.columns import INDEX_MEANINGS, columns_section
 from common.bench.plots import write_png
 from common.bench.settings import chosen_settings
-from common.figures import TTT_ESTIMATE, WALKED_CHAIN_TAU, figures_text
+from common.figures import TTT_ESTIMATE, WALKED_CHAIN_TAU, figures_text, fmt
 from common.formats.files import read_json, write_json_atomic, write_text_atomic
 
 INDEX_FILE = "README.md"
@@ -65,16 +64,6 @@ def results_stem(mode: str, *, num_steps: int | None = None, topk: int = 1, num_
 
 
 # --- Markdown --------------------------------------------------------------------------------------------
-
-def fmt(value: Any, digits: int = 3) -> str:
-    if value is None:
-        return "-"
-    if isinstance(value, float):
-        if math.isnan(value):
-            return "-"
-        return f"{value:.{digits}f}"
-    return str(value)
-
 
 def markdown_table(header: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
     lines = ["| " + " | ".join(header) + " |", "|" + "|".join("---" for _ in header) + "|"]

@@ -16,8 +16,8 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
 from common.bench.metrics import acceptance_by_position, latency_summary
-from common.cli.errors import UsageError
-from common.bench.prompts import BenchPrompt
+from common.errors import UsageError
+from common.data.prompt_files import BenchPrompt
 
 RETRY_STATUS = (429, 500, 502, 503, 504)
 SERVER_INFO_PATHS = ("/server_info", "/get_server_info")  # current route first, then the older one

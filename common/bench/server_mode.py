@@ -3,9 +3,9 @@ from __future__ import annotations
 
 import time
 
-from common.bench.report import fmt
+from common.figures import fmt
 from common.bench.settings import STAGE, recorded_settings
-from common.cli.parser import require
+from common.errors import require
 
 
 def run_server(args, log, begin, prompt_spec, prompts, overlap) -> dict:

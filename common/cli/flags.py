@@ -15,6 +15,8 @@ import argparse
 from dataclasses import dataclass
 from typing import Any, Callable
 
+from common.formats.run_layout import PREPARED_DATA_FILE
+
 
 def _csv_ints(text: str) -> list[int]:
     try:
@@ -426,17 +428,6 @@ STAGE_FLAGS: dict[str, list[str]] = {
                      "--chat-template", "--server-api", "--tau-only", "--decode-workers",
                      "--allow-other-verifier"],
 }
-
-# Where each stage's artifacts live inside a run directory.
-RUN_LAYOUT = {
-    "01_prepare_data": "data",
-    "02_extract_hidden_states": "hidden_states",
-    "03_build_vocab_mapping": "vocab",
-    "04_train": "checkpoints",
-    "05_benchmark": "bench",
-}
-PREPARED_DATA_FILE = "tokenized_data.jsonl"
-EVAL_DATA_FILE = "eval_data.jsonl"
 
 # Inputs a stage reads, as (flag dest, producing stage, file inside that stage's folder or "").
 RUN_INPUTS = {

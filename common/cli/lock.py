@@ -27,7 +27,7 @@ import sys
 import time
 from pathlib import Path
 
-from common.cli.errors import UsageError
+from common.errors import UsageError
 from common.cli.flags import RUN_INPUTS
 from common.formats.manifest import MANIFEST
 

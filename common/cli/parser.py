@@ -10,9 +10,9 @@ import sys
 from pathlib import Path
 from typing import Any, Iterable, Sequence
 
-from common.cli.errors import USAGE_ERROR, UsageError
-from common.cli.flags import (FLAGS, PREPARED_DATA_FILE, RUN_INPUTS, RUN_LAYOUT, STAGE_FLAGS, Flag,
-                              all_option_strings)
+from common.errors import USAGE_ERROR, UsageError
+from common.cli.flags import FLAGS, RUN_INPUTS, STAGE_FLAGS, Flag, all_option_strings
+from common.formats.run_layout import PREPARED_DATA_FILE, RUN_LAYOUT
 
 
 class StageArgumentParser(argparse.ArgumentParser):
@@ -156,11 +156,3 @@ def parse_stage_args(stage: str, description: str, argv: Sequence[str] | None = 
         return resolve_run_paths(stage, args)
     except UsageError as err:
         parser.error(str(err))
-
-
-def require(args: argparse.Namespace, *dests: str) -> None:
-    """Stop with a usage error naming each required flag that is still unset."""
-    missing = [d for d in dests if getattr(args, d, None) in (None, [], "")]
-    if missing:
-        names = ", ".join("--" + d.replace("_", "-") for d in missing)
-        raise UsageError(f"missing required flag(s): {names} (or give --run-dir for the path flags)")

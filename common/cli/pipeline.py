@@ -14,8 +14,9 @@ import time
 from pathlib import Path
 from typing import Callable, Sequence
 
-from common.cli.errors import USAGE_ERROR
-from common.cli.flags import FLAGS, RUN_LAYOUT, STAGE_FLAGS, all_option_strings
+from common.errors import USAGE_ERROR
+from common.cli.flags import FLAGS, STAGE_FLAGS, all_option_strings
+from common.formats.run_layout import RUN_LAYOUT
 from common.cli.parser import closest_flag
 from common.formats.files import read_json
 from common.formats.manifest import MANIFEST, STATUS_COMPLETE

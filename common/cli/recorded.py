@@ -22,7 +22,8 @@ import json
 from pathlib import Path
 from typing import Sequence
 
-from common.cli.flags import FLAGS, RUN_LAYOUT, STAGE_FLAGS
+from common.cli.flags import FLAGS, STAGE_FLAGS
+from common.formats.run_layout import RUN_LAYOUT
 from common.cli.parser import build_parser
 from common.cli.stage import CONFIG_FILE_SUFFIX
 from common.formats.files import read_json

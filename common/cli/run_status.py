@@ -7,8 +7,8 @@ import sys
 from pathlib import Path
 
 from common.bench.report import headline, read_reports
-from common.cli.errors import USAGE_ERROR
-from common.cli.flags import RUN_LAYOUT
+from common.errors import USAGE_ERROR
+from common.formats.run_layout import RUN_LAYOUT
 from common.cli.pipeline import STAGES, output_manifest
 from common.figures import figures_text
 

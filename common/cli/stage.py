@@ -1,8 +1,8 @@
-"""What every stage does around its own work: logging, the resolved configuration, progress, exit codes.
+"""What every stage does around its own work: logging, the resolved configuration, locks, exit codes.
 
 Stages run over SSH under nohup, so output goes both to stdout and to RUN_DIR/logs/NN_name.log (the resolved
-configuration and what only a later reader needs go to the log alone); progress is a tqdm bar on a terminal and a
-plain line every `interval` seconds in the log (on the console too when it is a file).
+configuration and what only a later reader needs go to the log alone); the library logs through common/log.py
+and reports progress through common/progress.py.
 Exit codes: 0 success, 2 bad flag or input (raised as UsageError before any heavy work), 1 failure.
 """
 from __future__ import annotations
@@ -12,25 +12,19 @@ import json
 import logging
 import os
 import sys
-import threading
 import time
 import traceback
 from pathlib import Path
 from typing import Callable, Sequence
 
+from common.distributed import rank_info
+from common.errors import FAILURE, USAGE_ERROR, StageFailure, UsageError, missing_package_message
 from common.formats.files import atomic_path, write_json_atomic
-from common.cli.errors import FAILURE, USAGE_ERROR, StageFailure, UsageError, missing_package_message
+from common.log import FILE_ONLY, get_logger
 from common.cli.parser import log_dir_for
 from common.cli.lock import OutputLock, OverwriteLock, ReaderLock, check_run_directory_free, folder_read
 
-LOGGER_NAME = "eagle3"
 CONFIG_FILE_SUFFIX = ".config.json"
-# `extra=FILE_ONLY` on a log call: the line goes to the stage's log file, not to the console.
-FILE_ONLY = {"file_only": True}
-
-
-def get_logger() -> logging.Logger:
-    return logging.getLogger(LOGGER_NAME)
 
 
 def log_file_for(stage: str, log_dir: Path) -> Path:
@@ -42,8 +36,6 @@ def _for_the_console(record: logging.LogRecord) -> bool:
 
 
 def setup_logging(stage: str, log_dir: Path) -> logging.Logger:
-    from common.cli.distributed import rank_info
-
     logger = get_logger()
     # Under torchrun every rank runs the stage: rank 0 reports, the others only warn and fail (tagged).
     rank = rank_info()
@@ -87,8 +79,6 @@ def take_locks(stage: str, args: argparse.Namespace, output_dir: Path, reads: Re
     """The locks the stage holds while it runs (common/cli/lock.py), taken by the main process (under torchrun
     rank 0 holds them for every rank): none in a run directory the runner holds but its own stages; its output
     folder's, and with --overwrite no reader there; a reader's on each input folder."""
-    from common.cli.distributed import rank_info
-
     if not rank_info().is_main:
         return []
     for run_dir in {Path(args.run_dir) if getattr(args, "run_dir", None) else None, output_dir.parent} - {None}:
@@ -193,135 +183,3 @@ def run_stage(stage: str, parse: Callable[[list[str] | None], argparse.Namespace
         release_all(locks)
     logger.info("%s finished in %.1f s", stage, time.time() - started)
     return 0
-
-
-# Seconds between progress lines in a log; EAGLE3_PROGRESS_INTERVAL sets it (a test sees lines quickly).
-PROGRESS_INTERVAL_ENV = "EAGLE3_PROGRESS_INTERVAL"
-DEFAULT_PROGRESS_INTERVAL = 30.0
-
-
-def progress_interval() -> float:
-    value = os.environ.get(PROGRESS_INTERVAL_ENV, "")
-    try:
-        return float(value) if value else DEFAULT_PROGRESS_INTERVAL
-    except ValueError:
-        raise UsageError(f"{PROGRESS_INTERVAL_ENV}={value!r}: expected seconds between progress lines, e.g. 30")
-
-
-class Progress:
-    """A log line with rate and ETA every `interval` seconds, also while no item finishes (a heartbeat thread), so
-    the log is never silent for longer than that. On a terminal a tqdm bar shows the progress and these lines go to
-    the log file only: a bar's carriage returns never reach a file.
-
-    Progresses nest (a regeneration inside a split's round): only the innermost open one writes lines, so the log
-    gets one line per interval. The rate is measured from the first update on once there are two (the time before
-    it, loading a model or compiling, is not the work's pace); `set_total` lowers a total that turned out smaller
-    (work found unneeded), and `detail` adds text computed at each line."""
-
-    _open: list["Progress"] = []  # innermost last
-    _open_lock = threading.Lock()
-
-    def __init__(self, total: int | None, desc: str, unit: str = "it", interval: float | None = None,
-                 initial: int = 0, detail: Callable[[], str] | None = None):
-        from tqdm import tqdm  # imported here: quiet_other_progress_bars() must run before tqdm is first imported
-
-        interval = progress_interval() if interval is None else interval
-        self.interactive = sys.stderr.isatty()  # where the bar is drawn
-        self.bar = tqdm(total=total, desc=desc, unit=unit, initial=initial, dynamic_ncols=True,
-                        disable=not self.interactive, unit_scale=True)
-        self.format_interval = tqdm.format_interval
-        self.total, self.desc, self.unit, self.interval = total, desc, unit, interval
-        self.detail = detail
-        self.count = initial
-        self.initial = initial
-        self.start = time.time()
-        self.last_report = self.start
-        self._last_count_at = self.start
-        self._first_update: tuple[float, int] | None = None  # (time, count) once the first update is counted
-        self.reported: tuple[int, int | None] | None = None  # (count, total) the last line said
-        self.postfix = ""
-        self._lock = threading.Lock()
-        self._closed = threading.Event()
-        with Progress._open_lock:
-            Progress._open.append(self)
-        if interval > 0:  # a long batch (a regeneration round) must not leave the log silent
-            threading.Thread(target=self._heartbeat, name=f"progress {desc}", daemon=True).start()
-
-    def _speaks(self) -> bool:
-        """Whether this progress writes lines now: the innermost open one does, for every one around it."""
-        with Progress._open_lock:
-            return not Progress._open or Progress._open[-1] is self
-
-    def _heartbeat(self) -> None:
-        """Report every `interval` seconds without an update too: the line then says how long it has been."""
-        while not self._closed.wait(self.interval / 4):
-            with self._lock:
-                if time.time() - self.last_report >= self.interval and self._speaks():
-                    self.last_report = time.time()
-                    self._report(still=True)
-
-    def update(self, n: int = 1, postfix: str = "") -> None:
-        with self._lock:
-            self.count += n
-            now = time.time()
-            self._last_count_at = now
-            if self._first_update is None and n:
-                self._first_update = (now, self.count)
-        self.bar.update(n)
-        if postfix:
-            self.postfix = postfix
-            self.bar.set_postfix_str(postfix, refresh=False)
-        with self._lock:
-            now = time.time()
-            if now - self.last_report >= self.interval and self._speaks():
-                self.last_report = now
-                self._report()
-
-    def set_total(self, total: int) -> None:
-        """A new total, e.g. lower once part of the work turned out unneeded (a batch whose replies all stopped)."""
-        with self._lock:
-            self.total = total
-            self.bar.total = total
-
-    def rate(self) -> float:
-        """Items a second: from the first update on once a later one came, else from the start."""
-        now = time.time()
-        if self._first_update is not None and self.count > self._first_update[1] and now > self._first_update[0]:
-            return (self.count - self._first_update[1]) / (now - self._first_update[0])
-        elapsed = now - self.start
-        return (self.count - self.initial) / elapsed if elapsed > 0 else 0.0
-
-    def _report(self, still: bool = False) -> None:
-        quiet = time.time() - self._last_count_at if still else 0.0
-        self.reported = (self.count, self.total)
-        elapsed = time.time() - self.start
-        rate = self.rate()
-        line = f"{self.desc}: {self.count}"
-        if self.total:
-            line += f"/{self.total} ({100.0 * self.count / self.total:.1f}%)"
-            if rate > 0:
-                line += f", ETA {self.format_interval(max(0, self.total - self.count) / rate)}"
-        line += f", {rate:.1f} {self.unit}/s, elapsed {self.format_interval(elapsed)}"
-        if self.detail is not None:
-            line += f", {self.detail()}"
-        if self.postfix:
-            line += f", {self.postfix}"
-        if quiet >= self.interval:
-            line += f"; working, no item finished for {self.format_interval(quiet)}"
-        get_logger().info(line, extra=FILE_ONLY if self.interactive else None)
-
-    def close(self) -> None:
-        self._closed.set()
-        self.bar.close()
-        with self._lock:
-            if self.reported != (self.count, self.total):  # the last update may have just said it
-                self._report()
-        with Progress._open_lock:
-            if self in Progress._open:
-                Progress._open.remove(self)
-
-    def __enter__(self) -> "Progress":
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.close()

@@ -6,9 +6,8 @@ import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from common.cli.errors import UsageError
-from common.cli.flags import EVAL_DATA_FILE, PREPARED_DATA_FILE
-from common.cli.parser import require
+from common.errors import UsageError, require
+from common.formats.run_layout import EVAL_DATA_FILE, PREPARED_DATA_FILE
 from common.data.sources import Source, resolve_source
 from common.formats.files import sha256_text
 from common.formats.manifest import STATUS_COMPLETE
@@ -84,7 +83,7 @@ def check_inputs(args) -> Inputs:
 
 def excluded_prompt_hashes(files: list[str]) -> set[str]:
     """benchmark_prompt_hashes of every turn of every prompt in the --exclude-prompts files."""
-    from common.bench.prompts import load_prompts
+    from common.data.prompt_files import read_prompts
     from common.data.records import benchmark_prompt_hashes
 
     hashes: set[str] = set()
@@ -92,7 +91,7 @@ def excluded_prompt_hashes(files: list[str]) -> set[str]:
         if not Path(spec).is_file():
             raise UsageError(f"--exclude-prompts {spec}: no such file; give a prompt file such as another run's "
                              f"data/eval_data.jsonl or mt_bench.jsonl")
-        for prompt in load_prompts(spec):
+        for prompt in read_prompts(spec):
             for turn in prompt.turns:
                 hashes |= benchmark_prompt_hashes(turn)
     return hashes

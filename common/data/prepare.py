@@ -4,9 +4,8 @@ from __future__ import annotations
 import random
 from dataclasses import replace
 
-from common.cli.errors import UsageError
-from common.cli.stage import resolved_config
-from common.cli.flags import PREPARED_DATA_FILE
+from common.errors import UsageError
+from common.formats.run_layout import PREPARED_DATA_FILE
 from common.data.chat_tokenizer import LOSS_MASK_CONVENTION, ChatTokenizer, end_of_turn_ids
 from common.data.inputs import STAGE, Inputs, generator_identity
 from common.data.processing import Processor, preflight
@@ -192,7 +191,7 @@ def prepare_data(args, inputs: Inputs, log) -> dict:
     if regenerator is not None:
         warn_of_merged_prompts(records, log)
 
-    manifest = Manifest(inputs.out, STAGE, resolved_config(args))
+    manifest = Manifest(inputs.out, STAGE, {k: v for k, v in sorted(vars(args).items())})
     manifest.data.update(fingerprint=inputs.fingerprint, verifier=inputs.verifier_identity,
                          chat_template_sha256=inputs.template_sha, sources=described,
                          loss_mask_convention=LOSS_MASK_CONVENTION)

@@ -8,8 +8,9 @@ from collections import Counter
 from itertools import count, islice
 from typing import TYPE_CHECKING, Callable, Iterator
 
-from common.cli.errors import UsageError
-from common.cli.stage import Progress, get_logger
+from common.errors import UsageError
+from common.progress import Progress
+from common.log import get_logger
 from common.data.chat_tokenizer import ChatTokenizer, Sample
 from common.data.records import BadRecordError, BadRecords, Record
 

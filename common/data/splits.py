@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Iterator
 
-from common.cli.errors import UsageError
+from common.errors import UsageError
 from common.data.chat_tokenizer import Sample, TokenStats, sample_line
 from common.data.inputs import Inputs
 from common.data.processing import Processor, fill

@@ -16,7 +16,7 @@ from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from common.cli.stage import Progress
+from common.progress import Progress
 from common.data.prompt_filters import KEPT, PromptFilters
 from common.data.records import ASSISTANT, USER, Record
 from common.data.regenerate import RegenerationCache, prompts_hash

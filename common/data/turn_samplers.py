@@ -12,7 +12,7 @@ import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 
-from common.cli.stage import get_logger
+from common.log import get_logger
 from common.data.responders import _is_transient, endpoint_base
 
 

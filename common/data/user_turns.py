@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from common.cli.errors import UsageError
+from common.errors import UsageError
 from common.data.records import ASSISTANT, USER
 
 # Plain ASCII letters and digits: no template escapes, trims or case-folds them away.

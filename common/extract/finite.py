@@ -7,7 +7,7 @@ from typing import Sequence
 
 import torch
 
-from common.cli.errors import StageFailure
+from common.errors import StageFailure
 from common.formats.hidden_states import AUX_FILES, FINAL_FILE
 
 

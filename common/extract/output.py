@@ -9,7 +9,7 @@ import shutil
 from pathlib import Path
 from typing import Any, Sequence
 
-from common.cli.errors import UsageError
+from common.errors import UsageError
 from common.formats.hidden_states import INDEX_FILE, TMP_PREFIX, sample_problem
 from common.formats.storage import format_of_manifest
 from common.formats.manifest import MANIFEST

@@ -31,7 +31,7 @@ def rank_batches(samples: Sequence[Sample], batches: Sequence[list[int]], world_
     have had in a single process, so the files are bit-identical whatever the number of ranks, and a resume
     with another number of ranks simply shares out what is left.
     """
-    from common.cli.distributed import share_by_cost
+    from common.distributed import share_by_cost
 
     costs = [len(batch) * max(samples[i].num_tokens for i in batch) for batch in batches]
     return [batches[i] for i in share_by_cost(costs, world_size)[rank]]

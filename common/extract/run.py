@@ -10,9 +10,9 @@ from pathlib import Path
 
 import torch
 
-from common.cli import distributed
-from common.cli.errors import UsageError
-from common.cli.stage import Progress
+from common import distributed
+from common.errors import UsageError
+from common.progress import Progress
 from common.extract.extractor import Extractor, merge_rank_stats
 from common.extract.output import (check_writable, owned_entries, remove_owned, resume_key,
     scan_output, tree_bytes)
@@ -200,7 +200,7 @@ def extract_hidden_states(args, inputs: ExtractionInputs, rank: distributed.Rank
 
     # 4. The SGLang capture's GPU memory and the disk, then (only now) clear an overwritten output.
     if args.backend == "sglang":
-        from common.verifier.sglang_backend import plan_capture_memory
+        from common.extract.sglang_backend import plan_capture_memory
 
         memory = plan_capture_memory(args, info, samples, aux_layers, max_tokens, log)
     needed = check_disk(args, output_dir, todo_tokens, len(todo_samples), info, log)
@@ -225,7 +225,7 @@ def extract_hidden_states(args, inputs: ExtractionInputs, rank: distributed.Rank
                  len(todo_samples))
 
     if args.backend == "sglang":  # SGLang's processes run the verifier; patches/sglang_capture.py writes
-        from common.verifier.sglang_backend import SGLangRunFailed, extract_with_sglang
+        from common.extract.sglang_backend import SGLangRunFailed, extract_with_sglang
 
         try:
             summary = extract_with_sglang(args, info, samples, todo_samples, complete, aux_layers, output_dir,

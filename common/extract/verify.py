@@ -5,8 +5,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from common.cli.errors import StageFailure, UsageError
-from common.cli.stage import Progress
+from common.errors import StageFailure, UsageError
+from common.progress import Progress
 from common.formats.files import read_json, write_json_atomic, write_text_atomic
 from common.formats.hidden_states import (DAMAGED_MARK, INDEX_FILE, STAGE, read_record, rerun_command,
     verify_sample)

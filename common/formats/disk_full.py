@@ -12,7 +12,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Callable, Iterator
 
-from common.cli.errors import StageFailure
+from common.errors import StageFailure
 from common.formats.hidden_states import human_bytes
 
 FULL_ERRNOS = (errno.ENOSPC, errno.EDQUOT)

@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, Iterable, Sequence
 
 import torch
 
-from common.cli.errors import StageFailure, UsageError
+from common.errors import StageFailure, UsageError
 from common.formats.files import crc32_file, read_json, write_json_atomic, write_text_atomic
 from common.formats.layer_ids import LAYER_CONVENTION
 from common.formats.manifest import load_manifest

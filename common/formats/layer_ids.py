@@ -5,7 +5,7 @@ Our layers are HF `output_hidden_states` indices (the residual stream ENTERING a
 """
 from __future__ import annotations
 
-from common.cli.errors import UsageError
+from common.errors import UsageError
 
 # What stage 02 records as the manifest's layer_convention and the drafter's metadata.
 LAYER_CONVENTION = "hf_output_hidden_states_index (input of decoder layer)"

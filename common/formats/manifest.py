@@ -13,7 +13,7 @@ from importlib import metadata
 from pathlib import Path
 from typing import Any
 
-from common.cli.errors import UsageError
+from common.errors import UsageError
 from common.formats.files import read_json, sha256_file, write_json_atomic
 
 MANIFEST = "manifest.json"

@@ -9,7 +9,7 @@ from typing import Iterator
 
 import torch
 
-from common.cli.errors import UsageError
+from common.errors import UsageError
 from common.formats.manifest import MANIFEST, check_verifier_matches, load_manifest
 from common.formats.hidden_states import sample_path
 

@@ -10,7 +10,7 @@ import json
 from pathlib import Path
 from typing import Any, Iterable, Mapping
 
-from common.cli.errors import UsageError
+from common.errors import UsageError
 from common.formats.files import read_json
 from common.formats.manifest import MANIFEST
 

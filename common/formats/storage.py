@@ -8,7 +8,7 @@ from typing import Any
 
 import torch
 
-from common.cli.errors import UsageError
+from common.errors import UsageError
 
 AUX_DTYPES = ("bfloat16", "float8_e4m3")
 TARGETS = ("final", "topk")

@@ -12,7 +12,7 @@ from typing import Iterable
 import numpy as np
 import torch
 
-from common.cli.errors import UsageError
+from common.errors import UsageError
 from common.formats.files import atomic_path, read_json
 from common.formats.manifest import MANIFEST, relocated
 

@@ -5,7 +5,7 @@ names all the files it reads); the flags it does not name stay as the base run g
 """
 from __future__ import annotations
 
-from common.cli.errors import UsageError
+from common.errors import UsageError
 from common.cli.flags import FLAGS, STAGE_FLAGS, all_option_strings
 
 Item = tuple[str, list[str]]  # (the flag as written, its value: [] for a switch, [value] otherwise)

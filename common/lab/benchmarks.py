@@ -9,8 +9,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from common.cli.errors import UsageError
-from common.cli.flags import EVAL_DATA_FILE, RUN_LAYOUT
+from common.errors import UsageError
+from common.formats.run_layout import EVAL_DATA_FILE, RUN_LAYOUT
 
 CHAIN = ["--tau-only", "--num-steps", "3", "--topk", "1", "--num-draft-tokens", "4"]
 TREE = ["--tau-only", "--num-steps", "3", "--topk", "8"]

@@ -14,8 +14,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Sequence
 
-from common.cli.errors import UsageError
-from common.cli.flags import EVAL_DATA_FILE, FLAGS, RUN_LAYOUT
+from common.errors import UsageError
+from common.formats.run_layout import EVAL_DATA_FILE, RUN_LAYOUT
+from common.cli.flags import FLAGS
 from common.lab.argv import all_values, last_value, merged
 from common.lab.benchmarks import BENCHMARKS
 

@@ -13,7 +13,7 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from common.cli.flags import PREPARED_DATA_FILE, RUN_LAYOUT
+from common.formats.run_layout import PREPARED_DATA_FILE, RUN_LAYOUT
 from common.lab.argv import merged
 from common.lab.benchmarks import BenchSettings, benchmark_flags
 from common.lab.lanes import BENCH, EXTRACT, PREPARE, SPECFORGE, TRAIN, VOCAB, Base, Lane

@@ -16,7 +16,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Callable
 
-from common.cli.errors import USAGE_ERROR, UsageError
+from common.errors import USAGE_ERROR, UsageError
 from common.cli.lock import OutputLock
 from common.cli.pipeline import REPO, is_current, log_size, run_one, stage_command, stage_parser, tail
 from common.formats.files import read_json, write_json_atomic

@@ -19,7 +19,14 @@ from common.formats.checkpoint import vocab_mapping_problems
 from common.model.config import DrafterConfig, rope_parameters
 from common.model.kernels import Bf16Gemms, CompiledOnCuda, Fp8Gemms, fp8_available, fuse_elementwise, linear
 from common.model.ttt_attention import expand_heads, causal_attention, ttt_attention
-from common.train.loss import store_ce_gradients
+
+# What the soft cross-entropy does with its logits' gradient (set_memory_policy; train/loss.py store_ce_gradients).
+CE_GRAD_POLICIES = ("auto", "store", "recompute")
+
+
+def check_ce_grad(policy: str) -> None:
+    if policy not in CE_GRAD_POLICIES:
+        raise ValueError(f"ce_grad must be auto, store or recompute, got {policy!r}")
 
 
 def rotate_half(x: Tensor) -> Tensor:
@@ -408,10 +415,10 @@ class Eagle3Drafter(nn.Module):
     def set_memory_policy(self, mlp_recompute: str = "act", ce_grad: str = "auto") -> None:
         """mlp_recompute "act": keep gate/up, recompute silu*up (default); "gate_up": keep only the MLP
         input; "none": plain autograd. ce_grad "store" | "recompute" | "auto": whether the soft-CE keeps
-        its logits' gradient until backward (see store_ce_gradients)."""
+        its logits' gradient until backward (see common.train.loss.store_ce_gradients)."""
         if mlp_recompute not in ("act", "gate_up", "none"):
             raise ValueError(f"mlp_recompute must be act, gate_up or none, got {mlp_recompute!r}")
-        store_ce_gradients(self.config, ce_grad)  # validates
+        check_ce_grad(ce_grad)
         self.midlayer.mlp.recompute = mlp_recompute
         self.ce_grad = ce_grad
 

@@ -21,7 +21,7 @@ from pathlib import Path
 
 import torch
 
-from common.cli.errors import UsageError
+from common.errors import UsageError
 
 SPECFORGE_VERSION = "0.2.0"
 INSTALL_HINT = (f"pip install --no-deps specforge=={SPECFORGE_VERSION} (offline: pip install --no-deps --target DIR "

@@ -1,7 +1,7 @@
 """A SpecForge-trained drafter written in our checkpoint format, so stage 05 (and SGLang) load it like ours.
 
 SpecForge's LlamaForCausalLMEagle3 and ours share one layout (fc, midlayer.*, norm, lm_head, d2t, t2d, with
-SGLang's names), so the export is a copy of those tensors into our Eagle3Drafter and common.formats.checkpoint's
+SGLang's names), so the export is a copy of those tensors into our Eagle3Drafter and common.model.checkpoint's
 save_drafter: config.json (the same shape, aux layers and eagle_config as ours) + model.safetensors.
 """
 from __future__ import annotations
@@ -10,7 +10,8 @@ from pathlib import Path
 
 import torch
 
-from common.formats.checkpoint import expected_tensor_specs, inspect_drafter_dir, save_drafter
+from common.formats.checkpoint import expected_tensor_specs
+from common.model.checkpoint import inspect_drafter_dir, save_drafter
 from common.model.config import DrafterConfig
 from common.model.drafter import Eagle3Drafter
 

@@ -10,8 +10,8 @@ from pathlib import Path
 import torch
 from torch.utils.data import DataLoader, Dataset
 
-from common.cli.errors import UsageError
-from common.cli.stage import Progress
+from common.errors import UsageError
+from common.progress import Progress
 from common.formats.files import read_json, write_json_atomic, write_text_atomic
 from common.formats.hidden_states import load_sample, open_hidden_states
 from common.formats.manifest import MANIFEST, Manifest

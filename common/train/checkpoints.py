@@ -13,12 +13,12 @@ from typing import Any, Callable
 import numpy as np
 import torch
 
-from common.cli.errors import UsageError
+from common.errors import UsageError
 from common.formats.checkpoint import CONFIG_FILE, WEIGHTS_FILE
 from common.formats.disk_full import disk_full, is_disk_full
 from common.formats.files import crc32_file, read_json, write_json_atomic
 from common.formats.hidden_states import RECORD_FILE, read_record, record_files
-from common.cli.stage import get_logger
+from common.log import get_logger
 from common.train.data import VAL_SPLIT_FILE
 from common.train.metrics import METRICS_FILE
 
@@ -54,7 +54,7 @@ class CheckpointManager:
         """root/name with the drafter, training_state.pt, trainer_state.json and the record of their sizes and
         CRC32s, renamed into place only when complete; then checked (check_drafter_dir) and pointed to by
         `latest`. A save that fails removes what it staged; a full disk is a DiskFull naming the bytes."""
-        from common.formats.checkpoint import save_drafter
+        from common.model.checkpoint import save_drafter
 
         final = self.root / name
         if not self.is_main:

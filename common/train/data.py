@@ -13,7 +13,7 @@ import torch
 from torch.utils.data import DataLoader, Dataset
 
 from common.batching import pack_by_length
-from common.cli.errors import StageFailure
+from common.errors import StageFailure
 from common.model.kernels import FP8_ALIGN
 
 VAL_SPLIT_FILE = "val_split.json"

@@ -9,7 +9,7 @@ from typing import Any, Iterator
 import torch
 from torch import nn
 
-from common.cli.distributed import RankInfo, all_reduce_sums
+from common.distributed import RankInfo, all_reduce_sums
 
 
 class TTTLossModule(nn.Module):

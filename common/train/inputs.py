@@ -10,7 +10,7 @@ from pathlib import Path
 from common.formats.resume import setting_differences
 from common.formats.manifest import MANIFEST, check_same, check_verifier_matches, load_manifest
 from common.formats.files import read_json, sha256_file
-from common.cli.errors import UsageError
+from common.errors import UsageError
 from common.verifier.loading import (VerifierInfo, locate_embedding_tensors, locate_layer_tensors, pick_device,
                                     read_verifier_info)
 from common.formats.layer_ids import check_aux_layers
@@ -153,7 +153,7 @@ def check_same_prepared_data(data_manifest: dict, data_name: str, vocab_manifest
     ours = data_manifest.get("inputs", {}).get("prepared_data", {})
     theirs = vocab_manifest.get("inputs", {}).get("prepared_data", {})
     if not ours.get("manifest_sha256") or not theirs.get("manifest_sha256"):
-        from common.cli.stage import get_logger
+        from common.log import get_logger
 
         get_logger().warning("cannot tell whether %s and %s come from the same prepared data (no "
                              "inputs.prepared_data.manifest_sha256 recorded)", data_name, vocab_name)
@@ -220,7 +220,7 @@ def check_finetune(args, data_manifest: dict, info: VerifierInfo, mapping, overr
     if not args.finetune_from:
         return
     from common.model.config import DrafterConfig
-    from common.formats.checkpoint import check_drafter_dir
+    from common.model.checkpoint import check_drafter_dir
 
     folder = Path(args.finetune_from)
     if not (folder / "config.json").exists():
@@ -439,7 +439,7 @@ def check_output(args, run_config: dict, log) -> tuple[Path | None, bool]:
 def remove_staging_leftovers(manager, log) -> None:
     """The staging folders of saves that never finished (`.step_N.tmp-PID`, as large as a checkpoint), on the main
     process only: it holds the folder's lock, so no save of a live run is among them."""
-    from common.cli.distributed import rank_info
+    from common.distributed import rank_info
 
     if not rank_info().is_main:
         return

@@ -8,6 +8,7 @@ import torch
 from torch import Tensor
 
 from common.formats.storage import topk_target_distribution
+from common.model.drafter import check_ce_grad
 from common.model.kernels import CompiledOnCuda, upcast
 
 if TYPE_CHECKING:
@@ -219,10 +220,9 @@ def store_ce_gradients(cfg: DrafterConfig, policy: str = "auto") -> bool:
     attention inputs/outputs, norms, the MLP's gate/up): true for Llama-8B- and Kimi-sized drafters with a
     32K draft vocabulary, false for small ones (SmolLM2), whose memory the logits would dominate.
     """
-    if policy in ("store", "recompute"):
-        return policy == "store"
+    check_ce_grad(policy)
     if policy != "auto":
-        raise ValueError(f"ce_grad must be auto, store or recompute, got {policy!r}")
+        return policy == "store"
     kept_per_row = 8 * cfg.hidden_size + 2 * cfg.intermediate_size
     return cfg.draft_vocab_size <= 0.6 * kept_per_row
 

@@ -10,7 +10,7 @@ from typing import Any, Callable
 import torch
 
 from common.formats.files import write_text_atomic
-from common.cli.stage import get_logger
+from common.log import get_logger
 
 METRICS_FILE = "metrics.jsonl"
 

@@ -183,7 +183,7 @@ def check_online_source(args, log) -> tuple[dict, list[dict], list[Sample], str]
     the servers' default) and the storage format, and stage 01's prepared data. Returns (the description of the
     states, in stage 02's manifest's words; the index entries of the samples with loss tokens; the samples; the
     name messages give the source)."""
-    from common.cli.errors import UsageError
+    from common.errors import UsageError
     from common.formats.files import sha256_file
     from common.formats.hidden_states import describe_states
     from common.formats.layer_ids import check_aux_layers, default_aux_layers

@@ -10,7 +10,7 @@ from common.formats.disk_full import full_disk_reported
 from common.formats.manifest import MANIFEST, Manifest
 from common.formats.files import write_json_atomic
 from common.model.drafter import Eagle3Drafter
-from common.formats.checkpoint import check_drafter_dir, load_drafter
+from common.model.checkpoint import check_drafter_dir, load_drafter
 from common.train.data import VAL_SPLIT_FILE
 from common.train.checkpoints import seed_everything
 from common.train.data_parallel import make_data_parallel
@@ -21,8 +21,7 @@ from common.train.plots import CURVES_FILE, remove_stale_drawings, training_titl
 from common.train.step import TrainConfig
 from common.train.profiling import StepProfiler
 from common.train.trainer import LoopConfig, Trainer
-from common.bench.report import fmt
-from common.figures import TTT_ESTIMATE, WALKED_CHAIN_TAU
+from common.figures import TTT_ESTIMATE, WALKED_CHAIN_TAU, fmt
 from common.model.layer_init import init_layer_from_verifier
 from common.verifier.loading import read_embedding_tensors, read_layer_tensors
 

@@ -7,9 +7,9 @@ from typing import Any, Callable, Iterable, Sequence
 
 import torch
 
+from common.figures import CHAIN_DRAFTS
 from common.train.data import collate, to_device
 from common.train.metrics import add_sums, summarize, walk_chain
-from common.verifier.sglang_launch import DEFAULT_NUM_STEPS
 from common.train.parameters import model_device, trainable_parameters
 
 
@@ -106,7 +106,7 @@ def _as_batches(loader_or_samples: Iterable) -> Iterable[dict]:
 def evaluate(model: torch.nn.Module, loader_or_samples: Iterable, verifier_lm_head: torch.Tensor,
              ttt_steps: int, device: str | torch.device | None = None, decay: float = 0.8,
              reduce: Callable[[dict], dict] | None = None, amp_dtype: str | None = None,
-             chain_draft_tokens: int = DEFAULT_NUM_STEPS, chain_max_new_tokens: int | None = None,
+             chain_draft_tokens: int = CHAIN_DRAFTS, chain_max_new_tokens: int | None = None,
              batch_to_device: Callable = to_device) -> dict[str, Any]:
     """Validation metrics of a drafter: per-TTT-step loss and top-1 agreement with the verifier, the
     weighted loss, the TTT acceptance estimate 1 + sum_k prod_{j<=k} acc_j, and the walked chain tau:

@@ -5,7 +5,7 @@ import signal
 import threading
 from typing import Any
 
-from common.cli.stage import get_logger
+from common.log import get_logger
 
 
 class StopRequests:

@@ -11,8 +11,9 @@ from typing import Any, Callable, Sequence
 
 import torch
 
-from common.cli.errors import StageFailure
-from common.cli.stage import Progress, get_logger
+from common.errors import StageFailure
+from common.progress import Progress
+from common.log import get_logger
 from common.figures import figures_text
 from common.train.checkpoints import (BEST, TRAINING_STATE, CheckpointManager, capture_rng_state, checkpoint_bytes,
     checkpoint_name, load_optimizer_state, load_weights_exactly, restore_rng_state)

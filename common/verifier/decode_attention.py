@@ -98,7 +98,7 @@ def check_triton(model) -> None:
     failure stops the run here, naming the fix; as the GPU default, the matmuls take over with a warning, so a GPU
     that Triton cannot serve does not cost the run."""
     global GPU_DEFAULT
-    from common.cli.stage import get_logger
+    from common.log import get_logger
     from common.verifier import triton_decode  # registers its op before any step is compiled
 
     config, parameter = model.config.get_text_config(), next(model.parameters())

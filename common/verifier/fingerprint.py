@@ -16,7 +16,7 @@ import os
 import struct
 from pathlib import Path
 
-from common.cli.errors import UsageError
+from common.errors import UsageError
 from common.verifier.loading import locate_embedding_tensors, resolve_model_path
 
 METHOD = "tensor-samples-sha256-v1"

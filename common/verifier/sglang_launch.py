@@ -10,13 +10,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from common.cli.errors import UsageError
+from common.errors import UsageError
+from common.figures import CHAIN_DRAFTS
 from common.formats.checkpoint import ARCHITECTURE, CONFIG_FILE, METADATA_KEY, WEIGHTS_FILE
 from common.formats.layer_ids import captured_layers, eagle_ids_for
 from common.verifier.sglang_settings import (as_launch_arguments, check_setting_names, installed_sglang_root,
                                              server_arg_names)
 
-DEFAULT_NUM_STEPS, DEFAULT_TOPK, DEFAULT_NUM_DRAFT_TOKENS = 3, 1, 4
+DEFAULT_NUM_STEPS, DEFAULT_TOPK, DEFAULT_NUM_DRAFT_TOKENS = CHAIN_DRAFTS, 1, 4
 SM120_ATTENTION_BACKEND = "triton"
 SM120_DRAFT_ATTENTION_BACKEND = "triton"
 NOT_ON_SM120 = {"trtllm_mla": "SM100-only kernels", "fa3": "Hopper only", "flashmla": "Hopper/SM100 only",

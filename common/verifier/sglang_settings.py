@@ -16,7 +16,7 @@ import json
 from pathlib import Path
 from typing import Any, Iterable, Sequence
 
-from common.cli.errors import UsageError
+from common.errors import UsageError
 
 # Server arguments stage 02 sets from its own flags: a --sglang-arg may not set them a second way.
 FROM_STAGE_FLAGS = {"model_path": "--model-path", "tp_size": "--tp-size", "dtype": "--dtype",

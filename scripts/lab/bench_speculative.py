@@ -84,7 +84,7 @@ class OracleDrafter(torch.nn.Module):
 
 
 def build_drafter(args, verifier, info, device, dtype):
-    from common.formats.checkpoint import load_drafter
+    from common.model.checkpoint import load_drafter
     from common.formats.layer_ids import default_aux_layers
     from common.model.config import DrafterConfig
     from common.model.drafter import Eagle3Drafter

@@ -17,7 +17,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from common.bench.report import fmt as report_fmt, read_reports, window_name  # noqa: E402
+from common.figures import fmt as report_fmt  # noqa: E402
+from common.bench.report import read_reports, window_name  # noqa: E402
 from common.formats.files import read_json  # noqa: E402
 from common.lab.plan import LANE_FILE  # noqa: E402
 

@@ -23,7 +23,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from common.cli.errors import USAGE_ERROR, UsageError  # noqa: E402
+from common.errors import USAGE_ERROR, UsageError  # noqa: E402
 from common.cli.parser import StageArgumentParser  # noqa: E402
 from common.cli.pipeline import STAGES, split_shared_flags, stage_command, stage_named  # noqa: E402
 from common.lab.argv import check_known  # noqa: E402

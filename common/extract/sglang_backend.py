@@ -11,7 +11,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Sequence
 
-from common.cli.errors import UsageError
+from common.errors import UsageError
 from common.verifier.sglang_settings import (check_setting_names, chosen_settings, installed_sglang_root,
                                              server_arg_names)
 from patches.sglang_releases import NEWEST, SGLangRelease, release_for, version_problem
@@ -50,7 +50,7 @@ def installed_release(allow_untested: bool = False) -> tuple[str, SGLangRelease]
 
 def check_sglang_installed(allow_untested: bool = False) -> str:
     """installed_release, saying so in the log when an untested release is tried. Returns the installed version."""
-    from common.cli.stage import get_logger
+    from common.log import get_logger
 
     version, release = installed_release(allow_untested)
     if version != release.version:
@@ -363,7 +363,7 @@ def _run_requests(engine, plan, samples, todo: Sequence[int], complete: set[int]
     """Feed the engine's process the request chunks and follow the journal until every sample is on disk."""
     import torch
 
-    from common.cli.stage import Progress
+    from common.progress import Progress
     from common.extract.extractor import ExtractionStats
     from common.formats.hidden_states import estimate_disk_bytes, write_index
     from patches.sglang_capture import ACTIVE_FILE, JOURNAL_FILE, sample_rid

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any, Callable, Iterator, Sequence
 
-from common.cli.errors import UsageError
+from common.errors import UsageError
 
 _ENV = ("WORLD_SIZE", "RANK", "LOCAL_RANK", "LOCAL_WORLD_SIZE")
 # Collectives wait this long for the other ranks (rank 0 writing a 20 GB checkpoint, a slow shard of stage 02).

@@ -1,5 +1,6 @@
-"""Exit codes, the error for bad input (a stage stops with code 2 before any heavy work), and the one line that a
-missing package gets. Standard library only: stage scripts import this before anything else."""
+"""Exit codes, the error for bad input (a stage stops with code 2 before any heavy work), the check for required
+flags, and the one line that a missing package gets. The ground floor of common/: standard library only, so stage
+scripts import this before anything else and every layer may raise its errors."""
 import sys
 from pathlib import Path
 
@@ -14,6 +15,14 @@ class UsageError(Exception):
 class StageFailure(Exception):
     """A failure during the work whose message says what went wrong and how to repair it: exit code 1, logged
     without a traceback."""
+
+
+def require(args, *dests: str) -> None:
+    """Stop with a usage error naming each required flag (an argparse dest) that is still unset in `args`."""
+    missing = [d for d in dests if getattr(args, d, None) in (None, [], "")]
+    if missing:
+        names = ", ".join("--" + d.replace("_", "-") for d in missing)
+        raise UsageError(f"missing required flag(s): {names} (or give --run-dir for the path flags)")
 
 
 SETUP = "run `bash scripts/setup_env.sh`, then the stages with `.venv/bin/python` (or after `source .venv/bin/activate`)"
