@@ -114,13 +114,14 @@ def test_nested_progress_writes_one_line_per_interval(tmp_path):
             for _ in range(10):
                 time.sleep(0.1)
                 inner.update(1)
-        inside = (tmp_path / "nested_test.log").read_text().splitlines()
         time.sleep(0.5)  # the inner one closed: the outer one's heartbeat speaks again
         outer.update(2)
     lines = (tmp_path / "nested_test.log").read_text().splitlines()
+    last_inner = max(i for i, line in enumerate(lines) if "inner: " in line)  # its closing line
+    inside, after = lines[:last_inner + 1], lines[last_inner + 1:]
     assert sum("inner: " in line for line in inside) >= 3
     assert not [line for line in inside if "outer: " in line]
-    assert [line for line in lines[len(inside):] if "outer: 0/2" in line and "no item finished" in line]
+    assert [line for line in after if "outer: 0/2" in line and "no item finished" in line]
 
 
 def test_the_progress_interval_comes_from_the_environment(monkeypatch):
