@@ -108,6 +108,7 @@ def main(argv: list[str] | None = None) -> int:
     if run_dir.exists():
         parser.error(f"--run-dir {run_dir} exists: the demo would skip its finished stages; give a new folder")
     console = run_dir.with_name(run_dir.name + ".out")
+    console.parent.mkdir(parents=True, exist_ok=True)  # a fresh clone has no runs/ yet
     before = load_average()
     started = time.time()
     with LoadSampler() as sampler, open(console, "w") as out:
