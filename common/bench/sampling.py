@@ -3,6 +3,8 @@ from __future__ import annotations
 
 import torch
 
+from common.top_p import top_p_probabilities
+
 
 class Sampler:
     """The verifier's decoding rule: argmax at temperature 0, else temperature + top-p sampling."""
@@ -24,14 +26,7 @@ class Sampler:
         Top-p keeps the smallest set of most probable tokens whose mass reaches top_p (at least one),
         the same set as transformers' TopPLogitsWarper.
         """
-        probs = torch.softmax(logits.float() / self.temperature, dim=-1)
-        if self.top_p >= 1.0:
-            return probs
-        sorted_probs, order = probs.sort(dim=-1, descending=True)
-        mass_before = sorted_probs.cumsum(dim=-1) - sorted_probs
-        sorted_probs = sorted_probs.masked_fill(mass_before >= self.top_p, 0.0)
-        kept = torch.zeros_like(probs).scatter_(-1, order, sorted_probs)
-        return kept / kept.sum(dim=-1, keepdim=True)
+        return top_p_probabilities(torch.softmax(logits.float() / self.temperature, dim=-1), self.top_p)
 
     def draw(self, probs: torch.Tensor) -> torch.Tensor:
         """One token per row of a [rows, V] probability matrix -> [rows]."""

@@ -19,6 +19,7 @@ passed: a reset cache starts at 0 and each forward advances it by its query leng
 from __future__ import annotations
 
 from common.data.static_cache import forward_cache_keyword
+from common.top_p import top_p_probabilities
 
 # Steps between the host's checks that every row has stopped: each check waits for the device, so a
 # batch that is done runs at most this many steps too many (producing pads).
@@ -85,11 +86,7 @@ def next_token(logits, temperature: float, top_p: float = 1.0):
     scores = logits.float()
     if temperature <= 0:
         return scores.argmax(dim=-1)
-    probabilities = torch.softmax(scores / temperature, dim=-1)
-    if top_p < 1.0:
-        ordered, order = probabilities.sort(dim=-1, descending=True)
-        ordered[(ordered.cumsum(-1) - ordered) > top_p] = 0.0  # tokens after the nucleus is full
-        return order.gather(1, torch.multinomial(ordered, num_samples=1)).squeeze(1)
+    probabilities = top_p_probabilities(torch.softmax(scores / temperature, dim=-1), top_p)
     return torch.multinomial(probabilities, num_samples=1).squeeze(1)
 
 
