@@ -25,21 +25,23 @@ class StepTally:
     yet passed on once the batch's rows are known (`finish`)."""
 
     def __init__(self, listener: StepListener | None, rows: int, stop_ids: set[int]):
+        import torch
+
         self.listener, self.rows, self.stop_ids = listener, rows, stop_ids
-        self.stopped = [False] * rows
+        self.stopped = torch.zeros(rows, dtype=torch.bool)  # on the host, where generate hands each step's tokens
+        self.stops = torch.tensor(sorted(stop_ids), dtype=torch.long)
         self.steps = 0   # passed on so far
         self.tokens = 0
 
     def put(self, value) -> None:
         """A streamer's call: the prompts first ([rows, width], skipped), then one token per row each step."""
-        if value.dim() != 1:
+        import torch
+
+        if value.dim() != 1 or self.listener is None:
             return
-        tokens = 0
-        for row, token in enumerate(value.tolist()):
-            if not self.stopped[row]:  # a row that stopped gets pads: not generated tokens
-                tokens += 1
-                self.stopped[row] = token in self.stop_ids
-        self.at(self.steps + 1, self.tokens + tokens)
+        live = ~self.stopped  # a row that stopped gets pads: not generated tokens
+        self.stopped |= live & torch.isin(value.cpu(), self.stops)
+        self.at(self.steps + 1, self.tokens + int(live.sum()))
 
     def end(self) -> None:
         """A streamer's last call: nothing to do, `finish` counts from the rows themselves."""
