@@ -340,6 +340,31 @@ def _is_transient(err: Exception) -> bool:
     return isinstance(err, (urllib.error.URLError, ConnectionError, TimeoutError))
 
 
+class RequestFailed(Exception):
+    """A request that failed for good: `error` is the last failure, after `attempts` tries."""
+
+    def __init__(self, error: Exception, attempts: int):
+        super().__init__(f"{type(error).__name__}: {error}")
+        self.error, self.attempts = error, attempts
+
+
+def post_json(url: str, payload: dict, timeout_s: float, read, retries: int, backoff_s: float):
+    """POST `payload` as JSON and return read(the JSON answer); a transient failure is retried with exponential
+    backoff, any other failure (read's included) or the last try's raises RequestFailed."""
+    body = json.dumps(payload).encode("utf-8")
+    for attempt in range(retries + 1):
+        try:
+            request = urllib.request.Request(url, data=body, headers={"Content-Type": "application/json"})
+            with urllib.request.urlopen(request, timeout=timeout_s) as response:
+                return read(json.loads(response.read()))
+        except Exception as err:  # noqa: BLE001 - every failure is either retried or raised as RequestFailed
+            if _is_transient(err) and attempt < retries:
+                time.sleep(backoff_s * 2 ** attempt)
+                continue
+            raise RequestFailed(err, attempt + 1) from err
+    raise AssertionError("not reached: the last attempt returns or raises")
+
+
 def check_endpoint(url: str, timeout_s: float = 10.0) -> str | None:
     """Preflight: the endpoint answers. Returns the served model name (first of GET /v1/models), or None
     when the server has no such route; raises UsageError naming the URL when nothing answers."""
@@ -390,29 +415,22 @@ class EndpointResponder:
         with ThreadPoolExecutor(max_workers=self.concurrency) as pool:
             return list(pool.map(self._respond, conversations))
 
-    def _post(self, messages: list[dict]) -> dict:
-        body = json.dumps({"model": self.model, "messages": messages, "max_tokens": self.max_new_tokens,
-                           "temperature": self.temperature}).encode("utf-8")
-        request = urllib.request.Request(self.url, data=body, headers={"Content-Type": "application/json"})
-        with urllib.request.urlopen(request, timeout=self.timeout_s) as response:
-            return json.loads(response.read())
-
     def _respond(self, messages: list[dict]) -> str | None:
-        for attempt in range(self.retries + 1):
-            try:
-                choice = self._post(messages)["choices"][0]
-                reply = choice["message"]["content"]
-            except Exception as err:  # noqa: BLE001 - every failure is either retried or counted
-                if _is_transient(err) and attempt < self.retries:
-                    time.sleep(self.backoff_s * 2 ** attempt)
-                    continue
-                self._record_failure(err, attempt + 1)
-                return None
-            if choice.get("finish_reason") == "length":
-                with self._lock:
-                    self.hit_max_new_tokens += 1
-            return (reply or "").strip()
-        return None  # not reached: the last attempt returns above
+        def choice_of(answer: dict) -> tuple[dict, str]:
+            choice = answer["choices"][0]
+            return choice, choice["message"]["content"]
+
+        payload = {"model": self.model, "messages": messages, "max_tokens": self.max_new_tokens,
+                   "temperature": self.temperature}
+        try:
+            choice, reply = post_json(self.url, payload, self.timeout_s, choice_of, self.retries, self.backoff_s)
+        except RequestFailed as failed:
+            self._record_failure(failed.error, failed.attempts)
+            return None
+        if choice.get("finish_reason") == "length":
+            with self._lock:
+                self.hit_max_new_tokens += 1
+        return (reply or "").strip()
 
     def _record_failure(self, err: Exception, attempts: int) -> None:
         detail = f"{type(err).__name__}: {err}"

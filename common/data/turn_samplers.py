@@ -5,15 +5,11 @@ so the template's own tokens inside a turn stay visible to the leak check.
 """
 from __future__ import annotations
 
-import json
-import time
-import urllib.error
-import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 
 from common.log import get_logger
-from common.data.responders import _is_transient, endpoint_base
+from common.data.responders import RequestFailed, endpoint_base, post_json
 
 
 @contextmanager
@@ -64,26 +60,16 @@ class EndpointTurnSampler:
         with ThreadPoolExecutor(max_workers=self.concurrency) as pool:
             return list(pool.map(lambda job: self._sample(*job), jobs))
 
-    def _post(self, ids: list[int], seed: int) -> dict:
-        body = json.dumps({"input_ids": ids, "sampling_params": {**self.params, "sampling_seed": seed}})
-        request = urllib.request.Request(self.url, data=body.encode("utf-8"),
-                                         headers={"Content-Type": "application/json"})
-        with urllib.request.urlopen(request, timeout=self.timeout_s) as response:
-            return json.loads(response.read())
+    def _ids_of(self, out: dict) -> list[int]:
+        if out.get("output_ids") is not None:
+            return [int(t) for t in out["output_ids"]]
+        return list(self.tokenizer(out["text"], add_special_tokens=False)["input_ids"])
 
     def _sample(self, ids: list[int], seed: int) -> list[int] | None:
-        for attempt in range(self.retries + 1):
-            try:
-                out = self._post(ids, seed)
-                if out.get("output_ids") is not None:
-                    return [int(t) for t in out["output_ids"]]
-                return list(self.tokenizer(out["text"], add_special_tokens=False)["input_ids"])
-            except Exception as err:  # noqa: BLE001 - every failure is either retried or counted
-                if _is_transient(err) and attempt < self.retries:
-                    time.sleep(self.backoff_s * 2 ** attempt)
-                    continue
-                self.failures += 1
-                get_logger().warning("%s: request failed after %d attempt(s): %s: %s", self.url, attempt + 1,
-                                     type(err).__name__, err)
-                return None
-        return None
+        payload = {"input_ids": ids, "sampling_params": {**self.params, "sampling_seed": seed}}
+        try:
+            return post_json(self.url, payload, self.timeout_s, self._ids_of, self.retries, self.backoff_s)
+        except RequestFailed as failed:
+            self.failures += 1
+            get_logger().warning("%s: request failed after %d attempt(s): %s", self.url, failed.attempts, failed)
+            return None
