@@ -20,6 +20,7 @@ from typing import Callable, Sequence
 from common.distributed import rank_info
 from common.errors import FAILURE, USAGE_ERROR, StageFailure, UsageError, missing_package_message
 from common.formats.files import atomic_path, write_json_atomic
+from common.formats.manifest import resolved_config
 from common.log import FILE_ONLY, get_logger
 from common.cli.parser import log_dir_for
 from common.cli.lock import OutputLock, OverwriteLock, ReaderLock, check_run_directory_free, folder_read
@@ -65,10 +66,6 @@ def quiet_other_progress_bars() -> None:
     if not sys.stderr.isatty():
         os.environ.setdefault("TQDM_DISABLE", "1")
         os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
-
-
-def resolved_config(args: argparse.Namespace) -> dict:
-    return {key: value for key, value in sorted(vars(args).items())}
 
 
 # A stage's declaration of what it reads of other stages' outputs: flag dests of RUN_INPUTS, given its flags.

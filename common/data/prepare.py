@@ -15,7 +15,7 @@ from common.data.sources import read_records
 from common.data.synthesis import SOURCE, synthesize
 from common.data.splits import (BAD_RECORDS_FILE, PROMPT_HASHES_FILE, REFUSED_BAD_RECORDS_FILE, check_bad_fraction,
                                 write_bad_records, write_splits)
-from common.formats.manifest import Manifest
+from common.formats.manifest import Manifest, resolved_config
 
 DEFAULT_REGEN_BATCH = 16
 
@@ -191,7 +191,7 @@ def prepare_data(args, inputs: Inputs, log) -> dict:
     if regenerator is not None:
         warn_of_merged_prompts(records, log)
 
-    manifest = Manifest(inputs.out, STAGE, {k: v for k, v in sorted(vars(args).items())})
+    manifest = Manifest(inputs.out, STAGE, resolved_config(args))
     manifest.data.update(fingerprint=inputs.fingerprint, verifier=inputs.verifier_identity,
                          chat_template_sha256=inputs.template_sha, sources=described,
                          loss_mask_convention=LOSS_MASK_CONVENTION)

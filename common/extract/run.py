@@ -22,7 +22,7 @@ from common.formats.disk_full import full_disk_reported
 from common.formats.files import sha256_file
 from common.formats.hidden_states import (AUX_FILES, FINAL_FILE, FORMAT_VERSION, INDEX_FILE, META_FILE, SHARD_SIZE,
     STAGE, describe_states, estimate_disk_bytes, human_bytes, write_index)
-from common.formats.manifest import MANIFEST, Manifest, check_verifier_matches, load_manifest
+from common.formats.manifest import MANIFEST, Manifest, check_verifier_matches, load_manifest, resolved_config
 from common.formats.storage import format_of_args, format_of_manifest
 from common.formats.resume import earlier_manifest, refuse_other_settings, setting_differences
 from common.formats.prepared_data import Sample
@@ -71,7 +71,7 @@ def check_kept_sample(output_dir: Path, sample: Sample, hidden_size: int, dtype:
 
 def build_manifest(args, info, upstream_dir: Path, data_sha, aux_layers, compute_dtype) -> Manifest:
     storage = format_of_args(args, info.vocab_size)
-    manifest = Manifest(args.output_dir, STAGE, {k: v for k, v in sorted(vars(args).items())})
+    manifest = Manifest(args.output_dir, STAGE, resolved_config(args))
     manifest.add_input("prepared_data", args.prepared_data, upstream_dir / MANIFEST)
     manifest.data["inputs"]["prepared_data"]["sha256"] = data_sha
     # stages 04 and 05 compare the weights' fingerprint

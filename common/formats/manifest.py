@@ -29,6 +29,11 @@ BEHAVIOUR_SWITCHES = ("EAGLE3_CACHE", "EAGLE3_COMPILE", "EAGLE3_CUDNN_ATTENTION"
                       "EAGLE3_FUSE_ELEMENTWISE", "EAGLE3_PROGRESS_INTERVAL", "EAGLE3_TTT_ATTENTION")
 
 
+def resolved_config(args) -> dict:
+    """A stage's flags as it resolved them, sorted by name: its manifest's "flags" and its config JSON."""
+    return {key: value for key, value in sorted(vars(args).items())}
+
+
 def behaviour_switches() -> dict[str, str | None]:
     return {name: os.environ.get(name) for name in BEHAVIOUR_SWITCHES}
 
