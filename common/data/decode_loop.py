@@ -61,7 +61,8 @@ def decode(model, cache, input_ids, prompt_mask, cache_width: int, max_new_token
     for step in range(max_new_tokens):
         token = next_token(logits[:, -1], temperature, top_p).masked_fill(finished, pad_id)
         out[:, step] = token
-        generated += (~finished).sum()
+        if on_check is not None:
+            generated += (~finished).sum()
         finished |= torch.isin(token, stops)
         if step + 1 == max_new_tokens or all_finished(finished, step + 1):
             break
