@@ -6,11 +6,13 @@ decoding, whose real verify count is reported the way SGLang reports it). Endpoi
   POST /v1/chat/completions       OpenAI chat completion, usage.completion_tokens; with
                                   "return_meta_info": true, choices[0].meta_info as SGLang returns it
                                   (completion_tokens, and spec_verify_ct with a drafter)
+  POST /v1/completions            OpenAI completion of a prompt given as text or token ids; usage.completion_tokens
   POST /generate                  SGLang-style {"text" | "input_ids", "sampling_params"} -> {"text", "output_ids",
                                   "meta_info"} (sampling_params' stop_token_ids replace the end-of-sequence ids)
   GET  /get_server_info           avg_spec_accept_length, nested under internal_states[0] (newer SGLang) or
                                   flat (older), with a drafter
   GET  /health
+  GET  /metrics                   with `metrics_text(server) -> str`: that Prometheus text (e.g. vLLM's counters)
 `fail_first=N` answers the first N POST requests with HTTP 503, to exercise the client's retries;
 `fail_when(body) -> bool` answers every matching POST with HTTP 500 (a request that always fails).
 `meta_info(body) -> dict` gives fields sent in place of the generated meta_info's (a response shape recorded
@@ -37,7 +39,8 @@ if str(REPO) not in sys.path:
 
 class ModelServer:
     def __init__(self, model, tokenizer, name: str = "test-model", decoder=None, eos_token_ids=(),
-                 info_layout: str = "nested", fail_first: int = 0, fail_when=None, meta_info=None):
+                 info_layout: str = "nested", fail_first: int = 0, fail_when=None, meta_info=None,
+                 metrics_text=None):
         from common.bench.prompts import has_chat_template
 
         self.model, self.tokenizer, self.name, self.decoder = model, tokenizer, name, decoder
@@ -47,6 +50,7 @@ class ModelServer:
         self.failures_left = fail_first
         self.fail_when = fail_when
         self.meta_info = meta_info
+        self.metrics_text = metrics_text
         self.lock = threading.Lock()
         self.requests = 0
         self.total_tokens = 0
@@ -119,6 +123,13 @@ class ModelServer:
                     self._send(200, server.server_info())
                 elif self.path == "/health":
                     self._send(200, {})
+                elif self.path == "/metrics" and server.metrics_text is not None:
+                    body = server.metrics_text(server).encode()
+                    self.send_response(200)
+                    self.send_header("Content-Type", "text/plain; version=0.0.4")
+                    self.send_header("Content-Length", str(len(body)))
+                    self.end_headers()
+                    self.wfile.write(body)
                 else:
                     self._send(404, {"error": f"no route {self.path}"})
 
@@ -144,6 +155,8 @@ class ModelServer:
                         self._send(200, server.chat(body))
                     elif self.path == "/generate":
                         self._send(200, server.generate(body))
+                    elif self.path == "/v1/completions":
+                        self._send(200, server.completion(body))
                     else:
                         self._send(404, {"error": f"no route {self.path}"})
                 except (KeyError, TypeError, ValueError) as err:
@@ -169,6 +182,18 @@ class ModelServer:
             choice["meta_info"] = meta
         return {"id": "chatcmpl-" + meta["id"], "object": "chat.completion", "created": int(time.time()),
                 "model": body.get("model", self.name), "choices": [choice],
+                "usage": {"prompt_tokens": meta["prompt_tokens"], "completion_tokens": meta["completion_tokens"],
+                          "total_tokens": meta["prompt_tokens"] + meta["completion_tokens"]}}
+
+    def completion(self, body: dict) -> dict:
+        prompt = body["prompt"]
+        ids = [int(t) for t in prompt] if isinstance(prompt, list) else list(self.tokenizer(prompt)["input_ids"])
+        out = self.complete(ids, int(body.get("max_tokens") or 16), float(body.get("temperature", 1.0)),
+                            float(body.get("top_p", 1.0)))
+        meta = out["meta_info"]
+        return {"id": "cmpl-" + meta["id"], "object": "text_completion", "created": int(time.time()),
+                "model": body.get("model", self.name),
+                "choices": [{"index": 0, "text": out["text"], "finish_reason": meta["finish_reason"]["type"]}],
                 "usage": {"prompt_tokens": meta["prompt_tokens"], "completion_tokens": meta["completion_tokens"],
                           "total_tokens": meta["prompt_tokens"] + meta["completion_tokens"]}}
 

@@ -1021,6 +1021,73 @@ def test_server_mode_reports_sglangs_own_acceptance_fields(stage05, verifier, tm
     assert spec_fields(newer)["spec_accept_histogram"] == [2, 1, 3, 4]
 
 
+# vLLM 0.26.0's /metrics shape for its speculative-decoding counters (prometheus_client text exposition; labels
+# model_name and engine, `position` on the per-position counter; every counter also has a _created sample).
+VLLM_0_26_COUNTERS = """# HELP vllm:spec_decode_num_drafts_total Number of spec decoding drafts.
+# TYPE vllm:spec_decode_num_drafts_total counter
+vllm:spec_decode_num_drafts_total{{engine="{engine}",model_name="m"}} {drafts}
+vllm:spec_decode_num_drafts_created{{engine="{engine}",model_name="m"}} 1.7650176e+09
+vllm:spec_decode_num_draft_tokens_total{{engine="{engine}",model_name="m"}} {draft_tokens}
+vllm:spec_decode_num_accepted_tokens_total{{engine="{engine}",model_name="m"}} {accepted}
+vllm:spec_decode_num_accepted_tokens_per_pos_total{{engine="{engine}",model_name="m",position="0"}} {p0}
+vllm:spec_decode_num_accepted_tokens_per_pos_total{{engine="{engine}",model_name="m",position="1"}} {p1}
+vllm:spec_decode_num_accepted_tokens_per_pos_total{{engine="{engine}",model_name="m",position="2"}} {p2}
+"""
+
+
+def vllm_counters(engine: int, requests: int) -> str:
+    """Counters that grow with the server's answered requests on engine 0 and stay put on engine 1."""
+    r = requests if engine == 0 else 3
+    drafts = 7 + 20 * r
+    return VLLM_0_26_COUNTERS.format(engine=engine, drafts=float(drafts), draft_tokens=float(3 * drafts),
+                                     accepted=float(5 + 30 * r), p0=float(2 + 14 * r), p1=float(2 + 10 * r),
+                                     p2=float(1 + 6 * r))
+
+
+def test_server_mode_reads_vllms_acceptance_counters(stage05, verifier, stories260k, tmp_path):
+    sys.path.insert(0, str(REPO / "tests"))
+    from openai_server import ModelServer
+
+    from common.bench.vllm_metrics import spec_decode_counters
+
+    model, tokenizer = verifier
+    server = ModelServer(model, tokenizer, name="vllm-0.26-shape", eos_token_ids=[2],
+                         metrics_text=lambda s: "# HELP vllm:num_requests_running x\nvllm:num_requests_running 0.0\n"
+                         + vllm_counters(0, s.requests) + vllm_counters(1, s.requests))
+    prompts = write_jsonl(tmp_path / "three.jsonl", [{"prompt": p} for p in ("Once upon a time", "The little dog",
+                                                                              "Tom and Sue went")])
+    out = tmp_path / "bench"
+    url = server.start()
+    try:
+        # /v1/completions with the prompt as token ids rendered here, as the GPU script sends them to vLLM.
+        assert stage05.main(["--mode", "server", "--url", url, "--server-api", "completions", "--model-path",
+                             str(stories260k), "--prompts", str(prompts), "--max-new-tokens", "8",
+                             "--output-dir", str(out)]) == 0
+    finally:
+        server.stop()
+    speculative = json.loads((out / "bench_server_t0_c1_three.json").read_text())["speculative"]
+    assert [turn["completion_tokens"] for turn in speculative["turns"]] == [8, 8, 8]
+    vllm = speculative["vllm_acceptance"]
+    # The warm-up request comes before the first read, so the run's three requests add 3 x 20 drafts, 3 x 30
+    # accepted tokens and 3 x (14, 10, 6) by position; engine 1's counters do not move.
+    assert (vllm["drafts"], vllm["draft_tokens"], vllm["accepted_tokens"]) == (60, 180, 90)
+    assert vllm["mean_acceptance_length"] == pytest.approx(1 + 90 / 60)
+    assert vllm["draft_acceptance_rate"] == pytest.approx(0.5)
+    assert vllm["acceptance_rate_by_position"] == pytest.approx([42 / 60, 30 / 60, 18 / 60])
+    # No SGLang meta_info in the replies and no /server_info: the accept length is vLLM's.
+    assert speculative["accept_length"] == pytest.approx(2.5)
+    assert "vLLM's 1 + accepted / drafts over this run's 60 verify steps" in speculative["accept_length_source"]
+    markdown = (out / "bench_server_t0_c1_three.md").read_text()
+    assert "## vLLM's acceptance counters" in markdown and "SGLang's acceptance fields" not in markdown
+    assert_every_column_explained_once(markdown)
+    assert "| 1 | 0.700 |" in markdown
+    log = (out / "logs" / "05_benchmark.log").read_text()
+    assert ("vLLM: mean acceptance length 2.500, draft acceptance rate 0.500, by position [0.70, 0.50, 0.30] "
+            "over 60 verify steps") in log
+    # Another server's /metrics (SGLang's sglang: counters) has none of vLLM's: no figures, not zeros.
+    assert spec_decode_counters("sglang:spec_accept_length{model_name=\"m\"} 2.0\n") is None
+
+
 def test_server_info_layouts_and_unreachable_server(stage05, tmp_path):
     from common.bench.server import avg_spec_accept_length
 

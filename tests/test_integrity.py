@@ -341,6 +341,11 @@ def test_check_drafter_fails_when_vllm_would_capture_other_layers(tmp_path):
     (tmp_path / "hs").mkdir()
     (tmp_path / "hs" / "manifest.json").write_text(json.dumps({"aux_layers": model.config.aux_layers}))
     assert run_script("scripts/check_drafter.py", str(tmp_path / "d"), "--data-dir", str(tmp_path / "hs")).returncode == 0
+    # The trap scripts/lab/device_serve_vllm.sh serves: the top-level (vLLM) ids written in SGLang's convention
+    _plant(tmp_path / "d", config_fn=lambda c: c.__setitem__(
+        "eagle_aux_hidden_state_layer_ids", list(c["eagle_config"]["eagle_aux_hidden_state_layer_ids"])))
+    done = run_script("scripts/check_drafter.py", str(tmp_path / "d"), "--data-dir", str(tmp_path / "hs"))
+    assert done.returncode == 1 and "vLLM would capture the inputs of layers" in done.stdout, done.stdout
     # SGLang's ids still right, the top-level (vLLM) ids gone: vLLM would capture other layers
     _plant(tmp_path / "d", config_fn=lambda c: (c["eagle_config"].__setitem__(
         "eagle_aux_hidden_state_layer_ids", [0, 2, 4]), c.pop("eagle_aux_hidden_state_layer_ids")))

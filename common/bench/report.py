@@ -243,7 +243,9 @@ def server_markdown(results: dict[str, Any]) -> str:
     spec = results.get("speculative") or {}
     if spec.get("accept_length_source"):
         parts += ["", f"Accept length source: {spec['accept_length_source']}"]
-    if spec.get("sglang_acceptance"):
+    if spec.get("vllm_acceptance"):
+        parts += vllm_acceptance_markdown(spec["vllm_acceptance"])
+    elif spec.get("sglang_acceptance"):
         parts += sglang_acceptance_markdown(spec["sglang_acceptance"])
     parts += prompt_selection_markdown(results.get("prompt_selection"))
     return with_columns("\n".join(parts) + "\n")
@@ -274,6 +276,21 @@ def sglang_acceptance_markdown(sglang: dict[str, Any]) -> list[str]:
                                  [(k, steps, steps / total) for k, steps in enumerate(histogram)]),
                   "", "### Acceptance by draft position (from the histogram)", "",
                   *acceptance_markdown(sglang["acceptance"])]
+    return parts
+
+
+def vllm_acceptance_markdown(vllm: dict[str, Any]) -> list[str]:
+    """vLLM's own speculative-decoding counters over the run (vllm_metrics.vllm_acceptance)."""
+    parts = ["", "## vLLM's acceptance counters (GET /metrics, this run's difference)", "",
+             markdown_table(["figure", "value"], [
+                 ("verify steps with drafts (num_drafts)", vllm["drafts"]),
+                 ("drafted tokens", vllm["draft_tokens"]), ("accepted tokens", vllm["accepted_tokens"]),
+                 ("mean acceptance length: 1 + accepted / drafts (offline mode's tau)",
+                  vllm["mean_acceptance_length"]),
+                 ("accepted / drafted tokens", vllm["draft_acceptance_rate"])])]
+    if vllm["acceptance_rate_by_position"]:
+        parts += ["", markdown_table(["draft position", "share of verify steps accepting it"],
+                                     list(enumerate(vllm["acceptance_rate_by_position"], start=1)))]
     return parts
 
 

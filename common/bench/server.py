@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
 from common.bench.metrics import acceptance_by_position, latency_summary
+from common.bench.vllm_metrics import read_counters, vllm_acceptance
 from common.errors import UsageError
 from common.data.prompt_files import BenchPrompt
 
@@ -170,6 +171,15 @@ def parse_chat_response(reply: dict) -> tuple[str, int, dict]:
     return text, tokens, meta
 
 
+def parse_completion_response(reply: dict) -> tuple[str, int, dict]:
+    """(text, completion_tokens, {}) of a /v1/completions reply."""
+    choices = reply.get("choices") or []
+    tokens = _int_or_none((reply.get("usage") or {}).get("completion_tokens"))
+    if not choices or tokens is None:
+        raise ServerError(f"a completion without choices or usage.completion_tokens: {str(reply)[:300]}")
+    return choices[0].get("text") or "", tokens, choices[0].get("meta_info") or {}
+
+
 def parse_generate_response(reply: Any) -> tuple[str, int, dict]:
     """(text, completion_tokens, meta_info) of an SGLang /generate reply."""
     if isinstance(reply, list):
@@ -182,12 +192,12 @@ def parse_generate_response(reply: Any) -> tuple[str, int, dict]:
 
 
 class ServerClient:
-    """Sends one conversation's turns through /v1/chat/completions or SGLang's /generate."""
+    """Sends one conversation's turns through /v1/chat/completions, /v1/completions or SGLang's /generate."""
 
     def __init__(self, url: str, api: str, model: str, max_new_tokens: int, temperature: float, top_p: float,
                  render: Callable[[list[dict]], list[int]] | None = None, timeout: float = 600.0):
-        if api == "generate" and render is None:
-            raise UsageError("--server-api generate sends token ids and needs --model-path for the tokenizer "
+        if api in ("generate", "completions") and render is None:
+            raise UsageError(f"--server-api {api} sends token ids and needs --model-path for the tokenizer "
                              "(and its chat template)")
         self.url, self.api, self.model = url.rstrip("/"), api, model
         self.max_new_tokens, self.temperature, self.top_p = max_new_tokens, temperature, top_p
@@ -199,6 +209,10 @@ class ServerClient:
                     "temperature": self.temperature, "top_p": self.top_p, "stream": False,
                     "return_meta_info": True}
             return parse_chat_response(http_json("POST", self.url + "/v1/chat/completions", body, self.timeout))
+        if self.api == "completions":
+            body = {"model": self.model, "prompt": self.render(messages), "max_tokens": self.max_new_tokens,
+                    "temperature": self.temperature, "top_p": self.top_p, "stream": False}
+            return parse_completion_response(http_json("POST", self.url + "/v1/completions", body, self.timeout))
         body = {"input_ids": self.render(messages),
                 "sampling_params": {"max_new_tokens": self.max_new_tokens, "temperature": self.temperature,
                                     "top_p": self.top_p}}
@@ -220,7 +234,8 @@ class ServerClient:
 
 # --- a whole run -------------------------------------------------------------------------------------
 
-def accept_length_of(turns: Sequence[TurnResult], info_value: float | None) -> tuple[float | None, str | None]:
+def accept_length_of(turns: Sequence[TurnResult], info_value: float | None,
+                     vllm: dict | None = None) -> tuple[float | None, str | None]:
     counted = [t for t in turns if t.spec_verify_ct]
     if counted:
         value = sum(t.completion_tokens for t in counted) / sum(t.spec_verify_ct for t in counted)
@@ -230,6 +245,9 @@ def accept_length_of(turns: Sequence[TurnResult], info_value: float | None) -> t
         return sum(reported) / len(reported), f"per-request meta_info spec_accept_length over {len(reported)} requests"
     if info_value is not None:
         return info_value, "GET /server_info avg_spec_accept_length (running average since server start)"
+    if vllm and vllm["mean_acceptance_length"] is not None:
+        return vllm["mean_acceptance_length"], ("GET /metrics: vLLM's 1 + accepted / drafts "
+                                                 f"over this run's {vllm['drafts']} verify steps")
     return None, None
 
 
@@ -287,7 +305,7 @@ def run_server_benchmark(url: str, prompts: Sequence[BenchPrompt], *, api: str, 
         # One short request first, so the server's first-request costs (graph capture, caches) stay out.
         warm = ServerClient(url, api, client.model, min(16, max_new_tokens), temperature, top_p, render)
         warm.send([{"role": "user", "content": prompts[0].turns[0]}])
-    info_before = server_info(url)
+    info_before, counters_before = server_info(url), read_counters(url)
     done, failed, lock = [0], [], threading.Lock()
 
     def one(prompt: BenchPrompt) -> list[TurnResult]:
@@ -309,12 +327,13 @@ def run_server_benchmark(url: str, prompts: Sequence[BenchPrompt], *, api: str, 
     with ThreadPoolExecutor(max_workers=concurrency) as pool:
         per_prompt = list(pool.map(one, prompts))
     wall = time.perf_counter() - started
-    info_after = server_info(url)
+    info_after, counters_after = server_info(url), read_counters(url)
+    vllm = vllm_acceptance(counters_before, counters_after)
     turns = [turn for conversation in per_prompt for turn in conversation]
     if not turns:
         raise ServerError(f"{url}: every prompt failed; first error: {failed[0]['error'] if failed else '?'}")
     tokens = sum(t.completion_tokens for t in turns)
-    accept_length, source = accept_length_of(turns, avg_spec_accept_length(info_after))
+    accept_length, source = accept_length_of(turns, avg_spec_accept_length(info_after), vllm)
     categories: dict[str, list[TurnResult]] = {}
     for turn in turns:
         if turn.category:
@@ -335,6 +354,7 @@ def run_server_benchmark(url: str, prompts: Sequence[BenchPrompt], *, api: str, 
         "accept_length": accept_length,
         "accept_length_source": source,
         "sglang_acceptance": sglang_acceptance(turns),
+        "vllm_acceptance": vllm,
         "server_info_avg_spec_accept_length": {"before": avg_spec_accept_length(info_before),
                                                "after": avg_spec_accept_length(info_after)},
         "categories": {name: {"requests": len(group), "accept_length": accept_length_of(group, None)[0]}

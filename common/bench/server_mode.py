@@ -14,7 +14,7 @@ def run_server(args, log, begin, prompt_spec, prompts, overlap) -> dict:
 
     require(args, "url")
     render = None
-    if args.server_api == "generate":
+    if args.server_api in ("generate", "completions"):  # token ids rendered here, as offline mode renders them
         require(args, "model_path")
         from common.bench.prompts import has_chat_template, render_conversation
         from common.verifier.loading import load_tokenizer
@@ -52,9 +52,18 @@ def server_summary_line(results: dict) -> str:
     if results.get("baseline"):
         line += (f" | baseline {fmt(results['baseline']['output_tokens_per_s'], 1)} tok/s, speedup "
                  f"{fmt(results['speedup'], 2)}x")
-    if spec.get("sglang_acceptance"):
+    if spec.get("vllm_acceptance"):
+        line += " | " + vllm_summary(spec["vllm_acceptance"])
+    elif spec.get("sglang_acceptance"):
         line += " | " + sglang_summary(spec["sglang_acceptance"])
     return line
+
+
+def vllm_summary(vllm: dict) -> str:
+    """The SUMMARY's part for vLLM's own counters (vllm_metrics.vllm_acceptance)."""
+    rates = ", ".join(fmt(rate, 2) for rate in vllm["acceptance_rate_by_position"] or [])
+    return (f"vLLM: mean acceptance length {fmt(vllm['mean_acceptance_length'])}, draft acceptance rate "
+            f"{fmt(vllm['draft_acceptance_rate'])}, by position [{rates}] over {vllm['drafts']} verify steps")
 
 
 def sglang_summary(sglang: dict) -> str:

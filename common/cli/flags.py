@@ -367,8 +367,9 @@ _ALL_FLAGS: list[Flag] = [
     Flag("--baseline-url", "Server without speculation, for the speedup in --mode server. Default: none (no "
          "speedup is reported).", metavar="URL"),
     Flag("--server-api", "Server route for --mode server: chat (/v1/chat/completions, any OpenAI-compatible "
-         "server) or generate (SGLang's /generate with token ids rendered here; needs --model-path).",
-         choices=("chat", "generate"), default="chat"),
+         "server), generate (SGLang's /generate with token ids rendered here; needs --model-path) or completions "
+         "(/v1/completions with those token ids as the prompt: vLLM, SGLang; needs --model-path).",
+         choices=("chat", "generate", "completions"), default="chat"),
     Flag("--concurrency", "Requests in flight at once.", type=_positive_int, default=1, stage_help=(
         ("01", "With --regenerate-endpoint: requests in flight at once."),
         ("05", "--mode server: requests in flight at once."))),
