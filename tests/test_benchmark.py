@@ -10,6 +10,7 @@ Server mode talks HTTP to tests/openai_server.py, a real server generating with 
 """
 from __future__ import annotations
 
+import ast
 import importlib.util
 import json
 import re
@@ -861,6 +862,83 @@ def test_offline_mode_checks_inputs_before_loading(stage05, stories260k, drafter
     log = (tmp_path / "out" / "logs" / "05_benchmark.log").read_text()
     assert "no drafter there" in log and "num_draft_tokens" in log
     assert "no prompts: give --prompts" in (tmp_path / "fresh" / "logs" / "05_benchmark.log").read_text()
+
+
+# --- the typed settings the library takes ---------------------------------------------------------------------
+
+def test_the_library_takes_typed_settings_built_once_from_the_flags(stage05, tmp_path):
+    """BenchConfig.from_args reads the parsed command line once; the modes and the checks below take it (or its
+    parts), and a report records the very settings the Namespace gave (the resume rule compares them)."""
+    import dataclasses
+    import inspect
+
+    from common.bench import decode_workers, drafter_check, eval_mode, offline_mode, server_mode
+    from common.bench.settings import (BenchConfig, DecodingSettings, VerifierSpec, chosen_settings,
+                                       recorded_settings)
+    from common.errors import UsageError
+
+    drafter = tmp_path / "drafter"
+    drafter.mkdir()
+
+    def parsed(mode: str, *more: str):
+        return stage05.parse(["--mode", mode, "--model-path", "/models/verifier", "--draft-model-path", str(drafter),
+                              "--output-dir", str(tmp_path / mode), "--num-steps", "5", "--temperature", "0.7",
+                              *more])
+
+    args = parsed("offline", "--tau-only", "--decode-workers", "2")
+    config = BenchConfig.from_args(args)
+    assert (config.mode, config.output_dir, config.verifier.model_path) == ("offline", str(tmp_path / "offline"),
+                                                                            "/models/verifier")
+    assert (config.decoding.num_steps, config.decoding.topk, config.decoding.temperature) == (5, 1, 0.7)
+    assert (config.verifier.dtype, config.decoding.acceptance_rule, config.server.server_api) == \
+        ("bfloat16", "rejection", "chat")  # the flag table's defaults
+    assert config.decoding.tau_only is True and config.inputs.allow_overlap is False  # a switch not given: False
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        config.decoding.num_steps = 3  # type: ignore[misc]
+
+    first_parameter = {offline_mode.run_offline: BenchConfig, server_mode.run_server: BenchConfig,
+                       eval_mode.run_eval: BenchConfig, offline_mode.prepare_session: BenchConfig,
+                       drafter_check.check_drafter: BenchConfig, drafter_check.check_verifier_weights: BenchConfig,
+                       decode_workers.decode_in_workers: BenchConfig, decode_workers.worker_count: DecodingSettings,
+                       offline_mode.load_models: VerifierSpec}
+    for function, kind in first_parameter.items():
+        parameter = next(iter(inspect.signature(function, eval_str=True).parameters.values()))
+        assert parameter.annotation is kind, function.__name__
+    assert decode_workers.worker_count(config.decoding, prompt_count=5) == 2
+    with pytest.raises(UsageError, match="needs --tau-only"):
+        decode_workers.worker_count(BenchConfig.from_args(parsed("offline", "--decode-workers", "2")).decoding, 5)
+
+    for mode in ("offline", "server", "eval"):
+        args = parsed(mode, "--url", "http://127.0.0.1:9", "--allow-overlap")
+        recorded_flags = [flag[2:].replace("-", "_") for flag, _ in chosen_settings({"mode": mode})]
+        before = {"mode": mode, **{key: getattr(args, key) for key in recorded_flags}}  # as made of the Namespace
+        before.update({key: bool(before[key]) for key in ("allow_overlap", "tau_only") if key in before})
+        before.update(draft_checkpoint="drafter", prompt_count=3)
+        recorded = recorded_settings(BenchConfig.from_args(args), {"prompt_count": 3})
+        assert json.dumps(recorded) == json.dumps(before), mode
+
+
+ENTRY_MODULES = ("settings.py",)  # BenchConfig.from_args: the one reader of the parsed flags in common/bench
+
+
+def functions_taking_args(source: str) -> list[int]:
+    """The lines of the functions (and lambdas) in `source` with a parameter named args."""
+    lines = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda)):
+            given = node.args
+            parameters = [*given.posonlyargs, *given.args, *given.kwonlyargs, given.vararg, given.kwarg]
+            if any(parameter is not None and parameter.arg == "args" for parameter in parameters):
+                lines.append(node.lineno)
+    return lines
+
+
+def test_no_function_below_stage_05_takes_the_parsed_flags():
+    assert functions_taking_args("def f(config, log):\n    return lambda *args: config\n") == [2]
+    assert functions_taking_args("class A:\n    def g(self, args, log):\n        pass\n") == [2]
+    found = [f"common/bench/{module.name}:{line}" for module in sorted((REPO / "common" / "bench").glob("*.py"))
+             if module.name not in ENTRY_MODULES for line in functions_taking_args(module.read_text())]
+    assert found == [], "these take the Namespace: give them BenchConfig (common/bench/settings.py) or its parts"
 
 
 # --- server mode --------------------------------------------------------------------------------------

@@ -16,21 +16,21 @@ import traceback
 from pathlib import Path
 from typing import Callable
 
+from common.bench.settings import BenchConfig, DecodingSettings
 from common.errors import UsageError
 
 
-def worker_count(args, prompt_count: int) -> int:
+def worker_count(decoding: DecodingSettings, prompt_count: int) -> int:
     """The processes to decode in: --decode-workers, at most one per prompt; checked against the mode."""
-    from common.bench.offline_mode import tau_only
-
-    workers = int(getattr(args, "decode_workers", 1) or 1)
-    if workers > 1 and not tau_only(args):
+    workers = decoding.decode_workers
+    if workers > 1 and not decoding.tau_only:
         raise UsageError(f"--decode-workers {workers} needs --tau-only: the timing baselines must run alone on the "
                          "device (processes sharing it slow each other's clocks); drop --decode-workers to time")
     return max(1, min(workers, prompt_count))
 
 
-def decode_in_workers(args, prompts: list, workers: int, on_turn: Callable[[dict], None]) -> tuple[list, list]:
+def decode_in_workers(config: BenchConfig, prompts: list, workers: int,
+                      on_turn: Callable[[dict], None]) -> tuple[list, list]:
     """Decode `prompts` in `workers` spawned processes, prompt i in process i % workers: (the per-prompt
     entries, the per-prompt lists of teacher-forced states), in the prompts' order. `on_turn` gets each
     turn's record as it arrives. A worker's failure stops the others and is raised with its traceback."""
@@ -39,12 +39,12 @@ def decode_in_workers(args, prompts: list, workers: int, on_turn: Callable[[dict
 
     context = mp.get_context("spawn")  # CUDA cannot be used in a forked child
     messages = context.Queue()
-    with tempfile.TemporaryDirectory(prefix="decode_workers_", dir=args.output_dir) as scratch:
+    with tempfile.TemporaryDirectory(prefix="decode_workers_", dir=config.output_dir) as scratch:
         processes = []
         for worker in range(workers):
             share = [(index, prompts[index]) for index in range(worker, len(prompts), workers)]
             states_file = Path(scratch) / f"worker_{worker}.pt"
-            process = context.Process(target=_worker_main, args=(args, share, states_file, messages),
+            process = context.Process(target=_worker_main, args=(config, share, states_file, messages),
                                       name=f"decode-worker-{worker}", daemon=True)
             process.start()
             processes.append(process)
@@ -86,7 +86,7 @@ def _next_message(messages, processes) -> tuple[str, object]:
                                    "result (killed? out of memory? its output is above in the log)")
 
 
-def _worker_main(args, share: list, states_file: Path, messages) -> None:
+def _worker_main(config: BenchConfig, share: list, states_file: Path, messages) -> None:
     """One worker: its own session (tokenizer, verifier, drafter, decoder), then its prompts in order."""
     import logging
 
@@ -96,7 +96,7 @@ def _worker_main(args, share: list, states_file: Path, messages) -> None:
 
     try:
         log = logging.getLogger("05_benchmark.worker")
-        session = prepare_session(args, log, checked=True)
+        session = prepare_session(config, log, checked=True)
         load_session(session, log)
         states = {}
         for index, prompt in share:

@@ -3,14 +3,15 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from common.bench.settings import BenchConfig
 from common.errors import UsageError, require
 from common.formats.files import read_json
 
 
-def check_drafter(args, verifier_info, log) -> dict:
+def check_drafter(config: BenchConfig, verifier_info, log) -> dict:
     """The drafter folder exists and fits the verifier (hidden size, vocabulary, aux layers): before loading."""
-    require(args, "draft_model_path")
-    folder = Path(args.draft_model_path)
+    require(config.inputs, "draft_model_path")
+    folder = Path(config.inputs.draft_model_path)
     if not (folder / "config.json").is_file():
         raise UsageError(f"--draft-model-path {folder}: no drafter there (config.json missing); run 04_train.py "
                          f"or point --draft-model-path at a checkpoint folder such as RUN_DIR/checkpoints/best")
@@ -22,7 +23,7 @@ def check_drafter(args, verifier_info, log) -> dict:
     if verifier_info is not None:
         problems = check_drafter_dir(folder, verifier_info=verifier_info)
         if problems:
-            raise UsageError(f"--draft-model-path {folder} does not fit --model-path {args.model_path}:\n  "
+            raise UsageError(f"--draft-model-path {folder} does not fit --model-path {config.verifier.model_path}:\n  "
                              + "\n  ".join(problems))
     from common.model.config import DrafterConfig
 
@@ -34,25 +35,27 @@ def check_drafter(args, verifier_info, log) -> dict:
     return config
 
 
-def check_verifier_weights(args, log) -> None:
+def check_verifier_weights(config: BenchConfig, log) -> None:
     """--model-path must have the weights of the verifier the drafter was trained for (and, in --mode eval, of the
     hidden states' verifier): the fingerprints stage 02 recorded and stage 04 carried (unless
     --allow-other-verifier)."""
     from common.formats.manifest import MANIFEST
     from common.verifier.fingerprint import check_same_weights
 
-    if not args.model_path or args.mode == "server":  # server mode loads no verifier here
+    model_path = config.verifier.model_path
+    draft_model_path, data_dir = config.inputs.draft_model_path, config.inputs.data_dir
+    if not model_path or config.mode == "server":  # server mode loads no verifier here
         return
     made_with = []
-    if args.draft_model_path:
-        folder = Path(args.draft_model_path)
+    if draft_model_path:
+        folder = Path(draft_model_path)
         for path in (folder / MANIFEST, folder.parent / MANIFEST):  # the checkpoint, or its training run
             manifest = read_json(path) if path.is_file() else {}
             if manifest.get("stage") == "04_train":
                 made_with.append((manifest, f"the drafter {folder} (trained by {path})"))
                 break
-    if args.mode == "eval" and args.data_dir and (Path(args.data_dir) / MANIFEST).is_file():
-        made_with.append((read_json(Path(args.data_dir) / MANIFEST), f"--data-dir {args.data_dir}"))
+    if config.mode == "eval" and data_dir and (Path(data_dir) / MANIFEST).is_file():
+        made_with.append((read_json(Path(data_dir) / MANIFEST), f"--data-dir {data_dir}"))
     for manifest, where in made_with:
         check_same_weights(manifest.get("verifier_weights"), (manifest.get("verifier") or {}).get("path"),
-                           args.model_path, args.allow_other_verifier, where, log)
+                           model_path, config.verifier.allow_other_verifier, where, log)

@@ -6,7 +6,7 @@ from pathlib import Path
 
 from common.bench.drafter_check import check_drafter
 from common.figures import TTT_ESTIMATE, WALKED_CHAIN_TAU, fmt
-from common.bench.settings import STAGE, recorded_settings
+from common.bench.settings import STAGE, BenchConfig, recorded_settings
 from common.errors import UsageError, require
 from common.progress import Progress
 from common.formats.files import read_json
@@ -32,7 +32,7 @@ def validation_entries(draft_dir: Path, entries: list[dict], log) -> tuple[list[
     return entries, "all samples (no validation split recorded)"
 
 
-def run_eval(args, log, begin, *_ignored) -> dict:
+def run_eval(config: BenchConfig, log, begin, *_ignored) -> dict:
     """Score the drafter teacher-forced on stored hidden states; the results of --mode eval."""
     import torch
     from common.formats.layer_ids import aux_layers_from_eagle_config
@@ -42,39 +42,40 @@ def run_eval(args, log, begin, *_ignored) -> dict:
     from common.train.step import evaluate
     from common.verifier.loading import pick_device, read_embedding_tensors, read_verifier_info
 
-    require(args, "data_dir", "draft_model_path")
-    data_dir = Path(args.data_dir)
+    verifier, inputs, decoding = config.verifier, config.inputs, config.decoding
+    require(inputs, "data_dir", "draft_model_path")
+    data_dir = Path(inputs.data_dir)
     manifest, entries = open_hidden_states(data_dir)
-    model_path = args.model_path or (manifest.get("verifier") or {}).get("path")
+    model_path = verifier.model_path or (manifest.get("verifier") or {}).get("path")
     if not model_path:
         raise UsageError(f"{data_dir / MANIFEST} names no verifier; give --model-path (its lm_head scores the drafter)")
-    info = read_verifier_info(model_path, args.trust_remote_code)
-    config = check_drafter(args, info, log)
+    info = read_verifier_info(model_path, verifier.trust_remote_code)
+    drafter_config = check_drafter(config, info, log)
     # The drafter's config names SGLang ids (whose meaning depends on the verifier); compare as HF indices.
-    sglang_ids = (config.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids")
+    sglang_ids = (drafter_config.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids")
     drafter_layers = aux_layers_from_eagle_config(sglang_ids, info.architecture) if sglang_ids else None
     stored_layers = [int(x) for x in manifest.get("aux_layers") or []] or None
     log.info("hidden states %s: inputs of layers %s; the drafter reads layers %s", data_dir, stored_layers,
              drafter_layers)
     if stored_layers and drafter_layers and stored_layers != drafter_layers:
-        raise UsageError(f"--draft-model-path {args.draft_model_path} reads the inputs of layers {drafter_layers} "
+        raise UsageError(f"--draft-model-path {inputs.draft_model_path} reads the inputs of layers {drafter_layers} "
                          f"but --data-dir {data_dir} stores layers {stored_layers}: evaluate the drafter on "
                          f"hidden states of its own layers")
     if not entries:
         raise UsageError(f"--data-dir {data_dir}: the index lists no complete sample; rerun 02_extract_hidden_states.py")
-    entries, split = validation_entries(Path(args.draft_model_path), entries, log)
-    if args.num_prompts and args.num_prompts > len(entries):
-        log.warning("--num-prompts %d: there are only %d samples (%s); all of them are evaluated", args.num_prompts,
-                    len(entries), split)
-    if args.num_prompts:
-        entries = entries[:args.num_prompts]
+    entries, split = validation_entries(Path(inputs.draft_model_path), entries, log)
+    if inputs.num_prompts and inputs.num_prompts > len(entries):
+        log.warning("--num-prompts %d: there are only %d samples (%s); all of them are evaluated",
+                    inputs.num_prompts, len(entries), split)
+    if inputs.num_prompts:
+        entries = entries[:inputs.num_prompts]
     begin()
 
-    device = pick_device(args.device)
+    device = pick_device(verifier.device)
     tensors = read_embedding_tensors(model_path)
     # The drafter computes in its parameters' dtype, as training validates it (--dtype on GPU, float32 on CPU).
-    dtype = getattr(torch, compute_dtype_for(device, args.dtype))
-    drafter = load_drafter(args.draft_model_path, embed=tensors["embed_tokens"], device=device, dtype=dtype)
+    dtype = getattr(torch, compute_dtype_for(device, verifier.dtype))
+    drafter = load_drafter(inputs.draft_model_path, embed=tensors["embed_tokens"], device=device, dtype=dtype)
     lm_head = tensors["lm_head"].to(device=device, dtype=dtype)
     started = time.time()
     with Progress(len(entries), "05_benchmark eval", unit="sample") as progress:
@@ -83,12 +84,13 @@ def run_eval(args, log, begin, *_ignored) -> dict:
                 yield load_sample(str(data_dir), entry)
                 progress.update(1)
         # The walk stops where decoding with the same budget would, so its tau compares with --mode offline's.
-        metrics = evaluate(drafter, samples(), lm_head, args.num_steps, device=device,
-                           chain_max_new_tokens=args.max_new_tokens)
+        metrics = evaluate(drafter, samples(), lm_head, decoding.num_steps, device=device,
+                           chain_max_new_tokens=decoding.max_new_tokens)
     seconds = time.time() - started
     return {"mode": "eval", "stage": STAGE, "created_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-            "settings": recorded_settings(args, {"model_path": model_path, "ttt_steps": args.num_steps, "samples": len(entries),
-                                         "split": split, "device": str(device), "compute_dtype": str(dtype)}),
+            "settings": recorded_settings(config, {"model_path": model_path, "ttt_steps": decoding.num_steps,
+                                                   "samples": len(entries), "split": split, "device": str(device),
+                                                   "compute_dtype": str(dtype)}),
             "metrics": metrics, "seconds": seconds}
 
 

@@ -13,7 +13,7 @@ from common.bench.metrics import (by_category, first_divergence, repetition_shar
 from common.bench.prompts import has_chat_template, render_conversation
 from common.bench.report import noisy_timing
 from common.figures import fmt
-from common.bench.settings import STAGE, recorded_settings
+from common.bench.settings import STAGE, BenchConfig, DecodingSettings, VerifierSpec, recorded_settings
 from common.errors import UsageError, require
 from common.progress import Progress
 
@@ -28,7 +28,7 @@ def gpu_name(device: str) -> str | None:
     return torch.cuda.get_device_name(device) if device.startswith("cuda") else None
 
 
-def load_models(args, log):
+def load_models(verifier_spec: VerifierSpec, draft_model_path: str, log):
     """The verifier and the drafter on one device, in the compute dtype: (verifier, drafter, device)."""
     import torch
     from common.model.checkpoint import load_drafter
@@ -36,14 +36,14 @@ def load_models(args, log):
 
     from common.train.parameters import compute_dtype_for
 
-    device = pick_device(args.device)
+    device = pick_device(verifier_spec.device)
     # --dtype on GPU; float32 on CPU, where bf16 is slow and its rounding makes greedy ties differ; float64
     # (the lossless check) everywhere.
-    dtype = "float64" if args.dtype == "float64" else compute_dtype_for(device, args.dtype)
+    dtype = "float64" if verifier_spec.dtype == "float64" else compute_dtype_for(device, verifier_spec.dtype)
     started = time.time()
-    verifier = load_verifier_model(args.model_path, device, dtype, args.trust_remote_code)
+    verifier = load_verifier_model(verifier_spec.model_path, device, dtype, verifier_spec.trust_remote_code)
     embed = verifier.get_input_embeddings().weight.detach()
-    drafter = load_drafter(args.draft_model_path, embed=embed, device=device, dtype=getattr(torch, dtype))
+    drafter = load_drafter(draft_model_path, embed=embed, device=device, dtype=getattr(torch, dtype))
     drafter.eval()
     log.info("loaded the verifier and the drafter on %s (%s) in %.1f s", device, dtype, time.time() - started)
     return verifier, drafter, device
@@ -115,7 +115,7 @@ class DecodingSession:
     """What decoding a prompt needs: the tokenizer and stop tokens (prepare_session), then the models, the
     speculative decoder and, unless --tau-only, the cache of the no-drafting baselines (load_session). One per
     process (see decode_workers)."""
-    args: Any
+    config: BenchConfig
     info: Any
     tokenizer: Any
     raw: bool
@@ -129,28 +129,29 @@ class DecodingSession:
     baseline_cache: BaselineCache | None = None
 
 
-def prepare_session(args, log, checked: bool = False) -> DecodingSession:
+def prepare_session(config: BenchConfig, log, checked: bool = False) -> DecodingSession:
     """Check the decoding settings and the drafter against the verifier, load the tokenizer; nothing on the
     device yet. `checked`: a worker process of a run whose parent did the checks (and logged them)."""
     from common.data.chat_tokenizer import end_of_turn_ids
     from common.bench.speculative import resolve_draft_shape
     from common.verifier.loading import load_tokenizer, read_verifier_info, resolve_model_path
 
-    require(args, "model_path")
+    verifier, decoding = config.verifier, config.decoding
+    require(verifier, "model_path")
     try:
-        num_draft_tokens = resolve_draft_shape(args.num_steps, args.topk, args.num_draft_tokens)
+        num_draft_tokens = resolve_draft_shape(decoding.num_steps, decoding.topk, decoding.num_draft_tokens)
     except ValueError as err:
         raise UsageError(f"--num-steps/--topk/--num-draft-tokens: {err}")
-    info = read_verifier_info(args.model_path, args.trust_remote_code)
+    info = read_verifier_info(verifier.model_path, verifier.trust_remote_code)
     if not checked:
-        check_drafter(args, info, log)
-    tokenizer = load_tokenizer(args.model_path, args.trust_remote_code, args.chat_template)
+        check_drafter(config, info, log)
+    tokenizer = load_tokenizer(verifier.model_path, verifier.trust_remote_code, verifier.chat_template)
     raw = not has_chat_template(tokenizer)
     if raw and not checked:
         log.warning("the tokenizer has no chat template (and no --chat-template was given): prompts are sent as "
                     "plain text, turns and answers joined by blank lines")
-    eos = sorted(end_of_turn_ids(tokenizer, resolve_model_path(args.model_path)[0]))
-    return DecodingSession(args, info, tokenizer, raw, eos, num_draft_tokens)
+    eos = sorted(end_of_turn_ids(tokenizer, resolve_model_path(verifier.model_path)[0]))
+    return DecodingSession(config, info, tokenizer, raw, eos, num_draft_tokens)
 
 
 def load_session(session: DecodingSession, log, warm: bool = True) -> None:
@@ -159,46 +160,43 @@ def load_session(session: DecodingSession, log, warm: bool = True) -> None:
     from common.bench.decoding import hf_generate, plain_decode
     from common.bench.speculative import SpeculativeDecoder
 
-    args, eos = session.args, session.eos
-    verifier, drafter, device = load_models(args, log)
+    config, eos = session.config, session.eos
+    decoding = config.decoding
+    verifier, drafter, device = load_models(config.verifier, config.inputs.draft_model_path, log)
     session.verifier, session.drafter, session.device = verifier, drafter, device
     session.text_model = find_text_model(verifier)
-    session.decoder = SpeculativeDecoder(verifier, drafter, num_steps=args.num_steps, topk=args.topk,
-                                         num_draft_tokens=session.num_draft_tokens, temperature=args.temperature,
-                                         top_p=args.top_p, seed=args.seed,
-                                         acceptance_rule=getattr(args, "acceptance_rule", None) or "rejection")
-    if not tau_only(args):
+    session.decoder = SpeculativeDecoder(verifier, drafter, num_steps=decoding.num_steps, topk=decoding.topk,
+                                         num_draft_tokens=session.num_draft_tokens,
+                                         temperature=decoding.temperature, top_p=decoding.top_p, seed=decoding.seed,
+                                         acceptance_rule=decoding.acceptance_rule)
+    if not decoding.tau_only:
         session.baseline_cache = BaselineCache(
-            Path(args.output_dir) / BASELINE_CACHE,
+            Path(config.output_dir) / BASELINE_CACHE,
             {"verifier": session.info.identity(), "device": str(device), "gpu": gpu_name(device),
              "dtype": str(next(verifier.parameters()).dtype), "stop": eos})
     if warm:
         ids = render_conversation(session.tokenizer, [{"role": "user", "content": "Hello! How are you today?"}],
                                   session.raw)
-        tokens = min(16, args.max_new_tokens)
+        tokens = min(16, decoding.max_new_tokens)
         session.decoder.generate(ids, tokens, eos)
-        if not tau_only(args):
-            plain_decode(verifier, ids, tokens, eos, args.temperature, args.top_p, args.seed)
-            hf_generate(verifier, ids, tokens, eos, args.temperature, args.top_p, args.seed)
-
-
-def tau_only(args) -> bool:
-    return bool(getattr(args, "tau_only", False))
+        if not decoding.tau_only:
+            plain_decode(verifier, ids, tokens, eos, decoding.temperature, decoding.top_p, decoding.seed)
+            hf_generate(verifier, ids, tokens, eos, decoding.temperature, decoding.top_p, decoding.seed)
 
 
 def _baselines(session: DecodingSession, ids: list[int], seed: int):
     """The same loop without drafting, and transformers' generate: measured once per prompt and setting."""
     from common.bench.decoding import GenerationStats, hf_generate, plain_decode
 
-    args, cache = session.args, session.baseline_cache
-    key = cache.key(ids, max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p,
-                    seed=seed)
+    decoding, cache = session.config.decoding, session.baseline_cache
+    key = cache.key(ids, max_new_tokens=decoding.max_new_tokens, temperature=decoding.temperature,
+                    top_p=decoding.top_p, seed=seed)
     entry = cache.get(key)
     if entry is None:
-        plain = plain_decode(session.verifier, ids, args.max_new_tokens, session.eos, args.temperature,
-                             args.top_p, seed)
-        hf = hf_generate(session.verifier, ids, args.max_new_tokens, session.eos, args.temperature, args.top_p,
-                         seed)
+        plain = plain_decode(session.verifier, ids, decoding.max_new_tokens, session.eos, decoding.temperature,
+                             decoding.top_p, seed)
+        hf = hf_generate(session.verifier, ids, decoding.max_new_tokens, session.eos, decoding.temperature,
+                         decoding.top_p, seed)
         entry = {"plain": [plain[0], plain[1].as_dict()], "hf": [hf[0], hf[1].as_dict()]}
         cache.put(key, entry)
     return tuple((tokens, GenerationStats.from_dict(stats)) for tokens, stats in (entry["plain"], entry["hf"]))
@@ -210,7 +208,7 @@ def decode_prompt(session: DecodingSession, index: int, prompt, on_turn: Callabl
     each turn's record as soon as it is decoded."""
     from common.verifier.capture import sample_states
 
-    args, tokenizer, raw = session.args, session.tokenizer, session.raw
+    decoding, tokenizer, raw = session.config.decoding, session.tokenizer, session.raw
     # The baselines hold their own conversation, on the verifier's own replies: the same one as the
     # speculative run's at temperature 0, and when sampling it does not depend on the drafting settings,
     # so a later turn's baselines are measured once and not again for every k and topk.
@@ -219,16 +217,16 @@ def decode_prompt(session: DecodingSession, index: int, prompt, on_turn: Callabl
         messages.append({"role": "user", "content": text})
         plain_messages.append({"role": "user", "content": text})
         ids = render_conversation(tokenizer, messages, raw)
-        seed = args.seed + 1000 * index + turn
+        seed = decoding.seed + 1000 * index + turn
         session.decoder.reseed(seed)  # a turn's sample does not depend on the turns decoded before it
-        spec = session.decoder.generate(ids, args.max_new_tokens, session.eos)
-        plain, hf = (None, None) if tau_only(args) else _baselines(
+        spec = session.decoder.generate(ids, decoding.max_new_tokens, session.eos)
+        plain, hf = (None, None) if decoding.tau_only else _baselines(
             session, render_conversation(tokenizer, plain_messages, raw), seed)
         answer = tokenizer.decode(spec[0], skip_special_tokens=True)
         state = sample_states(session.text_model, session.decoder.aux_layers, ids + spec[0], len(ids))
         states.append(state)
         check = None
-        if args.temperature == 0:
+        if decoding.temperature == 0:
             check = greedy_check(spec[0], plain[0] if plain else None, state, session.text_model.lm_head, len(ids))
         record = _turn_record(prompt, turn, ids, spec, plain, hf, check, answer)
         turns.append(record)
@@ -237,7 +235,7 @@ def decode_prompt(session: DecodingSession, index: int, prompt, on_turn: Callabl
         plain_messages.append({"role": "assistant", "content": answer if plain is None else
                                tokenizer.decode(plain[0], skip_special_tokens=True)})
     entry = {"id": prompt.id, "category": prompt.category,
-             "summary": summarize_generations(turns, args.num_steps), "turns": turns}
+             "summary": summarize_generations(turns, decoding.num_steps), "turns": turns}
     return entry, states
 
 
@@ -246,10 +244,10 @@ def margin_text(margin: float | None) -> str:
     return "-" if margin is None else f"{margin:.2e}"
 
 
-def log_turn(log, record: dict, args, max_positions: int) -> None:
+def log_turn(log, record: dict, decoding: DecodingSettings, max_positions: int) -> None:
     """The warnings a decoded turn may call for."""
-    max_new_tokens = args.max_new_tokens
-    if record["prompt_tokens"] + max_new_tokens + args.num_steps + 1 > max_positions:
+    max_new_tokens = decoding.max_new_tokens
+    if record["prompt_tokens"] + max_new_tokens + decoding.num_steps + 1 > max_positions:
         log.warning("prompt %s turn %d: %d prompt tokens + %d new tokens exceed the verifier's %d positions",
                     record["prompt_id"], record["turn"], record["prompt_tokens"], max_new_tokens, max_positions)
     check = record.get("greedy_check")
@@ -261,21 +259,22 @@ def log_turn(log, record: dict, args, max_positions: int) -> None:
                     if check.get("tie") else "near 0: a tie the numerics can break; large: a bug")
 
 
-def run_offline(args, log, begin, prompt_spec, prompts, overlap) -> dict:
+def run_offline(config: BenchConfig, log, begin, prompt_spec, prompts, overlap) -> dict:
     """Decode every prompt's turns with and without the drafter; the results of --mode offline."""
     from common.bench.decode_workers import decode_in_workers, worker_count
     from common.train.step import evaluate
 
-    workers = worker_count(args, len(prompts))
-    session = prepare_session(args, log)
+    decoding = config.decoding
+    workers = worker_count(decoding, len(prompts))
+    session = prepare_session(config, log)
     begin()
     if workers == 1:
         load_session(session, log)
-    greedy = args.temperature == 0
+    greedy = decoding.temperature == 0
     log.info("stop tokens: %s; verification: %s", session.eos,
              "greedy (output must equal the verifier's greedy output)" if greedy else
-             f"{args.acceptance_rule or 'rejection'} sampling at temperature {args.temperature}, top-p {args.top_p}")
-    if tau_only(args):
+             f"{decoding.acceptance_rule} sampling at temperature {decoding.temperature}, top-p {decoding.top_p}")
+    if decoding.tau_only:
         log.info("--tau-only: the two timing baselines (the loop without drafting, transformers' generate) are "
                  "skipped, so no speedups are reported%s", "; the greedy check compares each output with the "
                  "verifier's argmax after each of its prefixes (one teacher-forced forward)" if greedy else "")
@@ -285,14 +284,14 @@ def run_offline(args, log, begin, prompt_spec, prompts, overlap) -> dict:
     with Progress(total_turns, "05_benchmark offline", unit="turn") as progress:
         def on_turn(record: dict) -> None:
             nonlocal accepted, steps
-            log_turn(log, record, args, session.info.max_position_embeddings)
+            log_turn(log, record, decoding, session.info.max_position_embeddings)
             accepted += sum(record["spec"]["accept_lengths"])
             steps += len(record["spec"]["accept_lengths"])
             progress.update(1, f"tau so far {accepted / max(steps, 1):.2f}")
 
         if workers > 1:
             log.info("decoding in %d worker processes, each with its own verifier and drafter", workers)
-            per_prompt, states = decode_in_workers(args, prompts, workers, on_turn)
+            per_prompt, states = decode_in_workers(config, prompts, workers, on_turn)
             # this process's copy only now: it scores the states below, and stays off the device meanwhile
             load_session(session, log, warm=False)
         else:
@@ -304,13 +303,13 @@ def run_offline(args, log, begin, prompt_spec, prompts, overlap) -> dict:
     log.info("drafting: %s", session.decoder.drafting)
     runs = [turn for entry in per_prompt for turn in entry["turns"]]
     decoded = [state for turn_states in states for state in turn_states]  # each turn as stage 02 would store it
-    overall = summarize_generations(runs, args.num_steps)
+    overall = summarize_generations(runs, decoding.num_steps)
     # Stage 04's validation on the text just decoded. Far below training's validation: the prompts (or the
     # sampled text) differ from the training data. Far above the live acceptance: the decoding loop loses
     # something; a little above it at the first position is expected (verify steps often start right after
     # a rejection, at the harder positions).
     overall["teacher_forced"] = evaluate(session.drafter, decoded, session.text_model.lm_head.weight,
-                                         args.num_steps, device=session.device)
+                                         decoding.num_steps, device=session.device)
     if greedy:
         match = overall["greedy_match"]
         log.info("greedy check (%s): %d of %d turns identical, %d more parted at a tie, mean share of tokens "
@@ -325,7 +324,7 @@ def run_offline(args, log, begin, prompt_spec, prompts, overlap) -> dict:
         "mode": "offline",
         "stage": STAGE,
         "created_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-        "settings": recorded_settings(args, {"prompts": prompt_spec,
+        "settings": recorded_settings(config, {"prompts": prompt_spec,
                                      "num_draft_tokens": session.decoder.num_draft_tokens,
                                      "drafting": session.decoder.drafting, "device": str(device),
                                      "compute_dtype": str(next(verifier.parameters()).dtype).replace("torch.", ""),
@@ -335,7 +334,7 @@ def run_offline(args, log, begin, prompt_spec, prompts, overlap) -> dict:
                                      "baselines_reused": None if cache is None else cache.hits}),
         "overlap_check": overlap,
         "overall": overall,
-        "categories": by_category(runs, args.num_steps),
+        "categories": by_category(runs, decoding.num_steps),
         "prompts": per_prompt,
     }
 

@@ -4,42 +4,43 @@ from __future__ import annotations
 import time
 
 from common.figures import fmt
-from common.bench.settings import STAGE, recorded_settings
+from common.bench.settings import STAGE, BenchConfig, recorded_settings
 from common.errors import require
 
 
-def run_server(args, log, begin, prompt_spec, prompts, overlap) -> dict:
+def run_server(config: BenchConfig, log, begin, prompt_spec, prompts, overlap) -> dict:
     """Send the prompts to --url (and --baseline-url); the results of --mode server."""
     from common.bench.server import check_reachable, run_server_benchmark
 
-    require(args, "url")
+    server, verifier, decoding = config.server, config.verifier, config.decoding
+    require(server, "url")
     render = None
-    if args.server_api in ("generate", "completions"):  # token ids rendered here, as offline mode renders them
-        require(args, "model_path")
+    if server.server_api in ("generate", "completions"):  # token ids rendered here, as offline mode renders them
+        require(verifier, "model_path")
         from common.bench.prompts import has_chat_template, render_conversation
         from common.verifier.loading import load_tokenizer
 
-        tokenizer = load_tokenizer(args.model_path, args.trust_remote_code, args.chat_template)
+        tokenizer = load_tokenizer(verifier.model_path, verifier.trust_remote_code, verifier.chat_template)
         raw = not has_chat_template(tokenizer)
         render = lambda messages: render_conversation(tokenizer, messages, raw)  # noqa: E731
-    check_reachable(args.url, "--url")
-    if args.baseline_url:
-        check_reachable(args.baseline_url, "--baseline-url")
+    check_reachable(server.url, "--url")
+    if server.baseline_url:
+        check_reachable(server.baseline_url, "--baseline-url")
     begin()
-    common = dict(api=args.server_api, max_new_tokens=args.max_new_tokens, temperature=args.temperature,
-                  top_p=args.top_p, concurrency=args.concurrency, render=render, log=log)
-    log.info("sending %d prompts to %s (%s API, concurrency %d)", len(prompts), args.url, args.server_api,
-             args.concurrency)
-    speculative = run_server_benchmark(args.url, prompts, flag="--url", **common)
+    common = dict(api=server.server_api, max_new_tokens=decoding.max_new_tokens, temperature=decoding.temperature,
+                  top_p=decoding.top_p, concurrency=server.concurrency, render=render, log=log)
+    log.info("sending %d prompts to %s (%s API, concurrency %d)", len(prompts), server.url, server.server_api,
+             server.concurrency)
+    speculative = run_server_benchmark(server.url, prompts, flag="--url", **common)
     baseline = None
-    if args.baseline_url:
-        log.info("sending the same prompts to the baseline %s", args.baseline_url)
-        baseline = run_server_benchmark(args.baseline_url, prompts, flag="--baseline-url", **common)
+    if server.baseline_url:
+        log.info("sending the same prompts to the baseline %s", server.baseline_url)
+        baseline = run_server_benchmark(server.baseline_url, prompts, flag="--baseline-url", **common)
     speedup = None
     if baseline and baseline["output_tokens_per_s"] and speculative["output_tokens_per_s"]:
         speedup = speculative["output_tokens_per_s"] / baseline["output_tokens_per_s"]
     return {"mode": "server", "stage": STAGE, "created_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-            "settings": recorded_settings(args, {"prompts": prompt_spec, "prompt_count": len(prompts)}),
+            "settings": recorded_settings(config, {"prompts": prompt_spec, "prompt_count": len(prompts)}),
             "overlap_check": overlap, "speculative": speculative, "baseline": baseline, "speedup": speedup}
 
 
