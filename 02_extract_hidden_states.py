@@ -36,6 +36,7 @@ def parse(argv):
 
 
 def work(args, log) -> None:
+    from common.extract.config import ExtractionConfig
     from common.extract.run import ExtractionInputs, extract_hidden_states
     from common.formats.prepared_data import check_prepared_data
 
@@ -44,6 +45,7 @@ def work(args, log) -> None:
 
         return verify_output(Path(args.output_dir), log)
     require(args, "model_path", "prepared_data")
+    config = ExtractionConfig.from_args(args)  # what the library below takes (the flags stay up here)
     if args.backend == "sglang":  # a checked SGLang release, GPUs, one process: checked first (common/verifier/)
         from common.extract.sglang_backend import check_engine_settings, check_sglang_early
 
@@ -52,8 +54,8 @@ def work(args, log) -> None:
                              "SGLang capture in patches/sglang_capture.py stores --dtype aux and final): drop them "
                              "or use --backend hf")
 
-        version = check_sglang_early(args)
-        check_engine_settings(args, version)
+        version = check_sglang_early(config)
+        check_engine_settings(config.sglang, version)
     elif args.tp_size != 1:
         log.warning("--tp-size %d is for the sglang backend; the hf backend places the verifier with --device-map",
                     args.tp_size)
@@ -75,7 +77,7 @@ def work(args, log) -> None:
     if args.backend == "sglang":
         from common.extract.sglang_backend import check_sglang_verifier
 
-        check_sglang_verifier(args, info, aux_layers)
+        check_sglang_verifier(config.verifier.model_path, info, aux_layers)
     device = pick_device(args.device)
     compute_dtype = args.dtype if device != "cpu" else "float32"
     log.info("verifier %s: %s, %d layers, hidden %d, vocab %d; aux layers %s (inputs of those decoder layers = "
@@ -87,7 +89,7 @@ def work(args, log) -> None:
     samples, _ = check_prepared_data(args, info, log)
 
     # 3.-6. The output folder, the plan, the run on either backend, the index and manifest.
-    extract_hidden_states(args, ExtractionInputs(info, aux_layers, device, compute_dtype, samples), rank, log)
+    extract_hidden_states(config, ExtractionInputs(info, aux_layers, device, compute_dtype, samples), rank, log)
 
 
 def main(argv=None) -> int:

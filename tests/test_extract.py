@@ -7,6 +7,7 @@ and rerun gives files identical to an uninterrupted run; bad inputs are refused 
 """
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 import json
 import os
@@ -83,6 +84,15 @@ def extract(model: Path, data: Path, out: Path, *extra: str) -> int:
                          "--device", "cpu", *extra])
 
 
+def stage02_config(*flags: str, model_path: str = "/models/m"):
+    """Stage 02's typed settings from a real command line, parsed by the stage's own parser."""
+    from common.extract.config import ExtractionConfig
+
+    args = stage02.parse(["--model-path", model_path, "--prepared-data", "/data/tokenized_data.jsonl",
+                          "--output-dir", "/out", *flags])
+    return ExtractionConfig.from_args(args)
+
+
 def stage_log(out: Path) -> str:
     return (out / "logs" / f"{stage02.STAGE}.log").read_text()
 
@@ -146,6 +156,61 @@ def test_plan_batches_respects_limits_and_is_deterministic(stories260k, tmp_path
     assert sample_dir_name("sample-001") == "sample-001"
     odd = sample_dir_name("conv 1/turn:ü")
     assert "/" not in odd and odd != sample_dir_name("conv 1/turn:u") and not odd.startswith(".")
+
+
+def test_the_config_is_built_once_from_the_parsed_flags_and_the_library_takes_it():
+    import inspect
+
+    from common.extract import run, sglang_backend
+
+    config = stage02_config("--backend", "sglang", "--tp-size", "8", "--batch-size", "16", "--aux-layers", "1,4,7",
+                            "--targets", "topk", "--target-topk", "8", "--sglang-arg", "grammar_backend=none",
+                            "--attention-backend", "triton", "--trust-remote-code", "--overwrite")
+    assert (config.backend, config.aux_layers, config.run_dir) == ("sglang", (1, 4, 7), None)
+    assert (config.verifier.model_path, config.verifier.trust_remote_code, config.verifier.device,
+            config.verifier.dtype) == ("/models/m", True, "auto", "bfloat16")
+    assert (config.batches.batch_size, config.batches.max_tokens_per_batch, config.batches.num_workers,
+            config.batches.max_seq_len) == (16, None, 2, 2048)  # unset: the flag table's defaults
+    assert (config.output.output_dir, config.output.overwrite, config.output.rebuild_manifest) == ("/out", True, False)
+    assert (config.sglang.tp_size, config.sglang.gpu_memory_utilization, config.sglang.sglang_args) == \
+        (8, 0.85, ("grammar_backend=none",))
+    assert config.sglang.engine_settings() == {"grammar_backend": "none", "attention_backend": "triton"}
+    storage = config.storage_format(vocab_size=512)
+    assert (storage.aux_dtype, storage.targets, storage.topk, storage.dtype) == ("bfloat16", "topk", 8, "bfloat16")
+    assert config.recorded_flags["target_topk"] == 8 and list(config.recorded_flags) == sorted(config.recorded_flags)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        config.backend = "hf"
+    # the library's entry points take the typed settings, never the Namespace
+    takes = {function: next(iter(inspect.signature(function).parameters.values())).annotation
+             for function in (run.extract_hidden_states, run.build_manifest, sglang_backend.check_sglang_early,
+                              sglang_backend.plan_capture_memory, sglang_backend.extract_with_sglang,
+                              sglang_backend.resume_command)}
+    assert set(takes.values()) == {"ExtractionConfig"}, takes
+    assert next(iter(inspect.signature(run.check_existing_output).parameters)) == "output"
+    assert inspect.signature(run.check_existing_output).parameters["output"].annotation == "OutputSettings"
+    assert inspect.signature(sglang_backend.check_engine_settings).parameters["sglang"].annotation == "SGLangSettings"
+
+
+# Stage 02's library, and its one module that may read the argparse Namespace (ExtractionConfig.from_args).
+STAGE02_LIBRARY = ("common/extract/*.py", "common/verifier/sglang_settings.py", "common/formats/storage.py")
+READS_THE_NAMESPACE = {"common/extract/config.py"}
+
+
+def test_no_function_below_stage02_takes_args_but_the_config_builder():
+    import ast
+
+    files = [path for pattern in STAGE02_LIBRARY for path in sorted(REPO.glob(pattern))]
+    assert len(files) > 5 and REPO / "common/formats/storage.py" in files
+    taking = []
+    for path in files:
+        name = str(path.relative_to(REPO))
+        for node in ast.walk(ast.parse(path.read_text(), name)):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda)):
+                params = node.args.posonlyargs + node.args.args + node.args.kwonlyargs
+                if any(param.arg == "args" for param in params) and name not in READS_THE_NAMESPACE:
+                    taking.append(f"{name}:{node.lineno}")
+    assert not taking, f"functions that take the Namespace (give them ExtractionConfig or plain values): {taking}"
+    assert all((REPO / name).is_file() for name in READS_THE_NAMESPACE)
 
 
 # --- content: exactly output_hidden_states[l] and the post-norm final state ---------------------------------

@@ -24,7 +24,6 @@ import json
 import logging
 import os
 import re
-from argparse import Namespace
 from pathlib import Path
 
 import pytest
@@ -96,6 +95,13 @@ def _fake_installed(monkeypatch, version: str | None) -> None:
     monkeypatch.setattr(patches, "installed_sglang_version", lambda: version)
 
 
+def kimi_config():
+    """Stage 02's settings for Kimi on 8 GPUs, from the stage's own parser."""
+    from test_extract import stage02_config
+
+    return stage02_config("--backend", "sglang", "--tp-size", "8", "--trust-remote-code", model_path="/models/kimi")
+
+
 class _Warnings(logging.Handler):
     def __init__(self):
         super().__init__(logging.WARNING)
@@ -109,11 +115,11 @@ def test_the_backend_dispatches_on_the_installed_release(monkeypatch):
     from common.log import get_logger
     from common.extract.sglang_backend import check_sglang_installed, engine_kwargs, installed_release
 
-    args = Namespace(tp_size=8, dtype="bfloat16", trust_remote_code=True, gpu_memory_utilization=0.85)
+    config = kimi_config()
     for version in CHECKED_VERSIONS:
         _fake_installed(monkeypatch, version)
         assert installed_release() == (version, RELEASES[version]) and check_sglang_installed() == version
-        kwargs = engine_kwargs(RELEASES[version], args, "/models/kimi", 64, 32768)
+        kwargs = engine_kwargs(RELEASES[version], config, "/models/kimi", 64, 32768)
         assert {k: kwargs[k] for k in RELEASES[version].capture_settings} == dict(RELEASES[version].capture_settings)
         others = set().union(*(RELEASES[v].capture_settings for v in CHECKED_VERSIONS if v != version))
         assert not (others - set(RELEASES[version].capture_settings)) & set(kwargs)  # no other release's names
@@ -140,18 +146,18 @@ def test_layer_zero_is_refused_where_the_release_cannot_capture_it(stories260k, 
     from common.extract.sglang_backend import SUPPORTED_ARCHITECTURES, check_sglang_verifier
 
     info = read_verifier_info(str(stories260k), with_tokenizer_hash=False)  # a Llama
-    args = Namespace(model_path=str(stories260k))
+    model_path = str(stories260k)
     for version in CHECKED_VERSIONS:
         _fake_installed(monkeypatch, version)
-        check_sglang_verifier(args, info, [1, 2, 3])
+        check_sglang_verifier(model_path, info, [1, 2, 3])
         for architecture, name in SUPPORTED_ARCHITECTURES.items():
             info.architecture = architecture
             if RELEASES[version].text_model(name).captures_layer_zero:
-                check_sglang_verifier(args, info, [0, 2, 3])
+                check_sglang_verifier(model_path, info, [0, 2, 3])
             else:
                 with pytest.raises(UsageError, match=rf"--aux-layers 0,2,3: SGLang {version}'s {name} cannot "
                                                      rf"capture layer 0.*sglang=={NEWEST.version}"):
-                    check_sglang_verifier(args, info, [0, 2, 3])
+                    check_sglang_verifier(model_path, info, [0, 2, 3])
         info.architecture = "LlamaForCausalLM"
     assert not RELEASES["0.5.17"].text_model("LlamaModel").captures_layer_zero
 
@@ -336,8 +342,7 @@ def test_engine_settings_and_calls_exist_in_each_release(checked_sglang):
     from patches.sglang_releases import SHARED_CAPTURE_SETTINGS
 
     sg = checked_sglang
-    args = Namespace(tp_size=8, dtype="bfloat16", trust_remote_code=True, gpu_memory_utilization=0.85)
-    kwargs = engine_kwargs(sg.release, args, "/models/kimi", 64, 32768)
+    kwargs = engine_kwargs(sg.release, kimi_config(), "/models/kimi", 64, 32768)
     fields = sg.server_args_fields()
     assert set(kwargs) <= set(fields), f"not server arguments of SGLang {sg.version}: {set(kwargs) - set(fields)}"
     assert kwargs["chunked_prefill_size"] == -1 and kwargs["disable_radix_cache"] is True
@@ -669,10 +674,10 @@ def test_stage02_backend_sglang_refuses_before_any_engine_starts(stories260k, tm
             assert "--tp-size 8 needs 8 GPUs, 0 visible" in refused(tmp_path / "o2", "--tp-size", "8")
     # The verifier's architecture must be one whose text model the hooks cover.
     info = read_verifier_info(str(stories260k), with_tokenizer_hash=False)
-    check_sglang_verifier(Namespace(model_path=str(stories260k)), info)
+    check_sglang_verifier(str(stories260k), info)
     info.architecture = "Qwen2ForCausalLM"
     with pytest.raises(UsageError, match="KimiK25ForConditionalGeneration.*Qwen2ForCausalLM"):
-        check_sglang_verifier(Namespace(model_path="qwen"), info)
+        check_sglang_verifier("qwen", info)
 
 
 # --- scripts/check_sglang_capture.py: the agreement it promises ------------------------------------------------------

@@ -4,8 +4,6 @@ own server_args.py before anything loads, and the serving command printed by scr
 the same spelling. The installed release is read as text (tests/sglang_source.py); nothing of SGLang is imported."""
 from __future__ import annotations
 
-from argparse import Namespace
-
 import pytest
 
 import sglang_source as src
@@ -20,10 +18,11 @@ def installed_sglang():
     return src.sglang_root()
 
 
-def stage02_args(**flags) -> Namespace:
-    base = dict(tp_size=1, dtype="bfloat16", trust_remote_code=False, gpu_memory_utilization=0.85,
-                attention_backend=None, sampling_backend=None, sglang_arg=None)
-    return Namespace(**{**base, **flags})
+def stage02_config(*flags: str):
+    """Stage 02's settings from its own parser, with --backend sglang and these flags."""
+    from test_extract import stage02_config as parsed
+
+    return parsed("--backend", "sglang", *flags)
 
 
 def test_sglang_args_are_read_as_json_values_with_underscored_names():
@@ -39,34 +38,36 @@ def test_sglang_args_are_read_as_json_values_with_underscored_names():
 
 
 def test_chosen_settings_take_the_backends_and_refuse_what_a_stage_flag_sets():
-    args = stage02_args(attention_backend="triton", sampling_backend="pytorch", sglang_arg=["grammar_backend=none"])
-    assert chosen_settings(args) == {"grammar_backend": "none", "attention_backend": "triton",
-                                     "sampling_backend": "pytorch"}
-    assert chosen_settings(stage02_args()) == {}  # nothing chosen: SGLang's own defaults
+    assert chosen_settings(["grammar_backend=none"], "triton", "pytorch") == {
+        "grammar_backend": "none", "attention_backend": "triton", "sampling_backend": "pytorch"}
+    assert chosen_settings(None) == {}  # nothing chosen: SGLang's own defaults
+    config = stage02_config("--attention-backend", "triton", "--sampling-backend", "pytorch", "--sglang-arg",
+                            "grammar_backend=none")
+    assert config.sglang.engine_settings() == chosen_settings(["grammar_backend=none"], "triton", "pytorch")
     with pytest.raises(UsageError, match="set it with --tp-size"):
-        chosen_settings(stage02_args(sglang_arg=["tp_size=8"]))
+        chosen_settings(["tp_size=8"])
     with pytest.raises(UsageError, match="set it with --attention-backend"):
-        chosen_settings(stage02_args(sglang_arg=["attention_backend=fa3"]))
+        stage02_config("--sglang-arg", "attention_backend=fa3").sglang.engine_settings()
 
 
 def test_engine_kwargs_carry_the_settings_and_the_installed_release_checks_their_names(installed_sglang):
     from common.extract.sglang_backend import check_engine_settings, engine_kwargs
     from patches.sglang_releases import NEWEST
 
-    args = stage02_args(attention_backend="triton", sampling_backend="pytorch",
-                        sglang_arg=["grammar_backend=none", "watchdog_timeout=600"])
-    kwargs = engine_kwargs(NEWEST, args, "/models/m", 64, 32768)
+    config = stage02_config("--attention-backend", "triton", "--sampling-backend", "pytorch",
+                            "--sglang-arg", "grammar_backend=none", "--sglang-arg", "watchdog_timeout=600")
+    kwargs = engine_kwargs(NEWEST, config, "/models/m", 64, 32768)
     assert (kwargs["attention_backend"], kwargs["sampling_backend"], kwargs["grammar_backend"],
             kwargs["watchdog_timeout"]) == ("triton", "pytorch", "none", 600)
     assert {k: kwargs[k] for k in NEWEST.capture_settings} == NEWEST.capture_settings  # the capture's own settings untouched
     names = server_arg_names(src.sglang_root())
     assert set(kwargs) <= names, set(kwargs) - names
-    assert check_engine_settings(args, "installed") == chosen_settings(args)
+    assert check_engine_settings(config.sglang, "installed") == config.sglang.engine_settings()
     with pytest.raises(UsageError, match=r"no server argument 'attention_backnd'.*did you mean attention_backend"):
-        check_engine_settings(stage02_args(sglang_arg=["attention_backnd=triton"]), "0.5.x")
+        check_engine_settings(stage02_config("--sglang-arg", "attention_backnd=triton").sglang, "0.5.x")
     capture_setting = next(iter(NEWEST.capture_settings))
     with pytest.raises(UsageError, match=f"--sglang-arg {capture_setting}: stage 02's capture sets it itself"):
-        check_engine_settings(stage02_args(sglang_arg=[f"{capture_setting}=false"]), "0.5.x")
+        check_engine_settings(stage02_config("--sglang-arg", f"{capture_setting}=false").sglang, "0.5.x")
 
 
 def test_stage02_refuses_a_misspelled_engine_setting_before_the_verifier_loads(installed_sglang, stories260k,

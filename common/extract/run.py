@@ -2,7 +2,6 @@
 either backend, and the index and manifest at the end."""
 from __future__ import annotations
 
-import argparse
 import shutil
 import time
 from dataclasses import dataclass
@@ -13,6 +12,7 @@ import torch
 from common import distributed
 from common.errors import UsageError
 from common.progress import Progress
+from common.extract.config import ExtractionConfig, OutputSettings
 from common.extract.extractor import Extractor, merge_rank_stats
 from common.extract.output import (check_writable, owned_entries, remove_owned, resume_key,
     scan_output, tree_bytes)
@@ -22,8 +22,8 @@ from common.formats.disk_full import full_disk_reported
 from common.formats.files import sha256_file
 from common.formats.hidden_states import (AUX_FILES, FINAL_FILE, FORMAT_VERSION, INDEX_FILE, META_FILE, SHARD_SIZE,
     STAGE, describe_states, estimate_disk_bytes, human_bytes, write_index)
-from common.formats.manifest import MANIFEST, Manifest, check_verifier_matches, load_manifest, resolved_config
-from common.formats.storage import format_of_args, format_of_manifest
+from common.formats.manifest import MANIFEST, Manifest
+from common.formats.storage import StorageFormat, format_of_manifest
 from common.formats.resume import earlier_manifest, refuse_other_settings, setting_differences
 from common.formats.prepared_data import Sample
 from common.verifier.capture import find_text_model
@@ -52,14 +52,14 @@ def verifier_resolved_path(model_path: str) -> str:
     return str(path.resolve()) if path.exists() else model_path
 
 
-def check_kept_sample(output_dir: Path, sample: Sample, hidden_size: int, dtype: str, storage=None) -> None:
+def check_kept_sample(output_dir: Path, sample: Sample, hidden_size: int, dtype: str,
+                      storage: StorageFormat) -> None:
     """--rebuild-manifest: one kept sample must have the shape, dtype and files these flags give, and the same
     tokens."""
     folder = output_dir / sample.rel_path
     stored = torch.load(folder / AUX_FILES[0], map_location="cpu", weights_only=True, mmap=True)
     meta = torch.load(folder / META_FILE, map_location="cpu", weights_only=True)
     expected = (sample.num_tokens, hidden_size)
-    storage = storage or format_of_args(argparse.Namespace(dtype=dtype), 0)
     aux_dtype = storage.fields(hidden_size)[0][2]
     if tuple(stored.shape) != expected or stored.dtype != aux_dtype or \
             any(not (folder / name).is_file() for name in storage.files()) or \
@@ -69,18 +69,20 @@ def check_kept_sample(output_dir: Path, sample: Sample, hidden_size: int, dtype:
                          f"these flags. Use the flags they were made with, or --overwrite")
 
 
-def build_manifest(args, info, upstream_dir: Path, data_sha, aux_layers, compute_dtype) -> Manifest:
-    storage = format_of_args(args, info.vocab_size)
-    manifest = Manifest(args.output_dir, STAGE, resolved_config(args))
-    manifest.add_input("prepared_data", args.prepared_data, upstream_dir / MANIFEST)
+def build_manifest(config: ExtractionConfig, info, upstream_dir: Path, data_sha, aux_layers,
+                   compute_dtype) -> Manifest:
+    storage = config.storage_format(info.vocab_size)
+    model_path = config.verifier.model_path
+    manifest = Manifest(config.output.output_dir, STAGE, config.recorded_flags)
+    manifest.add_input("prepared_data", config.output.prepared_data, upstream_dir / MANIFEST)
     manifest.data["inputs"]["prepared_data"]["sha256"] = data_sha
     # stages 04 and 05 compare the weights' fingerprint
-    manifest.data.update(describe_states(info, weights_fingerprint(args.model_path), aux_layers, args.dtype,
+    manifest.data.update(describe_states(info, weights_fingerprint(model_path), aux_layers, config.verifier.dtype,
                                          compute_dtype, storage))
     manifest.data.update({
         "format_version": FORMAT_VERSION,
-        "backend": args.backend,
-        "verifier_resolved_path": verifier_resolved_path(args.model_path),
+        "backend": config.backend,
+        "verifier_resolved_path": verifier_resolved_path(model_path),
         "files": {"aux": list(AUX_FILES), "final": FINAL_FILE, "meta": META_FILE} if storage.targets == "final"
         and not storage.fp8 else {"sample": list(storage.files())},
         "tensor_shape": "[num_tokens, hidden_size]",
@@ -90,15 +92,15 @@ def build_manifest(args, info, upstream_dir: Path, data_sha, aux_layers, compute
     return manifest
 
 
-def check_existing_output(args, output_dir: Path, manifest: Manifest, log) -> dict | None:
+def check_existing_output(output: OutputSettings, output_dir: Path, manifest: Manifest, log) -> dict | None:
     """The earlier run's manifest when resuming it; refuses results made with other settings."""
-    if args.rebuild_manifest:
+    if output.rebuild_manifest:
         log.warning("--rebuild-manifest: keeping the whole samples in %s as made with these flags; the manifest "
                     "and index are written anew", output_dir)
         return None
-    existing = earlier_manifest(output_dir, STAGE, args.overwrite, "or --rebuild-manifest to keep every whole "
+    existing = earlier_manifest(output_dir, STAGE, output.overwrite, "or --rebuild-manifest to keep every whole "
                                 "sample (extracted with these same flags) and write a new manifest")
-    if args.overwrite:
+    if output.overwrite:
         return None
     if existing is None:
         if owned_entries(output_dir):
@@ -114,11 +116,11 @@ def check_existing_output(args, output_dir: Path, manifest: Manifest, log) -> di
     return existing
 
 
-def check_disk(args, output_dir: Path, todo_tokens: int, todo_samples: int, info, log) -> int:
-    storage = format_of_args(args, info.vocab_size)
+def check_disk(output: OutputSettings, storage: StorageFormat, output_dir: Path, todo_tokens: int,
+               todo_samples: int, info, log) -> int:
     needed = estimate_disk_bytes(todo_tokens, todo_samples, info.hidden_size, 0, storage)
     free = shutil.disk_usage(output_dir).free
-    if args.overwrite:  # what --overwrite is about to delete will be free again
+    if output.overwrite:  # what --overwrite is about to delete will be free again
         free += sum(tree_bytes(p) for p in owned_entries(output_dir))
     log.info("disk: this run writes about %s (%d tokens x %d bytes: aux %s, targets %s; plus metadata); %s free at "
              "%s", human_bytes(needed), todo_tokens, storage.bytes_per_token(info.hidden_size), storage.aux_dtype,
@@ -128,7 +130,7 @@ def check_disk(args, output_dir: Path, todo_tokens: int, todo_samples: int, info
                    f"margin) but only {human_bytes(free)} is free. Free space, choose another --output-dir, "
                    f"use fewer samples, --aux-dtype float8_e4m3 or --targets topk (smaller formats), or pass "
                    f"--allow-low-disk to try anyway")
-        if not args.allow_low_disk:
+        if not output.allow_low_disk:
             raise UsageError(message)
         log.warning("%s (continuing: --allow-low-disk)", message)
     return needed
@@ -154,23 +156,27 @@ def finish_output(output_dir: Path, samples, manifest: Manifest, summary: dict, 
     log.info("wrote %s and %s", output_dir / "index.jsonl", output_dir / MANIFEST)
 
 
-def extract_hidden_states(args, inputs: ExtractionInputs, rank: distributed.RankInfo, log) -> None:
+def extract_hidden_states(config: ExtractionConfig, inputs: ExtractionInputs, rank: distributed.RankInfo,
+                          log) -> None:
     """Steps 3-6 of stage 02: claim and check the output folder, plan, run the backend, finish the output."""
     info, aux_layers, device, compute_dtype, samples = (inputs.info, inputs.aux_layers, inputs.device,
                                                         inputs.compute_dtype, inputs.samples)
-    data_file = Path(args.prepared_data)
+    output, verifier = config.output, config.verifier
+    data_file = Path(output.prepared_data)
     data_sha = sha256_file(data_file)
 
     # 3. The output folder: writable, not in use, and either empty, resumable, or --overwrite.
-    output_dir = Path(args.output_dir)
+    output_dir = Path(output.output_dir)
     check_writable(output_dir)
     # (the folder's lock is held by common.cli.stage.run_stage, on rank 0 for all ranks)
-    manifest = build_manifest(args, info, data_file.parent, data_sha, aux_layers, compute_dtype)
-    existing = check_existing_output(args, output_dir, manifest, log)
-    batch_size = args.batch_size or DEFAULT_BATCH_SIZE["cpu" if device == "cpu" else "cuda"]
-    max_tokens = args.max_tokens_per_batch or DEFAULT_MAX_TOKENS_PER_BATCH["cpu" if device == "cpu" else "cuda"]
+    manifest = build_manifest(config, info, data_file.parent, data_sha, aux_layers, compute_dtype)
+    storage = config.storage_format(info.vocab_size)
+    existing = check_existing_output(output, output_dir, manifest, log)
+    device_kind = "cpu" if device == "cpu" else "cuda"
+    batch_size = config.batches.batch_size or DEFAULT_BATCH_SIZE[device_kind]
+    max_tokens = config.batches.max_tokens_per_batch or DEFAULT_MAX_TOKENS_PER_BATCH[device_kind]
     batches = plan_batches(samples, batch_size, max_tokens)
-    complete = set() if args.overwrite else distributed.from_main(
+    complete = set() if output.overwrite else distributed.from_main(
         lambda: scan_output(output_dir, samples, clean=False))  # one scan, the same on every rank
     todo_batches = [b for b in batches if any(i not in complete for i in b)]
     todo_samples = [i for i in range(len(samples)) if i not in complete]
@@ -181,10 +187,9 @@ def extract_hidden_states(args, inputs: ExtractionInputs, rank: distributed.Rank
               "truncated_samples": sum(s.truncated for s in samples)}
     manifest.data["counts"] = dict(counts)
 
-    if args.rebuild_manifest and complete:
-        check_kept_sample(output_dir, samples[min(complete)], info.hidden_size, args.dtype,
-                          format_of_args(args, info.vocab_size))
-    if (existing is not None or args.rebuild_manifest) and not todo_samples:
+    if output.rebuild_manifest and complete:
+        check_kept_sample(output_dir, samples[min(complete)], info.hidden_size, verifier.dtype, storage)
+    if (existing is not None or output.rebuild_manifest) and not todo_samples:
         if existing is not None and existing.get("status") == "complete":
             log.info("%s already holds all %d samples (%d tokens) extracted with these settings; nothing to do "
                      "(pass --overwrite to extract again)", output_dir, len(samples), total_tokens)
@@ -199,13 +204,13 @@ def extract_hidden_states(args, inputs: ExtractionInputs, rank: distributed.Rank
                  len(samples), len(todo_samples), todo_tokens)
 
     # 4. The SGLang capture's GPU memory and the disk, then (only now) clear an overwritten output.
-    if args.backend == "sglang":
+    if config.backend == "sglang":
         from common.extract.sglang_backend import plan_capture_memory
 
-        memory = plan_capture_memory(args, info, samples, aux_layers, max_tokens, log)
-    needed = check_disk(args, output_dir, todo_tokens, len(todo_samples), info, log)
+        memory = plan_capture_memory(config, info, samples, aux_layers, max_tokens, log)
+    needed = check_disk(output, storage, output_dir, todo_tokens, len(todo_samples), info, log)
     distributed.barrier()  # every rank has read the output folder before rank 0 changes it
-    if args.overwrite and rank.is_main:
+    if output.overwrite and rank.is_main:
         removed = remove_owned(output_dir)
         if removed:
             log.info("--overwrite: removed %d earlier entries from %s", removed, output_dir)
@@ -224,11 +229,11 @@ def extract_hidden_states(args, inputs: ExtractionInputs, rank: distributed.Rank
         log.info("%d ranks; rank 0 extracts %d batches (%d samples)", rank.world_size, len(todo_batches),
                  len(todo_samples))
 
-    if args.backend == "sglang":  # SGLang's processes run the verifier; patches/sglang_capture.py writes
+    if config.backend == "sglang":  # SGLang's processes run the verifier; patches/sglang_capture.py writes
         from common.extract.sglang_backend import SGLangRunFailed, extract_with_sglang
 
         try:
-            summary = extract_with_sglang(args, info, samples, todo_samples, complete, aux_layers, output_dir,
+            summary = extract_with_sglang(config, info, samples, todo_samples, complete, aux_layers, output_dir,
                                           batch_size, max_tokens, log, memory)
         except SGLangRunFailed as failure:  # the samples on disk stay; the manifest says why and how to resume
             manifest.fail(failure.details)
@@ -240,13 +245,13 @@ def extract_hidden_states(args, inputs: ExtractionInputs, rank: distributed.Rank
         return
 
     # 5. Writers first (forked without a model), then the verifier, then the batches.
-    with Extractor(output_dir, samples, batches, aux_layers, info.hidden_size, getattr(torch, args.dtype),
-                   args.num_workers, skip_nonfinite=args.skip_nonfinite,
-                   storage=format_of_args(args, info.vocab_size)) as extractor:
-        device_map = choose_device_map(args.model_path, device, args.device_map)
+    with Extractor(output_dir, samples, batches, aux_layers, info.hidden_size, getattr(torch, verifier.dtype),
+                   config.batches.num_workers, skip_nonfinite=output.skip_nonfinite, storage=storage) as extractor:
+        device_map = choose_device_map(verifier.model_path, device, verifier.device_map)
         log.info("loading the verifier%s ...", " sharded over the visible GPUs" if device_map else f" on {device}")
         started = time.time()
-        model = load_verifier_model(args.model_path, device, compute_dtype, args.trust_remote_code, device_map)
+        model = load_verifier_model(verifier.model_path, device, compute_dtype, verifier.trust_remote_code,
+                                    device_map)
         text = find_text_model(model, info.num_layers)
         embedding = text.base.get_input_embeddings() if hasattr(text.base, "get_input_embeddings") else None
         width = getattr(embedding, "embedding_dim", info.hidden_size)

@@ -12,8 +12,8 @@ from pathlib import Path
 from typing import Any, Sequence
 
 from common.errors import UsageError
-from common.verifier.sglang_settings import (check_setting_names, chosen_settings, installed_sglang_root,
-                                             server_arg_names)
+from common.extract.config import ExtractionConfig, SGLangSettings
+from common.verifier.sglang_settings import check_setting_names, installed_sglang_root, server_arg_names
 from patches.sglang_releases import NEWEST, SGLangRelease, release_for, version_problem
 
 REPO = Path(__file__).resolve().parents[2]
@@ -66,21 +66,22 @@ def visible_gpu_count() -> int:
     return torch.cuda.device_count() if torch.cuda.is_available() else 0
 
 
-def check_sglang_early(args) -> str:
+def check_sglang_early(config: ExtractionConfig) -> str:
     """The --backend sglang checks that need nothing but the flags (before the verifier config is read):
     a checked SGLang release, one process, GPUs for --tp-size. Raises UsageError; returns the SGLang version."""
-    version = check_sglang_installed(getattr(args, "allow_untested_sglang", False))
+    device, tp_size = config.verifier.device, config.sglang.tp_size
+    version = check_sglang_installed(config.sglang.allow_untested)
     if os.environ.get("WORLD_SIZE", "1") not in ("", "1"):
         raise UsageError("--backend sglang starts its own processes (one per --tp-size GPU): run stage 02 as one "
                          "process, without torchrun")
-    if args.device == "cpu" or str(args.device).startswith("cuda:"):
-        raise UsageError(f"--device {args.device}: --backend sglang runs on the GPUs SGLang is given "
+    if device == "cpu" or device.startswith("cuda:"):
+        raise UsageError(f"--device {device}: --backend sglang runs on the GPUs SGLang is given "
                          f"(CUDA_VISIBLE_DEVICES and --tp-size); leave --device at auto")
     visible = visible_gpu_count()
-    if visible < args.tp_size:
-        raise UsageError(f"--backend sglang --tp-size {args.tp_size} needs {args.tp_size} GPUs, {visible} visible here "
+    if visible < tp_size:
+        raise UsageError(f"--backend sglang --tp-size {tp_size} needs {tp_size} GPUs, {visible} visible here "
                          f"(CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES', 'unset')})")
-    if getattr(args, "skip_nonfinite", False):
+    if config.output.skip_nonfinite:
         raise UsageError("--skip-nonfinite is for --backend hf: with --backend sglang a sample whose hidden states "
                          "hold NaN or inf stops stage 02, named with the layer (samples already written are kept)")
     if os.environ.get("SGLANG_EXTERNAL_MODEL_PACKAGE") not in (None, "", PATCH_PACKAGE):
@@ -89,13 +90,13 @@ def check_sglang_early(args) -> str:
     return version
 
 
-def check_sglang_verifier(args, info, aux_layers: Sequence[int] = ()) -> None:
+def check_sglang_verifier(model_path: str, info, aux_layers: Sequence[int] = ()) -> None:
     """The verifier is one whose text model the hooks cover, in a folder SGLang can load, and the installed
     release's text model can capture the aux layers."""
     if info.architecture not in SUPPORTED_ARCHITECTURES:
         raise UsageError(f"--backend sglang: the capture hooks cover {', '.join(sorted(SUPPORTED_ARCHITECTURES))}; "
-                         f"--model-path {args.model_path} is {info.architecture}. Use --backend hf for it")
-    if str(args.model_path).endswith(".gguf"):
+                         f"--model-path {model_path} is {info.architecture}. Use --backend hf for it")
+    if str(model_path).endswith(".gguf"):
         raise UsageError("--backend sglang needs a Hugging Face folder as --model-path, not a GGUF file")
     if 0 in aux_layers:
         version, release = installed_release(allow_untested=True)  # the version itself was checked before
@@ -107,24 +108,25 @@ def check_sglang_verifier(args, info, aux_layers: Sequence[int] = ()) -> None:
                              f"or use --backend hf")
 
 
-def engine_kwargs(release: SGLangRelease, args, model_folder: str, batch_size: int, max_tokens: int,
-                  mem_fraction_static: float | None = None) -> dict[str, Any]:
+def engine_kwargs(release: SGLangRelease, config: ExtractionConfig, model_folder: str, batch_size: int,
+                  max_tokens: int, mem_fraction_static: float | None = None) -> dict[str, Any]:
     """sglang.Engine(**kwargs) for extraction: the installed release's capture settings (their names differ between
     releases: patches/sglang_releases.py) plus the stage's own flags (the memory fraction lowered by the capture's
     own buffers: CaptureMemory)."""
+    sglang, verifier = config.sglang, config.verifier
     kwargs = dict(release.capture_settings)
-    fraction = args.gpu_memory_utilization if mem_fraction_static is None else mem_fraction_static
-    kwargs.update(model_path=model_folder, tp_size=args.tp_size, dtype=args.dtype,
-                  trust_remote_code=bool(args.trust_remote_code), mem_fraction_static=fraction,
+    fraction = sglang.gpu_memory_utilization if mem_fraction_static is None else mem_fraction_static
+    kwargs.update(model_path=model_folder, tp_size=sglang.tp_size, dtype=verifier.dtype,
+                  trust_remote_code=verifier.trust_remote_code, mem_fraction_static=fraction,
                   max_running_requests=batch_size, max_prefill_tokens=max_tokens, log_level="info")
-    kwargs.update(chosen_settings(args))  # the user's backends and --sglang-arg, checked by check_engine_settings
+    kwargs.update(sglang.engine_settings())  # the user's backends and --sglang-arg, checked by check_engine_settings
     return kwargs
 
 
-def check_engine_settings(args, release: str) -> dict[str, Any]:
+def check_engine_settings(sglang: SGLangSettings, release: str) -> dict[str, Any]:
     """The user's engine settings name server arguments of the installed release and leave the capture's own alone
     (before the verifier loads). Returns them."""
-    settings = chosen_settings(args)
+    settings = sglang.engine_settings()
     sglang_root = installed_sglang_root()
     if settings and sglang_root is not None:
         reserved = {name: "stage 02's capture sets it itself (docs/extraction.md); leave it out"
@@ -204,17 +206,19 @@ def gpu_memory_bytes() -> int:
         return int(torch.cuda.get_device_properties(0).total_memory)
 
 
-def plan_capture_memory(args, info, samples, aux_layers: Sequence[int], max_tokens: int, log) -> CaptureMemory:
+def plan_capture_memory(config: ExtractionConfig, info, samples, aux_layers: Sequence[int], max_tokens: int,
+                        log) -> CaptureMemory:
     """Stage 02's preflight of the capture's GPU memory: computed, stated, and taken off the memory fraction."""
     import torch
 
     from common.verifier.loading import weights_bytes
 
     longest = max((s.num_tokens for s in samples), default=0)
-    weights = weights_bytes(args.model_path)
+    weights = weights_bytes(config.verifier.model_path)
     memory = capture_memory(max(max_tokens, longest), info.hidden_size, len(aux_layers),
-                            torch.empty(0, dtype=getattr(torch, args.dtype)).element_size(), gpu_memory_bytes(),
-                            args.gpu_memory_utilization, weights // args.tp_size if weights else None)
+                            torch.empty(0, dtype=getattr(torch, config.verifier.dtype)).element_size(),
+                            gpu_memory_bytes(), config.sglang.gpu_memory_utilization,
+                            weights // config.sglang.tp_size if weights else None)
     log.info("GPU memory: %s", memory.describe())
     return memory
 
@@ -234,28 +238,29 @@ class SGLangRunFailed(RuntimeError):
         self.details = details
 
 
-def resume_command(args) -> str:
+def resume_command(config: ExtractionConfig) -> str:
     """The command that resumes this run (same settings; complete samples are kept)."""
+    verifier, batches, sglang = config.verifier, config.batches, config.sglang
     argv = ["python", STAGE_SCRIPT]
-    if getattr(args, "run_dir", None):
-        argv += ["--run-dir", str(args.run_dir)]
-    argv += ["--model-path", str(args.model_path), "--prepared-data", str(args.prepared_data),
-             "--output-dir", str(args.output_dir), "--backend", "sglang", "--tp-size", str(args.tp_size),
-             "--gpu-memory-utilization", str(args.gpu_memory_utilization), "--dtype", args.dtype,
-             "--max-seq-len", str(args.max_seq_len), "--num-workers", str(args.num_workers)]
-    for flag, value in (("--batch-size", args.batch_size), ("--max-tokens-per-batch", args.max_tokens_per_batch)):
+    if config.run_dir:
+        argv += ["--run-dir", str(config.run_dir)]
+    argv += ["--model-path", str(verifier.model_path), "--prepared-data", str(config.output.prepared_data),
+             "--output-dir", str(config.output.output_dir), "--backend", "sglang", "--tp-size", str(sglang.tp_size),
+             "--gpu-memory-utilization", str(sglang.gpu_memory_utilization), "--dtype", verifier.dtype,
+             "--max-seq-len", str(batches.max_seq_len), "--num-workers", str(batches.num_workers)]
+    for flag, value in (("--batch-size", batches.batch_size), ("--max-tokens-per-batch", batches.max_tokens_per_batch)):
         if value:
             argv += [flag, str(value)]
-    if args.aux_layers:
-        argv += ["--aux-layers", ",".join(str(layer) for layer in args.aux_layers)]
-    if args.trust_remote_code:
+    if config.aux_layers:
+        argv += ["--aux-layers", ",".join(str(layer) for layer in config.aux_layers)]
+    if verifier.trust_remote_code:
         argv.append("--trust-remote-code")
-    if getattr(args, "allow_untested_sglang", False):
+    if sglang.allow_untested:
         argv.append("--allow-untested-sglang")
     return shlex.join(argv)
 
 
-def run_failure(err: BaseException, args, plan, samples, output_dir: Path) -> SGLangRunFailed:
+def run_failure(err: BaseException, config: ExtractionConfig, plan, samples, output_dir: Path) -> SGLangRunFailed:
     """What stage 02 says when the SGLang run stops: the cause, the hooks' error file, what is kept, the resume
     command."""
     from common.extract.output import scan_output
@@ -263,7 +268,7 @@ def run_failure(err: BaseException, args, plan, samples, output_dir: Path) -> SG
 
     error_file = plan.folder / ERROR_FILE
     complete = len(scan_output(output_dir, samples, clean=False))
-    command = resume_command(args)
+    command = resume_command(config)
     if error_file.exists():
         hooks = f"the capture hooks' error file {error_file}:\n{error_file.read_text()[-4000:]}"
     else:
@@ -313,8 +318,8 @@ def request_chunks(samples, todo: Sequence[int], batch_size: int) -> list[list[i
     return [order[start:start + size] for start in range(0, len(order), size)]
 
 
-def extract_with_sglang(args, info, samples, todo: Sequence[int], complete: set[int], aux_layers: Sequence[int],
-                        output_dir: Path, batch_size: int, max_tokens: int, log,
+def extract_with_sglang(config: ExtractionConfig, info, samples, todo: Sequence[int], complete: set[int],
+                        aux_layers: Sequence[int], output_dir: Path, batch_size: int, max_tokens: int, log,
                         memory: CaptureMemory | None = None) -> dict[str, Any]:
     """Run every sample of `todo` through SGLang with the capture hooks; returns the run's statistics
     (ExtractionStats.as_dict keys). Each sample folder is complete on disk when this returns; when the run stops
@@ -325,11 +330,13 @@ def extract_with_sglang(args, info, samples, todo: Sequence[int], complete: set[
     from patches import SGLANG_PACKAGE_ENV
     from patches.sglang_capture import PLAN_ENV, CapturePlan
 
-    version, release = installed_release(getattr(args, "allow_untested_sglang", False))
-    memory = memory or plan_capture_memory(args, info, samples, aux_layers, max_tokens, log)
-    plan = CapturePlan(output_dir=str(output_dir.resolve()), prepared_data=str(Path(args.prepared_data).resolve()),
-                       vocab_size=info.vocab_size, max_seq_len=args.max_seq_len, aux_layers=list(aux_layers),
-                       dtype=args.dtype, num_workers=args.num_workers, sglang_version=version,
+    verifier, batches = config.verifier, config.batches
+    version, release = installed_release(config.sglang.allow_untested)
+    memory = memory or plan_capture_memory(config, info, samples, aux_layers, max_tokens, log)
+    plan = CapturePlan(output_dir=str(output_dir.resolve()),
+                       prepared_data=str(Path(config.output.prepared_data).resolve()),
+                       vocab_size=info.vocab_size, max_seq_len=batches.max_seq_len, aux_layers=list(aux_layers),
+                       dtype=verifier.dtype, num_workers=batches.num_workers, sglang_version=version,
                        sglang_release=release.version)
     plan.clear_reports()
     plan.write()
@@ -340,18 +347,18 @@ def extract_with_sglang(args, info, samples, todo: Sequence[int], complete: set[
     os.environ["PYTHONPATH"] = os.pathsep.join([str(REPO)] + [p for p in os.environ.get("PYTHONPATH", "").split(
         os.pathsep) if p and p != str(REPO)])
 
-    model_folder, _ = resolve_model_path(args.model_path)
-    kwargs = engine_kwargs(release, args, model_folder, batch_size, max_tokens, memory.mem_fraction_static)
+    model_folder, _ = resolve_model_path(verifier.model_path)
+    kwargs = engine_kwargs(release, config, model_folder, batch_size, max_tokens, memory.mem_fraction_static)
     log.info("starting SGLang %s with the capture hooks in a supervised engine process (tp %d, %s); loading a "
-             "large verifier takes a while (Kimi-K2.5: ~20 min). Engine settings: %s", version, args.tp_size,
+             "large verifier takes a while (Kimi-K2.5: ~20 min). Engine settings: %s", version, config.sglang.tp_size,
              model_folder, ", ".join(f"{k}={v}" for k, v in sorted(kwargs.items()) if k != "model_path"))
     engine = sglang_engine.EngineProcess(kwargs, sglang_engine.SGLANG_ENGINE)
     try:
         engine.start()
-        stats = _run_requests(engine, plan, samples, todo, complete, output_dir, batch_size, info, args.dtype, log)
+        stats = _run_requests(engine, plan, samples, todo, complete, output_dir, batch_size, info, verifier.dtype, log)
     except Exception as err:  # noqa: BLE001 - every way the run stops is reported the same way
         engine.stop(graceful=False)  # no writer of the engine's process is busy while the samples are counted
-        raise run_failure(err, args, plan, samples, output_dir) from err
+        raise run_failure(err, config, plan, samples, output_dir) from err
     finally:
         engine.stop()
     stats.extra.update(sglang_version=version, sglang_release=release.version, capture_memory=asdict(memory))

@@ -90,13 +90,14 @@ class StorageFormat:
         return record
 
 
-def format_of_args(args, vocab_size: int) -> StorageFormat:
-    """The format stage 02's flags ask for."""
-    topk = int(getattr(args, "target_topk", DEFAULT_TOPK) or DEFAULT_TOPK)
+def format_of_flags(dtype: str, aux_dtype: str, targets: str, target_topk: int, vocab_size: int) -> StorageFormat:
+    """The format stage 02's --dtype, --aux-dtype, --targets and --target-topk ask for (stage 04 --online rounds its
+    states the same way)."""
+    topk = target_topk or DEFAULT_TOPK  # --target-topk 0 has always meant the default
     if topk < 1 or (vocab_size and topk > vocab_size):
         raise UsageError(f"--target-topk {topk}: give 1 to {vocab_size} (the verifier's vocabulary size)")
-    aux = "float8_e4m3" if getattr(args, "aux_dtype", None) == "float8_e4m3" else args.dtype
-    return StorageFormat(aux, getattr(args, "targets", "final") or "final", topk, vocab_size, args.dtype)
+    aux = "float8_e4m3" if aux_dtype == "float8_e4m3" else dtype
+    return StorageFormat(aux, targets, topk, vocab_size, dtype)
 
 
 def format_of_manifest(manifest: dict, where: str) -> StorageFormat:

@@ -158,10 +158,11 @@ def load_online_states(args, inputs, device: str, compute_dtype: str, log) -> On
     """The verifier loaded whole on this rank's device (stage 02's loader and text-model finder) behind an
     OnlineStates, for the layers and format `inputs` describe. Top-k targets take the verifier's own lm_head, as
     stage 02's do."""
-    from common.formats.storage import format_of_args
+    from common.formats.storage import format_of_flags
     from common.verifier.loading import load_verifier_model
 
-    storage, aux_layers = format_of_args(args, inputs.verifier.vocab_size), inputs.aux_layers
+    storage = format_of_flags(args.dtype, args.aux_dtype, args.targets, args.target_topk, inputs.verifier.vocab_size)
+    aux_layers = inputs.aux_layers
     log.info("--online: loading the verifier %s on %s (%s) to compute the states of every batch", args.model_path,
              device, compute_dtype)
     started = time.time()
@@ -189,7 +190,7 @@ def check_online_source(args, log) -> tuple[dict, list[dict], list[Sample], str]
     from common.formats.layer_ids import check_aux_layers, default_aux_layers
     from common.formats.manifest import MANIFEST
     from common.formats.prepared_data import check_prepared_data
-    from common.formats.storage import format_of_args
+    from common.formats.storage import format_of_flags
     from common.train.parameters import compute_dtype_for
     from common.verifier.fingerprint import weights_fingerprint
     from common.verifier.loading import pick_device, read_verifier_info
@@ -201,7 +202,7 @@ def check_online_source(args, log) -> tuple[dict, list[dict], list[Sample], str]
     info = read_verifier_info(args.model_path, args.trust_remote_code)
     layers = list(args.aux_layers) if args.aux_layers else default_aux_layers(info.num_layers)
     aux_layers = check_aux_layers(layers, info.num_layers)
-    storage = format_of_args(args, info.vocab_size)
+    storage = format_of_flags(args.dtype, args.aux_dtype, args.targets, args.target_topk, info.vocab_size)
     samples, _ = check_prepared_data(args, info, log)
     entries = [entry for entry in prepared_entries(samples) if entry["loss_tokens"] > 0]
     if not entries:

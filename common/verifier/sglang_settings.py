@@ -44,15 +44,17 @@ def parse_sglang_args(pairs: Sequence[str] | None) -> dict[str, Any]:
     return settings
 
 
-def chosen_settings(args) -> dict[str, Any]:
-    """The engine settings the flags choose (unset ones left to SGLang's defaults for the GPU it runs on)."""
-    settings = parse_sglang_args(getattr(args, "sglang_arg", None))
+def chosen_settings(pairs: Sequence[str] | None, attention_backend: str | None = None,
+                    sampling_backend: str | None = None) -> dict[str, Any]:
+    """The engine settings stage 02's --sglang-arg pairs, --attention-backend and --sampling-backend choose (unset
+    ones left to SGLang's defaults for the GPU it runs on)."""
+    settings = parse_sglang_args(pairs)
     for key, flag in FROM_STAGE_FLAGS.items():
         if key in settings:
             raise UsageError(f"--sglang-arg {key}=...: set it with {flag}")
-    for key in ("attention_backend", "sampling_backend"):
-        if getattr(args, key, None):
-            settings[key] = getattr(args, key)
+    for key, value in (("attention_backend", attention_backend), ("sampling_backend", sampling_backend)):
+        if value:
+            settings[key] = value
     return settings
 
 

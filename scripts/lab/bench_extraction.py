@@ -47,7 +47,7 @@ from common.extract.extractor import Extractor, forward_only, synchronize_all  #
 from common.extract.plan import batch_inputs, plan_batches  # noqa: E402
 from common.formats.hidden_states import SAMPLE_FILES  # noqa: E402
 from common.formats.prepared_data import Sample  # noqa: E402
-from common.formats.storage import format_of_args  # noqa: E402
+from common.formats.storage import format_of_flags  # noqa: E402
 from common.verifier.capture import find_text_model  # noqa: E402
 
 # Random-weight verifiers of known shapes: extraction's speed does not depend on the weights' values.
@@ -213,7 +213,7 @@ def main(argv=None) -> int:
     batches = plan_batches(samples, args.batch_size, args.batch_size * args.seq_len)
     warmup, measured = batches[:args.warmup_batches], batches[args.warmup_batches:]
     tokens = sum(samples[i].num_tokens for b in measured for i in b)
-    storage = format_of_args(args, vocab)
+    storage = format_of_flags(args.dtype, args.aux_dtype, args.targets, args.target_topk, vocab)
     bytes_per_token = storage.bytes_per_token(hidden)
     result = {"bench": "extraction", "model": model_name, "device": device,
               "device_name": platform.processor(),
