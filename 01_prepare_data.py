@@ -22,6 +22,7 @@ report_missing_packages()  # a missing package: one line naming it and the setup
 
 from common.cli.parser import parse_stage_args  # noqa: E402
 from common.cli.stage import run_stage  # noqa: E402
+from common.data.config import PrepareConfig  # noqa: E402
 from common.data.inputs import STAGE, already_complete, check_inputs  # noqa: E402
 from common.data.prepare import prepare_data  # noqa: E402
 
@@ -44,10 +45,11 @@ def report(inputs, manifest: dict, log) -> None:
 
 
 def work(args, log) -> None:
-    inputs = check_inputs(args)
-    if already_complete(inputs.out, inputs.data_file, inputs.fingerprint, args.overwrite, log):
+    config = PrepareConfig.from_args(args)  # the library below reads the flags from here only
+    inputs = check_inputs(config)
+    if already_complete(inputs.out, inputs.data_file, inputs.fingerprint, config.outputs.overwrite, log):
         return
-    report(inputs, prepare_data(args, inputs, log), log)
+    report(inputs, prepare_data(config, inputs, log), log)
 
 
 def main(argv=None) -> int:

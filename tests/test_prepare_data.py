@@ -848,3 +848,64 @@ def test_device_data_with_prompts_only_keeps_second_turns_for_stage_01(sharegpt_
                                                                "01_prepare_data.log").read_text()
     assert all([m["role"] for m in e["messages"]] == ["user", "user", "assistant"]
                for e in read_jsonl(tmp_path / "merged" / CACHE_FILE))
+
+
+# --- the typed settings below the stage script ----------------------------------------------------------
+
+def test_the_config_is_built_once_from_the_parsed_flags_and_the_library_takes_it(stage, tmp_path, stories260k,
+                                                                                 stories_template):
+    import inspect
+    import typing
+
+    from common.data.config import PrepareConfig
+    from common.data.inputs import check_inputs
+    from common.data.prepare import prepare_data
+    from common.errors import UsageError
+    from common.formats.manifest import resolved_config
+
+    data = small_dataset(tmp_path, n=4)
+    args = stage.parse(["--model-path", str(stories260k), "--chat-template", str(stories_template), "--dataset",
+                        str(data), "--output-dir", str(tmp_path / "out"), "--regenerate", "--temperature", "0.5",
+                        "--replies-per-prompt", "2", "--source-count", f"{data}=3", "--seed", "7"])
+    config = PrepareConfig.from_args(args)
+    assert config.verifier.model_path == str(stories260k) and config.verifier.dtype == "bfloat16"
+    assert config.data.datasets == (str(data),) and config.data.max_seq_len == 2048  # the flag table's default
+    assert config.regeneration.enabled and config.regeneration.replies_per_prompt == 2
+    assert config.regeneration.batch_size is None and config.regeneration.engine == "auto"
+    assert config.synthesis.count is None and config.synthesis.max_tokens == 128
+    assert config.seed == 7 and config.flags == resolved_config(args)  # the manifest records the flags as parsed
+    # switches left out parse as None; the config has them as False
+    assert config.outputs.overwrite is False and config.regeneration.greedy_first_reply is False
+
+    for entry in (check_inputs, prepare_data):
+        first = next(iter(inspect.signature(entry).parameters))
+        assert typing.get_type_hints(entry)[first] is PrepareConfig, entry.__name__
+    inputs = check_inputs(config)
+    assert inputs.fingerprint["seed"] == 7 and inputs.fingerprint["replies_per_prompt"] == 2
+    assert inputs.fingerprint["regenerate"] is True and inputs.fingerprint["source_count"] == [f"{data}=3"]
+    plain = check_inputs(PrepareConfig.from_args(stage.parse(["--model-path", str(stories260k), "--dataset",
+                                                              str(data), "--output-dir", str(tmp_path / "o")])))
+    assert plain.fingerprint["regenerate"] is None  # as outputs made so far recorded it: they stay complete
+
+    with pytest.raises(UsageError, match="missing required flag"):
+        PrepareConfig.from_args(stage.parse(["--dataset", str(data), "--output-dir", str(tmp_path / "o")]))
+
+
+ARGS_ALLOWED_IN = ("config.py",)  # common/data/: the one module that reads the parsed flags
+
+
+def test_no_library_function_of_stage_01_takes_the_flags_namespace():
+    import ast
+
+    taking_args = []
+    for path in sorted((REPO / "common" / "data").glob("*.py")):
+        if path.name in ARGS_ALLOWED_IN:
+            continue
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda)):
+                every = node.args
+                names = [a.arg for a in [*every.posonlyargs, *every.args, *every.kwonlyargs, every.vararg,
+                                         every.kwarg] if a is not None]
+                if "args" in names:
+                    taking_args.append(f"{path.relative_to(REPO)}:{node.lineno}")
+    assert taking_args == [], "these take `args`; give them common.data.config's settings instead"

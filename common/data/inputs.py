@@ -5,17 +5,17 @@ import json
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Sequence
 
-from common.errors import UsageError, require
+from common.errors import UsageError
 from common.formats.run_layout import EVAL_DATA_FILE, PREPARED_DATA_FILE
+from common.data.config import DataSelection, PrepareConfig, Regeneration, Synthesis
 from common.data.sources import Source, resolve_source
 from common.formats.files import sha256_text
 from common.formats.manifest import STATUS_COMPLETE
 from common.formats.resume import earlier_manifest, refuse_other_settings, setting_differences
 
 STAGE = "01_prepare_data"
-SYNTHESIS_FLAGS = ("synthesize", "synthesize_turns", "synthesize_temperature", "synthesize_top_p",
-                   "synthesize_max_tokens", "near_duplicate_threshold")
 
 
 @dataclass
@@ -45,43 +45,44 @@ def check_writable(folder: Path, flag: str) -> None:
         raise UsageError(f"{flag} {folder}: cannot write there ({err}); pick a writable folder")
 
 
-def check_inputs(args) -> Inputs:
-    """Paths, data sources, tokenizer, template and device: all checked in seconds, before any load."""
+def check_inputs(config: PrepareConfig) -> Inputs:
+    """Paths, data sources, tokenizer, template and device: all checked in seconds, before any load (the required
+    flags were checked as the config was built)."""
     from common.verifier.loading import load_tokenizer, pick_device, read_verifier_info
 
-    require(args, "model_path", *(() if args.synthesize else ("dataset",)))
-    _check_synthesis(args)
-    source_counts(args)
-    served_model = _check_endpoint(args)
-    out = Path(args.output_dir)
-    if args.eval_output and args.eval_ratio == 0:
+    data, regeneration, outputs, model = config.data, config.regeneration, config.outputs, config.verifier
+    _check_synthesis(config.synthesis, regeneration)
+    source_counts(data, config.synthesis)
+    served_model = _check_endpoint(regeneration)
+    out = Path(outputs.output_dir)
+    if outputs.eval_output and data.eval_ratio == 0:
         raise UsageError("--eval-output is set but --eval-ratio is 0; give --eval-ratio (e.g. 0.01) for a "
                          "held-out split")
-    eval_file = Path(args.eval_output) if args.eval_output else out / EVAL_DATA_FILE
-    _check_replies(args)
+    eval_file = Path(outputs.eval_output) if outputs.eval_output else out / EVAL_DATA_FILE
+    _check_replies(regeneration)
     check_writable(out, "--output-dir")
-    if args.eval_ratio > 0:
+    if data.eval_ratio > 0:
         check_writable(eval_file.parent, "--eval-output")
-    sources = [resolve_source(spec) for spec in args.dataset or []]
+    sources = [resolve_source(spec) for spec in data.datasets]
     for source in sources:
         source.check()
-    excluded = excluded_prompt_hashes(args.exclude_prompts or [])
-    device = pick_device(args.device) if args.regenerate and not args.regenerate_endpoint else None
-    verifier = read_verifier_info(args.model_path, args.trust_remote_code)
-    tokenizer = load_tokenizer(args.model_path, args.trust_remote_code, args.chat_template)
+    excluded = excluded_prompt_hashes(data.exclude_prompts)
+    device = pick_device(model.device) if regeneration.enabled and not regeneration.endpoint else None
+    verifier = read_verifier_info(model.model_path, model.trust_remote_code)
+    tokenizer = load_tokenizer(model.model_path, model.trust_remote_code, model.chat_template)
     template = _template_text(tokenizer)
     template_sha = sha256_text(template) if template else None
-    if args.synthesize and template is None:
-        raise UsageError(f"--synthesize: the tokenizer of --model-path {args.model_path} has no chat template, whose "
-                         "opening of a user turn the verifier continues; give --chat-template FILE")
-    fingerprint = _fingerprint(args, verifier.tokenizer_sha256, template_sha, eval_file, served_model)
+    if config.synthesis.count and template is None:
+        raise UsageError(f"--synthesize: the tokenizer of --model-path {model.model_path} has no chat template, "
+                         "whose opening of a user turn the verifier continues; give --chat-template FILE")
+    fingerprint = _fingerprint(config, verifier.tokenizer_sha256, template_sha, eval_file, served_model)
     if excluded:  # only then, so outputs made before the flag existed stay complete
         fingerprint["excluded_prompts_sha256"] = sha256_text("".join(sorted(excluded)))
     return Inputs(out, out / PREPARED_DATA_FILE, eval_file, sources, tokenizer, verifier.identity(), template_sha,
                   fingerprint, device, served_model, excluded)
 
 
-def excluded_prompt_hashes(files: list[str]) -> set[str]:
+def excluded_prompt_hashes(files: Sequence[str]) -> set[str]:
     """benchmark_prompt_hashes of every turn of every prompt in the --exclude-prompts files."""
     from common.data.prompt_files import read_prompts
     from common.data.records import benchmark_prompt_hashes
@@ -97,39 +98,40 @@ def excluded_prompt_hashes(files: list[str]) -> set[str]:
     return hashes
 
 
-def _check_replies(args) -> None:
+def _check_replies(regeneration: Regeneration) -> None:
     """--replies-per-prompt above 1 only makes sense for sampled regeneration; --greedy-first-reply only beside
     sampled replies."""
-    if args.greedy_first_reply and args.replies_per_prompt == 1:
+    replies = regeneration.replies_per_prompt
+    if regeneration.greedy_first_reply and replies == 1:
         raise UsageError("--greedy-first-reply needs --replies-per-prompt 2 or more (the greedy reply and sampled "
                          "ones beside it) and --temperature > 0; without it each prompt gets one greedy reply")
-    if args.replies_per_prompt == 1:
+    if replies == 1:
         return
-    if not args.regenerate:
-        raise UsageError(f"--replies-per-prompt {args.replies_per_prompt} is set without --regenerate; the data's "
+    if not regeneration.enabled:
+        raise UsageError(f"--replies-per-prompt {replies} is set without --regenerate; the data's "
                          "own replies exist once, so add --regenerate (with --temperature > 0)")
-    if args.temperature <= 0:
-        raise UsageError(f"--replies-per-prompt {args.replies_per_prompt} with --temperature {args.temperature}: "
+    if regeneration.temperature <= 0:
+        raise UsageError(f"--replies-per-prompt {replies} with --temperature {regeneration.temperature}: "
                          "greedy replies to one prompt are all the same; give --temperature (e.g. 0.7)")
 
 
-def _check_synthesis(args) -> None:
+def _check_synthesis(synthesis: Synthesis, regeneration: Regeneration) -> None:
     """--synthesize answers its user turns as --regenerate answers the data's: it needs --regenerate."""
-    if args.synthesize and not args.regenerate:
-        raise UsageError(f"--synthesize {args.synthesize} is set without --regenerate; add --regenerate (the "
+    if synthesis.count and not regeneration.enabled:
+        raise UsageError(f"--synthesize {synthesis.count} is set without --regenerate; add --regenerate (the "
                          "verifier that writes the user turns also writes the replies, with its settings)")
-    if args.synthesize and args.synthesize_temperature <= 0:
-        raise UsageError(f"--synthesize-temperature {args.synthesize_temperature}: greedy user turns are all the "
+    if synthesis.count and synthesis.temperature <= 0:
+        raise UsageError(f"--synthesize-temperature {synthesis.temperature}: greedy user turns are all the "
                          "same; give a temperature above 0 (e.g. 1.0)")
 
 
-def source_counts(args) -> dict[str, int]:
+def source_counts(data: DataSelection, synthesis: Synthesis) -> dict[str, int]:
     """--source-count SOURCE=N as {source: N}; a malformed value or a source that is not given stops here."""
     from common.data.synthesis import SOURCE
 
-    given = set(args.dataset or []) | ({SOURCE} if args.synthesize else set())
+    given = set(data.datasets) | ({SOURCE} if synthesis.count else set())
     counts: dict[str, int] = {}
-    for value in args.source_count or []:
+    for value in data.source_counts:
         source, _, number = value.rpartition("=")
         if not number.isdigit() or int(number) < 1 or source not in given:
             raise UsageError(f"--source-count {value}: expected SOURCE=N with N >= 1 and SOURCE one of "
@@ -139,16 +141,16 @@ def source_counts(args) -> dict[str, int]:
     return counts
 
 
-def _check_endpoint(args) -> str | None:
+def _check_endpoint(regeneration: Regeneration) -> str | None:
     """--regenerate-endpoint answers (before any data is read); returns the model name it serves."""
-    if not args.regenerate_endpoint:
+    if not regeneration.endpoint:
         return None
-    if not args.regenerate:
+    if not regeneration.enabled:
         raise UsageError("--regenerate-endpoint is set without --regenerate; add --regenerate to regenerate the "
                          "responses through it")
     from common.data.responders import check_endpoint
 
-    return check_endpoint(args.regenerate_endpoint)
+    return check_endpoint(regeneration.endpoint)
 
 
 # --- the fingerprint: what the output depends on ------------------------------------------------------
@@ -165,38 +167,40 @@ def _dataset_identity(spec: str) -> str:
     return str(path.resolve()) if path.exists() else spec
 
 
-def _fingerprint(args, tokenizer_sha: str, template_sha: str | None, eval_file: Path,
+def _fingerprint(config: PrepareConfig, tokenizer_sha: str, template_sha: str | None, eval_file: Path,
                  served_model: str | None = None) -> dict:
     """The settings the output depends on; a complete output made with other settings is not reused."""
+    data, regeneration = config.data, config.regeneration
     fingerprint = {
-        "model_path": args.model_path, "tokenizer_sha256": tokenizer_sha, "chat_template_sha256": template_sha,
-        "datasets": [_dataset_identity(spec) for spec in args.dataset or []], "max_seq_len": args.max_seq_len,
-        "num_samples": args.num_samples, "seed": args.seed, "eval_ratio": args.eval_ratio,
-        "eval_output": str(eval_file.resolve()) if args.eval_ratio > 0 else None, "regenerate": args.regenerate,
-        "max_turns": args.max_turns,
+        "model_path": config.verifier.model_path, "tokenizer_sha256": tokenizer_sha,
+        "chat_template_sha256": template_sha, "datasets": [_dataset_identity(spec) for spec in data.datasets],
+        "max_seq_len": data.max_seq_len, "num_samples": data.num_samples, "seed": config.seed,
+        "eval_ratio": data.eval_ratio, "eval_output": str(eval_file.resolve()) if data.eval_ratio > 0 else None,
+        # a --regenerate not given was always recorded as the parser's None
+        "regenerate": regeneration.enabled or None, "max_turns": data.max_turns,
     }
-    if args.regenerate:
-        fingerprint.update(max_new_tokens=args.max_new_tokens, temperature=args.temperature,
-                           **generator_identity(args, served_model))
-        if args.replies_per_prompt > 1:  # only then, so outputs made before the flag existed stay complete
-            fingerprint["replies_per_prompt"] = args.replies_per_prompt
-        if args.greedy_first_reply:  # likewise
+    if regeneration.enabled:
+        fingerprint.update(max_new_tokens=regeneration.max_new_tokens, temperature=regeneration.temperature,
+                           **generator_identity(config, served_model))
+        if regeneration.replies_per_prompt > 1:  # only then, so outputs made before the flag existed stay complete
+            fingerprint["replies_per_prompt"] = regeneration.replies_per_prompt
+        if regeneration.greedy_first_reply:  # likewise
             fingerprint["greedy_first_reply"] = True
-    if args.synthesize:  # likewise
-        fingerprint.update({name: getattr(args, name) for name in SYNTHESIS_FLAGS})
-    if args.source_count:  # likewise
-        fingerprint["source_count"] = sorted(args.source_count)
+    if config.synthesis.count:  # likewise
+        fingerprint.update(config.synthesis.as_flags())
+    if data.source_counts:  # likewise
+        fingerprint["source_count"] = sorted(data.source_counts)
     return fingerprint
 
 
-def generator_identity(args, served_model: str | None) -> dict:
+def generator_identity(config: PrepareConfig, served_model: str | None) -> dict:
     """What generates the responses: the in-process dtype, or the endpoint and the model it serves."""
-    if args.regenerate_endpoint:
+    if config.regeneration.endpoint:
         from common.data.responders import endpoint_base
 
-        return {"dtype": None, "regenerate_endpoint": endpoint_base(args.regenerate_endpoint),
+        return {"dtype": None, "regenerate_endpoint": endpoint_base(config.regeneration.endpoint),
                 "served_model": served_model}
-    return {"dtype": args.dtype}
+    return {"dtype": config.verifier.dtype}
 
 
 # --- an output already there --------------------------------------------------------------------------

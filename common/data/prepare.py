@@ -7,6 +7,7 @@ from dataclasses import replace
 from common.errors import UsageError
 from common.formats.run_layout import PREPARED_DATA_FILE
 from common.data.chat_tokenizer import LOSS_MASK_CONVENTION, ChatTokenizer, end_of_turn_ids
+from common.data.config import PrepareConfig
 from common.data.inputs import STAGE, Inputs, generator_identity
 from common.data.processing import Processor, preflight
 from common.data.records import (BadRecords, Record, drop_prompts, keep_first_user_turns, make_ids_unique,
@@ -15,14 +16,14 @@ from common.data.sources import read_records
 from common.data.synthesis import SOURCE, synthesize
 from common.data.splits import (BAD_RECORDS_FILE, PROMPT_HASHES_FILE, REFUSED_BAD_RECORDS_FILE, check_bad_fraction,
                                 write_bad_records, write_splits)
-from common.formats.manifest import Manifest, resolved_config
+from common.formats.manifest import Manifest
 
 DEFAULT_REGEN_BATCH = 16
 
 
 # --- reading and regenerating -------------------------------------------------------------------------
 
-def regeneration_cache(args, inputs: Inputs, log):
+def regeneration_cache(config: PrepareConfig, inputs: Inputs, log):
     """The resumable cache of generated conversations.
 
     Responses made with the same generation settings (verifier, template, max tokens, temperature,
@@ -34,13 +35,14 @@ def regeneration_cache(args, inputs: Inputs, log):
 
     settings = {k: inputs.fingerprint[k] for k in ("model_path", "tokenizer_sha256", "chat_template_sha256",
                                                    "max_seq_len")}
-    settings.update(max_new_tokens=args.max_new_tokens, temperature=args.temperature,
-                    seed=args.seed if args.temperature > 0 else None,
-                    **generator_identity(args, inputs.served_model))
-    if args.greedy_first_reply:  # only then, so caches made before the flag stay usable
+    regeneration = config.regeneration
+    settings.update(max_new_tokens=regeneration.max_new_tokens, temperature=regeneration.temperature,
+                    seed=config.seed if regeneration.temperature > 0 else None,
+                    **generator_identity(config, inputs.served_model))
+    if regeneration.greedy_first_reply:  # only then, so caches made before the flag stay usable
         settings["greedy_first_reply"] = True
     cache = RegenerationCache(inputs.out, settings)
-    if args.regenerate and not (args.overwrite and cache.differences()):
+    if regeneration.enabled and not (config.outputs.overwrite and cache.differences()):
         cache.check_settings()
         if cache.path.exists():
             log.info("responses already in %s are reused (same generation settings); delete that file to "
@@ -48,14 +50,14 @@ def regeneration_cache(args, inputs: Inputs, log):
     return cache
 
 
-def discard_outdated_cache(args, cache, log) -> None:
+def discard_outdated_cache(overwrite: bool, cache, log) -> None:
     """--overwrite: a cache generated with other settings goes, once the new data has passed its checks."""
-    if args.overwrite and cache.differences():
+    if overwrite and cache.differences():
         log.info("--overwrite: removing %s (generated with other settings)", cache.path)
         cache.remove()
 
 
-def read_data(args, inputs: Inputs, log) -> tuple[list[Record], BadRecords, list[dict], int]:
+def read_data(config: PrepareConfig, inputs: Inputs, log) -> tuple[list[Record], BadRecords, list[dict], int]:
     """Every usable record (streamed from each source), the bad ones, the sources as described, and how many
     records were read; refuses data with too few usable records (an earlier output is left as it was)."""
     bad = BadRecords()
@@ -67,48 +69,50 @@ def read_data(args, inputs: Inputs, log) -> tuple[list[Record], BadRecords, list
 
     records = read_records(inputs.sources, bad, source_done)
     records_read = len(records) + bad.total
-    if args.max_turns:
-        records = [replace(r, messages=keep_first_user_turns(r.messages, args.max_turns)) if r.is_chat else r
+    data = config.data
+    if data.max_turns:
+        records = [replace(r, messages=keep_first_user_turns(r.messages, data.max_turns)) if r.is_chat else r
                    for r in records]
     bad.log(log, "reading")
     try:
         if not records:
-            raise UsageError(f"--dataset {' '.join(args.dataset)}: no usable record among {records_read}; each "
+            raise UsageError(f"--dataset {' '.join(data.datasets)}: no usable record among {records_read}; each "
                              "record needs conversations (from/value), messages (role/content) or text")
-        check_bad_fraction(bad, records_read, args.max_bad_fraction, "reading", inputs.out)
+        check_bad_fraction(bad, records_read, data.max_bad_fraction, "reading", inputs.out)
     except UsageError:
         write_bad_records(inputs.out / REFUSED_BAD_RECORDS_FILE, bad, BadRecords())
         raise
     if any(r.is_chat for r in records) and inputs.fingerprint["chat_template_sha256"] is None:
-        raise UsageError(f"--model-path {args.model_path}: its tokenizer has no chat template, and the data has "
-                         "conversations; give --chat-template FILE (a Jinja template)")
+        raise UsageError(f"--model-path {config.verifier.model_path}: its tokenizer has no chat template, and the "
+                         "data has conversations; give --chat-template FILE (a Jinja template)")
     return records, bad, described, records_read
 
 
-def make_regenerator(args, inputs: Inputs, stop_ids: set[int], cache, records: list[Record], log):
+def make_regenerator(config: PrepareConfig, inputs: Inputs, stop_ids: set[int], cache, records: list[Record], log):
     """The verifier-backed regenerator (the model loads on first use, after the preflight), or the
     endpoint-backed one with --regenerate-endpoint (no model load here)."""
     from common.data.regenerate import Regenerator
     from common.data.responders import EndpointResponder, HFResponder
     from common.verifier.loading import load_verifier_model, regeneration_placement
 
-    preflight(ChatTokenizer(inputs.tokenizer, stop_ids, args.max_seq_len), records, args.max_bad_fraction, log)
-    if args.regenerate_endpoint:
+    data, regeneration, verifier = config.data, config.regeneration, config.verifier
+    preflight(ChatTokenizer(inputs.tokenizer, stop_ids, data.max_seq_len), records, data.max_bad_fraction, log)
+    if regeneration.endpoint:
         # conversations per cache append: enough to keep every concurrent request slot busy
-        batch_size = args.batch_size or max(DEFAULT_REGEN_BATCH, 4 * args.concurrency)
-        log.info("regenerating through %s (model %s, %d request(s) in flight)", args.regenerate_endpoint,
-                 inputs.served_model or "default", args.concurrency)
-        responder = EndpointResponder(args.regenerate_endpoint, inputs.served_model, args.max_new_tokens,
-                                      args.temperature, args.concurrency)
-        return Regenerator(responder, cache, batch_size, args.greedy_first_reply)
-    batch_size = args.batch_size or DEFAULT_REGEN_BATCH
-    devices, device_map = regeneration_placement(args.model_path, inputs.device, args.device_map)
+        batch_size = regeneration.batch_size or max(DEFAULT_REGEN_BATCH, 4 * regeneration.concurrency)
+        log.info("regenerating through %s (model %s, %d request(s) in flight)", regeneration.endpoint,
+                 inputs.served_model or "default", regeneration.concurrency)
+        responder = EndpointResponder(regeneration.endpoint, inputs.served_model, regeneration.max_new_tokens,
+                                      regeneration.temperature, regeneration.concurrency)
+        return Regenerator(responder, cache, batch_size, regeneration.greedy_first_reply)
+    batch_size = regeneration.batch_size or DEFAULT_REGEN_BATCH
+    devices, device_map = regeneration_placement(verifier.model_path, inputs.device, verifier.device_map)
     responder = HFResponder(
-        lambda device: load_verifier_model(args.model_path, device, args.dtype, args.trust_remote_code,
+        lambda device: load_verifier_model(verifier.model_path, device, verifier.dtype, verifier.trust_remote_code,
                                            device_map),
-        inputs.tokenizer, stop_ids, args.max_new_tokens, args.temperature, batch_size, args.max_seq_len,
-        args.seed, devices, args.regenerate_engine)
-    return Regenerator(responder, cache, batch_size, args.greedy_first_reply)
+        inputs.tokenizer, stop_ids, regeneration.max_new_tokens, regeneration.temperature, batch_size,
+        data.max_seq_len, config.seed, devices, regeneration.engine)
+    return Regenerator(responder, cache, batch_size, regeneration.greedy_first_reply)
 
 
 def warn_of_merged_prompts(records: list[Record], log) -> None:
@@ -123,28 +127,28 @@ def warn_of_merged_prompts(records: list[Record], log) -> None:
                     merged[0].source, merged[0].line)
 
 
-def warn_of_fewer_samples(args, written, records_read: int, log) -> None:
+def warn_of_fewer_samples(num_samples: int | None, written, records_read: int, log) -> None:
     """--num-samples asked for more conversations than the data gave: say so, with where the rest went."""
     taken = written.train_conversations + written.eval_conversations
-    if args.num_samples and taken < args.num_samples:
+    if num_samples and taken < num_samples:
         log.warning("--num-samples %d: the data gave only %d usable conversation(s) (of %d record(s) read: the "
                     "rest are duplicates, excluded or bad records, counted below); all of them were taken",
-                    args.num_samples, taken, records_read)
+                    num_samples, taken, records_read)
 
 
-def take_per_source(args, records: list[Record], log) -> tuple[list[Record], dict | None]:
+def take_per_source(config: PrepareConfig, records: list[Record], log) -> tuple[list[Record], dict | None]:
     """--source-count: N records of each named source, a sample seeded by --seed and the source's name (so
     naming another source changes nothing here); the others kept whole, in order. Returns the counts too."""
     from common.data.inputs import source_counts
 
-    wanted = source_counts(args)
+    wanted = source_counts(config.data, config.synthesis)
     if not wanted:
         return records, None
     chosen: set[int] = set()
     mixing = {}
     for source, count in wanted.items():
         pool = [i for i, r in enumerate(records) if r.source == source]
-        random.Random(f"{args.seed}:{source}").shuffle(pool)
+        random.Random(f"{config.seed}:{source}").shuffle(pool)
         chosen.update(pool[:count])
         mixing[source] = {"asked": count, "available": len(pool), "taken": min(count, len(pool))}
         log.info("--source-count: %s: %d of its %d usable conversation(s) taken (%d asked)", source,
@@ -157,53 +161,55 @@ def take_per_source(args, records: list[Record], log) -> tuple[list[Record], dic
 
 # --- the stage's work ---------------------------------------------------------------------------------
 
-def prepare_data(args, inputs: Inputs, log) -> dict:
+def prepare_data(config: PrepareConfig, inputs: Inputs, log) -> dict:
     """Everything stage 01 does once its inputs are checked; returns the completed manifest's data."""
     from common.verifier.loading import resolve_model_path
 
-    cache = regeneration_cache(args, inputs, log)
-    records, reading_bad, described, records_read = read_data(args, inputs, log) if args.dataset \
+    data, regeneration = config.data, config.regeneration
+    cache = regeneration_cache(config, inputs, log)
+    records, reading_bad, described, records_read = read_data(config, inputs, log) if data.datasets \
         else ([], BadRecords(), [], 0)
-    stop_ids = end_of_turn_ids(inputs.tokenizer, resolve_model_path(args.model_path)[0])
-    chat = ChatTokenizer(inputs.tokenizer, stop_ids, args.max_seq_len)
-    regenerator = make_regenerator(args, inputs, stop_ids, cache, records, log) if args.regenerate else None
-    discard_outdated_cache(args, cache, log)  # the new data has passed its checks (and the preflight)
+    stop_ids = end_of_turn_ids(inputs.tokenizer, resolve_model_path(config.verifier.model_path)[0])
+    chat = ChatTokenizer(inputs.tokenizer, stop_ids, data.max_seq_len)
+    regenerator = make_regenerator(config, inputs, stop_ids, cache, records, log) if regeneration.enabled else None
+    discard_outdated_cache(config.outputs.overwrite, cache, log)  # the new data passed its checks (and the preflight)
     synthesis = None
-    if args.synthesize:
-        made, synthesis = synthesize(args, inputs, regenerator, cache, stop_ids, log)
+    if config.synthesis.count:
+        made, synthesis = synthesize(config, inputs, regenerator, cache, stop_ids, log)
         described.insert(0, {"dataset": SOURCE, "format": "synthesize", "records": len(made), "bad_records": 0})
         records, records_read = made + records, records_read + len(made)
 
     records, duplicates = remove_duplicates(records)
     records, excluded = drop_prompts(records, inputs.excluded_prompts)
-    if args.exclude_prompts:
+    if data.exclude_prompts:
         log.info("--exclude-prompts: %d conversation(s) dropped whose first prompt is in %s", excluded,
-                 ", ".join(args.exclude_prompts))
-    records, mixing = take_per_source(args, records, log)
+                 ", ".join(data.exclude_prompts))
+    records, mixing = take_per_source(config, records, log)
     make_ids_unique(records)
-    random.Random(args.seed).shuffle(records)
-    total = min(args.num_samples or len(records), len(records))
-    n_eval = max(1, round(total * args.eval_ratio)) if args.eval_ratio > 0 and total >= 2 else 0
-    n_train = total - n_eval if args.num_samples else None  # None: every remaining record
+    random.Random(config.seed).shuffle(records)
+    total = min(data.num_samples or len(records), len(records))
+    n_eval = max(1, round(total * data.eval_ratio)) if data.eval_ratio > 0 and total >= 2 else 0
+    n_train = total - n_eval if data.num_samples else None  # None: every remaining record
     log.info("%d usable record(s) after removing %d exact duplicate(s); taking %s for training and %d for "
              "evaluation", len(records), duplicates, n_train if n_train is not None else "the rest", n_eval)
 
     if regenerator is not None:
         warn_of_merged_prompts(records, log)
 
-    manifest = Manifest(inputs.out, STAGE, resolved_config(args))
+    manifest = Manifest(inputs.out, STAGE, config.flags)
     manifest.data.update(fingerprint=inputs.fingerprint, verifier=inputs.verifier_identity,
                          chat_template_sha256=inputs.template_sha, sources=described,
                          loss_mask_convention=LOSS_MASK_CONVENTION)
-    if args.chat_template:
-        manifest.add_input("chat_template", args.chat_template)
+    if config.verifier.chat_template:
+        manifest.add_input("chat_template", config.verifier.chat_template)
     if not manifest.path.exists():  # an earlier run's manifest stays until its output is replaced
         manifest.write()
 
     process = Processor(chat, BadRecords(), regenerator)
-    written = write_splits(args, inputs, records, process, reading_bad, records_read, n_train, n_eval, log,
-                           before_replacing=manifest.write)
-    warn_of_fewer_samples(args, written, records_read, log)
+    written = write_splits(inputs, records, process, reading_bad, records_read, n_train, n_eval, log,
+                           replies_per_prompt=regeneration.replies_per_prompt,
+                           max_bad_fraction=data.max_bad_fraction, before_replacing=manifest.write)
+    warn_of_fewer_samples(data.num_samples, written, records_read, log)
 
     train, held_out = written.train.summary(), written.eval.summary()
     all_bad = BadRecords()
@@ -226,7 +232,7 @@ def prepare_data(args, inputs: Inputs, log) -> dict:
                                     "fraction": {"reading": round(reading_bad.total / records_read, 5),
                                                  "processing": round(written.processing_fraction, 5),
                                                  "unusable": round(written.unusable_fraction, 5)},
-                                    "max_bad_fraction": args.max_bad_fraction}
+                                    "max_bad_fraction": data.max_bad_fraction}
     manifest.data["outputs"] = {"train": PREPARED_DATA_FILE,
                                 "eval": str(inputs.eval_file.resolve()) if n_eval else None}
     manifest.data["train_prompt_hashes"] = {"file": PROMPT_HASHES_FILE, "count": len(written.train_prompt_hashes),
@@ -236,9 +242,9 @@ def prepare_data(args, inputs: Inputs, log) -> dict:
     if regenerator is not None:
         manifest.data["regeneration"] = {"settings": cache.settings, "cache": cache.path.name, **regenerator.counts,
                                          "hit_max_new_tokens": regenerator.respond.hit_max_new_tokens,
-                                         "replies_per_prompt": args.replies_per_prompt,
-                                         "engine": None if args.regenerate_endpoint else regenerator.respond.engine}
-        if args.regenerate_endpoint:  # requests that failed after retries (their conversations are bad records)
+                                         "replies_per_prompt": regeneration.replies_per_prompt,
+                                         "engine": None if regeneration.endpoint else regenerator.respond.engine}
+        if regeneration.endpoint:  # requests that failed after retries (their conversations are bad records)
             manifest.data["regeneration"].update(failures=regenerator.respond.failures,
                                                  failure_examples=regenerator.respond.errors)
     if synthesis is not None:

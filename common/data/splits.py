@@ -90,9 +90,9 @@ def remove_stale_outputs(inputs: Inputs, wrote_eval: bool) -> None:
         path.unlink(missing_ok=True)
 
 
-def write_splits(args, inputs: Inputs, records: list[Record], process: Processor, reading_bad: BadRecords,
-                 records_read: int, n_train: int | None, n_eval: int, log,
-                 before_replacing: Callable[[], None]) -> Written:
+def write_splits(inputs: Inputs, records: list[Record], process: Processor, reading_bad: BadRecords,
+                 records_read: int, n_train: int | None, n_eval: int, log, *, replies_per_prompt: int,
+                 max_bad_fraction: float, before_replacing: Callable[[], None]) -> Written:
     """Eval conversations first (chat only), then training ones whose first prompt is not an eval prompt.
 
     Both files are written to temporary names; only once every check has passed is `before_replacing` called
@@ -141,11 +141,11 @@ def write_splits(args, inputs: Inputs, records: list[Record], process: Processor
         if n_eval:
             written.eval_conversations = fill(eval_candidates(), n_eval, process, write_eval, "eval split")
         written.train_conversations = fill(train_candidates(), n_train, process, write_train, "train split",
-                                           args.replies_per_prompt)
+                                           replies_per_prompt)
         process.bad.log(log, "processing")
         try:
             written.unusable_fraction = check_unusable_fraction(reading_bad, records_read, process.bad,
-                                                                process.processed, args.max_bad_fraction, inputs.out)
+                                                                process.processed, max_bad_fraction, inputs.out)
             if not written.train.lengths:
                 raise UsageError("no training sample was produced; see the bad-record counts above")
         except UsageError:

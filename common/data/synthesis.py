@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from common.progress import Progress
+from common.data.config import PrepareConfig, Regeneration, Synthesis
 from common.data.prompt_filters import KEPT, PromptFilters
 from common.data.records import ASSISTANT, USER, Record
 from common.data.regenerate import RegenerationCache, prompts_hash
@@ -174,52 +175,55 @@ class Synthesizer:
 
 # --- stage 01's use of it -----------------------------------------------------------------------------
 
-def synthesis_settings(args, regeneration_settings: dict, excluded_sha: str | None, round_size: int) -> dict:
+def synthesis_settings(config: PrepareConfig, regeneration_settings: dict, excluded_sha: str | None,
+                       round_size: int) -> dict:
     """What the made conversations depend on besides their number: a cache made with others is not extended."""
-    return {**regeneration_settings, "seed": args.seed, "synthesize_turns": args.synthesize_turns,
-            "synthesize_temperature": args.synthesize_temperature, "synthesize_top_p": args.synthesize_top_p,
-            "synthesize_max_tokens": args.synthesize_max_tokens,
-            "near_duplicate_threshold": args.near_duplicate_threshold, "excluded_prompts_sha256": excluded_sha,
-            "greedy_first_reply": bool(args.greedy_first_reply), "round_size": round_size}
+    synthesis = config.synthesis
+    return {**regeneration_settings, "seed": config.seed, "synthesize_turns": synthesis.turns,
+            "synthesize_temperature": synthesis.temperature, "synthesize_top_p": synthesis.top_p,
+            "synthesize_max_tokens": synthesis.max_tokens,
+            "near_duplicate_threshold": synthesis.near_duplicate_threshold, "excluded_prompts_sha256": excluded_sha,
+            "greedy_first_reply": config.regeneration.greedy_first_reply, "round_size": round_size}
 
 
-def make_sampler(args, inputs, regenerator, stop_ids: set[int]):
+def make_sampler(synthesis: Synthesis, regeneration: Regeneration, tokenizer, regenerator, stop_ids: set[int]):
     """The user turns' sampler: through --regenerate-endpoint's /generate, or the verifier loaded here."""
     from common.data.turn_samplers import EndpointTurnSampler, InProcessTurnSampler
 
-    options = (args.synthesize_max_tokens, args.synthesize_temperature, args.synthesize_top_p, stop_ids)
-    if args.regenerate_endpoint:
-        return EndpointTurnSampler(args.regenerate_endpoint, inputs.tokenizer, *options,
-                                   concurrency=args.concurrency)
+    options = (synthesis.max_tokens, synthesis.temperature, synthesis.top_p, stop_ids)
+    if regeneration.endpoint:
+        return EndpointTurnSampler(regeneration.endpoint, tokenizer, *options, concurrency=regeneration.concurrency)
     return InProcessTurnSampler(regenerator.respond, *options)
 
 
-def synthesize(args, inputs, regenerator, regeneration_cache: RegenerationCache, stop_ids: set[int],
-               log) -> tuple[list[Record], dict]:
+def synthesize(config: PrepareConfig, inputs, regenerator, regeneration_cache: RegenerationCache,
+               stop_ids: set[int], log) -> tuple[list[Record], dict]:
     """--synthesize N: the made conversations (their replies handed to the regeneration cache, so the
     regenerator reuses them) and the manifest's "synthesis" section; writes SAMPLES_FILE."""
     from common.data.regenerate import AtTemperature
 
+    synthesis = config.synthesis
     fmt = UserTurnFormat.of(inputs.tokenizer, stop_ids)
-    filters = PromptFilters(fmt, args.near_duplicate_threshold, inputs.excluded_prompts)
+    filters = PromptFilters(fmt, synthesis.near_duplicate_threshold, inputs.excluded_prompts)
     round_size = ROUND_BATCHES * regenerator.batch_size
     excluded_sha = inputs.fingerprint.get("excluded_prompts_sha256")
-    cache = RegenerationCache(inputs.out, synthesis_settings(args, regeneration_cache.settings, excluded_sha,
+    cache = RegenerationCache(inputs.out, synthesis_settings(config, regeneration_cache.settings, excluded_sha,
                                                              round_size), SYNTHESIS_FILE)
-    if args.overwrite and cache.differences():
+    if config.outputs.overwrite and cache.differences():
         log.info("--overwrite: removing %s (made with other settings)", cache.path)
         cache.remove()
     cache.check_settings()
-    respond = AtTemperature(regenerator.respond, 0.0) if args.greedy_first_reply else regenerator.respond
+    greedy_first = config.regeneration.greedy_first_reply
+    respond = AtTemperature(regenerator.respond, 0.0) if greedy_first else regenerator.respond
     opening = user_turn_opening(inputs.tokenizer)
     log.info("synthesize: %d conversation(s) of up to %d user turn(s), in rounds of %d; user turns open with "
-             "%r (from the chat template) and are sampled at temperature %g, top-p %g", args.synthesize,
-             args.synthesize_turns, round_size, opening, args.synthesize_temperature, args.synthesize_top_p)
-    made = Synthesizer(inputs.tokenizer, make_sampler(args, inputs, regenerator, set(fmt.stop_ids)), respond,
-                       filters, fmt,
-                       cache, args.synthesize_turns, round_size, args.seed).run(args.synthesize)
+             "%r (from the chat template) and are sampled at temperature %g, top-p %g", synthesis.count,
+             synthesis.turns, round_size, opening, synthesis.temperature, synthesis.top_p)
+    sampler = make_sampler(synthesis, config.regeneration, inputs.tokenizer, regenerator, set(fmt.stop_ids))
+    made = Synthesizer(inputs.tokenizer, sampler, respond, filters, fmt, cache, synthesis.turns, round_size,
+                       config.seed).run(synthesis.count)
     hand_to_regeneration(made.records, regeneration_cache)
-    section = summary(args, made, opening, cache)
+    section = summary(synthesis.count, made, opening, cache)
     write_samples(inputs.out / SAMPLES_FILE, made)
     log_summary(section, log)
     return made.records, section
@@ -235,9 +239,9 @@ def hand_to_regeneration(records: list[Record], cache: RegenerationCache) -> Non
         cache.append(new)
 
 
-def summary(args, made: Made, opening: str, cache: RegenerationCache) -> dict:
+def summary(asked: int, made: Made, opening: str, cache: RegenerationCache) -> dict:
     turns = Counter(sum(m["role"] == USER for m in r.messages) for r in made.records)
-    return {"asked": args.synthesize, "made": len(made.records), "rounds": made.rounds,
+    return {"asked": asked, "made": len(made.records), "rounds": made.rounds,
             "reused_rounds": made.reused_rounds, "user_turn_opening": opening,
             "user_turns": {"sampled": sum(made.verdicts.values()), "kept": made.verdicts[KEPT],
                            "dropped": {k: v for k, v in made.verdicts.most_common() if k != KEPT},
