@@ -1166,6 +1166,20 @@ def test_server_mode_reads_vllms_acceptance_counters(stage05, verifier, stories2
     assert spec_decode_counters("sglang:spec_accept_length{model_name=\"m\"} 2.0\n") is None
 
 
+def test_vllms_counters_read_from_a_recorded_metrics_page():
+    """GET /metrics of vLLM 0.26.0 serving this project's SmolLM2 drafter (EAGLE-3, 3 speculative tokens) on an H100,
+    recorded after the MT-bench run of docs/results/2026-12-07-h100-vllm-serving.md (its warm-up request included)."""
+    from common.bench.vllm_metrics import spec_decode_counters, vllm_acceptance
+
+    counters = spec_decode_counters((REPO / "tests" / "assets" / "vllm_0.26.0_metrics.txt").read_text())
+    assert counters == {"num_drafts": 7965.0, "num_draft_tokens": 23895.0, "num_accepted_tokens": 10399.0,
+                        "num_accepted_tokens_per_pos": [5053.0, 3244.0, 2102.0]}
+    assert sum(counters["num_accepted_tokens_per_pos"]) == counters["num_accepted_tokens"]
+    since_start = vllm_acceptance(None, counters)
+    assert since_start["mean_acceptance_length"] == pytest.approx(1 + 10399 / 7965)
+    assert since_start["draft_acceptance_rate"] == pytest.approx(10399 / 23895)
+
+
 def test_server_info_layouts_and_unreachable_server(stage05, tmp_path):
     from common.bench.server import avg_spec_accept_length
 

@@ -68,7 +68,7 @@ bench() {  # $1 name, $2 t:c, $3 spec port, $4 "base" to send the same prompts t
 
 # The trap folder: the trained weights, vLLM's ids one less than the trained layers (SGLang's eagle_config ids).
 TRAP=$OUT_DIR/trap_drafter
-rm -rf "$TRAP"; mkdir -p "$TRAP"; cp -r "$DRAFTER"/. "$TRAP"/
+rm -rf "$TRAP"; mkdir -p "$TRAP"; cp "$DRAFTER"/*.json "$DRAFTER"/*.safetensors "$TRAP"/  # not the optimizer state
 python3 - "$TRAP/config.json" <<'EOF'
 import json, sys
 path = sys.argv[1]
@@ -79,9 +79,10 @@ print("trap ids:", config["eagle_aux_hidden_state_layer_ids"])
 EOF
 check=(); [ -n "$DATA_DIR" ] && check=(--data-dir "$DATA_DIR")
 for folder in "$DRAFTER" "$TRAP"; do
-  python3 scripts/check_drafter.py "$folder" ${check[@]+"${check[@]}"} --model-path "$VERIFIER" \
-    > "$OUT_DIR/check_$(basename "$folder").txt" 2>&1
-  say "check_drafter.py $(basename "$folder") (exit $?): $(grep -m1 -E 'vLLM|OK|problem' "$OUT_DIR/check_$(basename "$folder").txt")"
+  report=$OUT_DIR/check_$(basename "$folder").txt
+  python3 scripts/check_drafter.py "$folder" ${check[@]+"${check[@]}"} --model-path "$VERIFIER" > "$report" 2>&1
+  rc=$?
+  say "check_drafter.py $(basename "$folder") (exit $rc): $(grep -m1 -E 'vLLM|OK|problem' "$report")"
 done
 
 say "starting the EAGLE-3 server, then the plain one (one after the other: vLLM measures free memory at start)"

@@ -23,14 +23,15 @@ set -uo pipefail
 cd "$(dirname "$0")/../.."
 VERIFIER=$1; DATA=$2; WORK=$3
 if [ "${4:-}" = pack ]; then
-  tar czf "$OUT/session.tgz" --ignore-failed-read --exclude='*.safetensors' -C "$WORK" session.log train.log \
+  tar czf "$OUT/session.tgz" --ignore-failed-read --exclude='*.safetensors' --exclude='*.pt' -C "$WORK" session.log train.log \
     check.log serve.log serve check/out run/logs run/checkpoints/metrics.jsonl run/checkpoints/best.json \
     run/data/manifest.json 2>/dev/null
   exit 0
 fi
 if [ "${4:-}" = drafter ]; then
-  tar czf - --ignore-failed-read -C "$WORK/run" checkpoints/best checkpoints/best.json checkpoints/manifest.json \
-    hidden_states/manifest.json 2>/dev/null | split -b 15M - "$OUT/drafter.tgz.part-"
+  # best is a link to the best epoch's folder: its files, not the optimizer state (training_state.pt, ~280 MB)
+  tar czhf - --ignore-failed-read --exclude=training_state.pt -C "$WORK/run" checkpoints/best checkpoints/best.json \
+    checkpoints/04_train.config.json hidden_states/manifest.json 2>/dev/null | split -b 15M - "$OUT/drafter.tgz.part-"
   exit 0
 fi
 mkdir -p "$WORK"
