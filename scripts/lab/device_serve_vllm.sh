@@ -66,6 +66,13 @@ bench() {  # $1 name, $2 t:c, $3 spec port, $4 "base" to send the same prompts t
   say "$1 T=$t concurrency $c (exit $?): $(grep -h SUMMARY "$dir.log" | tail -n 1)"
 }
 
+# vLLM's server imports fastapi and pydantic, which neither the slim wheel set nor the machine's image had on
+# 2026-12-07: install annotated_types, pydantic, pydantic_core and typing_inspection from SGLang's wheel set
+# (../shared/tools/sglang_device_wheels.sh) into the same folder (docs/results/2026-12-07-h100-vllm-serving.md).
+if ! PYTHONPATH=$SITE${PYTHONPATH:+:$PYTHONPATH} python3 -c "import fastapi, pydantic, vllm" 2> "$OUT_DIR/imports.txt"; then
+  say "vLLM's server cannot import in $SITE: $(tail -n 1 "$OUT_DIR/imports.txt"); see this script's header"; exit 1
+fi
+
 # The trap folder: the trained weights, vLLM's ids one less than the trained layers (SGLang's eagle_config ids).
 TRAP=$OUT_DIR/trap_drafter
 rm -rf "$TRAP"; mkdir -p "$TRAP"; cp "$DRAFTER"/*.json "$DRAFTER"/*.safetensors "$TRAP"/  # not the optimizer state
