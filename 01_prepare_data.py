@@ -12,19 +12,16 @@ bad_records.refused.jsonl); an earlier output is replaced only by a complete new
 from __future__ import annotations
 
 import sys
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-from common.errors import report_missing_packages  # noqa: E402
+from eagle3_pipeline.errors import report_missing_packages  # noqa: E402
 
 report_missing_packages()  # a missing package: one line naming it and the setup command
 
-from common.cli.parser import parse_stage_args  # noqa: E402
-from common.cli.stage import run_stage  # noqa: E402
-from common.data.config import PrepareConfig  # noqa: E402
-from common.data.inputs import STAGE, already_complete, check_inputs  # noqa: E402
-from common.data.prepare import prepare_data  # noqa: E402
+from eagle3_pipeline.cli.parser import parse_stage_args  # noqa: E402
+from eagle3_pipeline.cli.stage import run_stage  # noqa: E402
+from eagle3_pipeline.data.config import PrepareConfig  # noqa: E402
+from eagle3_pipeline.data.inputs import STAGE, already_complete, check_inputs  # noqa: E402
+from eagle3_pipeline.data.prepare import prepare_data  # noqa: E402
 
 
 def parse(argv):

@@ -11,22 +11,19 @@ in SGLang. Details: docs/extraction.md.
 """
 from __future__ import annotations
 
-import os
 import sys
 from pathlib import Path
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-
-from common.errors import report_missing_packages  # noqa: E402
+from eagle3_pipeline.errors import report_missing_packages  # noqa: E402
 
 report_missing_packages()  # a missing package: one line naming it and the setup command
 
-from common.errors import UsageError, require  # noqa: E402
-from common import distributed  # noqa: E402
-from common.cli.parser import parse_stage_args  # noqa: E402
-from common.cli.stage import run_stage  # noqa: E402
-from common.formats.layer_ids import check_aux_layers, default_aux_layers  # noqa: E402
-from common.verifier.loading import pick_device, read_verifier_info  # noqa: E402
+from eagle3_pipeline.errors import UsageError, require  # noqa: E402
+from eagle3_pipeline import distributed  # noqa: E402
+from eagle3_pipeline.cli.parser import parse_stage_args  # noqa: E402
+from eagle3_pipeline.cli.stage import run_stage  # noqa: E402
+from eagle3_pipeline.formats.layer_ids import check_aux_layers, default_aux_layers  # noqa: E402
+from eagle3_pipeline.verifier.loading import pick_device, read_verifier_info  # noqa: E402
 
 STAGE = "02_extract_hidden_states"
 
@@ -36,18 +33,19 @@ def parse(argv):
 
 
 def work(args, log) -> None:
-    from common.extract.config import ExtractionConfig
-    from common.extract.run import ExtractionInputs, extract_hidden_states
-    from common.formats.prepared_data import check_prepared_data
+    from eagle3_pipeline.extract.config import ExtractionConfig
+    from eagle3_pipeline.extract.run import ExtractionInputs, extract_hidden_states
+    from eagle3_pipeline.formats.prepared_data import check_prepared_data
 
     if args.verify:  # a check of the files already there: no verifier, no prepared data
-        from common.extract.verify import verify_output
+        from eagle3_pipeline.extract.verify import verify_output
 
         return verify_output(Path(args.output_dir), log)
     require(args, "model_path", "prepared_data")
     config = ExtractionConfig.from_args(args)  # what the library below takes (the flags stay up here)
-    if args.backend == "sglang":  # a checked SGLang release, GPUs, one process: checked first (common/verifier/)
-        from common.extract.sglang_backend import check_engine_settings, check_sglang_early
+    # a checked SGLang release, GPUs, one process: checked first (eagle3_pipeline/verifier/)
+    if args.backend == "sglang":
+        from eagle3_pipeline.extract.sglang_backend import check_engine_settings, check_sglang_early
 
         if args.aux_dtype != "bfloat16" or args.targets != "final":
             raise UsageError("--aux-dtype float8_e4m3 and --targets topk are written by the hf backend only (the "
@@ -75,7 +73,7 @@ def work(args, log) -> None:
     aux_layers = check_aux_layers(list(args.aux_layers) if args.aux_layers else default_aux_layers(info.num_layers),
                                   info.num_layers)
     if args.backend == "sglang":
-        from common.extract.sglang_backend import check_sglang_verifier
+        from eagle3_pipeline.extract.sglang_backend import check_sglang_verifier
 
         check_sglang_verifier(config.verifier.model_path, info, aux_layers)
     device = pick_device(args.device)

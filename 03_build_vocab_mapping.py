@@ -11,20 +11,21 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-from common.errors import report_missing_packages  # noqa: E402
+from eagle3_pipeline.errors import report_missing_packages  # noqa: E402
 
 report_missing_packages()  # a missing package: one line naming it and the setup command
 
-from common.errors import UsageError, require
-from common.cli.parser import parse_stage_args
-from common.progress import Progress
-from common.cli.stage import run_stage
-from common.formats.files import sha256_file, write_json_atomic
-from common.formats.manifest import MANIFEST, STATUS_COMPLETE, Manifest, check_verifier_matches, load_manifest
-from common.formats.prepared_data import iter_prepared_data
-from common.formats.resume import earlier_manifest, refuse_other_settings, setting_differences
-from common.formats.vocab_map import REPORT_FILE, count_target_tokens, mapping_report, save_mapping, select_draft_vocab
-from common.verifier.loading import load_tokenizer, read_verifier_info
+from eagle3_pipeline.errors import UsageError, require
+from eagle3_pipeline.cli.parser import parse_stage_args
+from eagle3_pipeline.progress import Progress
+from eagle3_pipeline.cli.stage import run_stage
+from eagle3_pipeline.formats.files import sha256_file, write_json_atomic
+from eagle3_pipeline.formats.manifest import MANIFEST, STATUS_COMPLETE, Manifest, check_verifier_matches, load_manifest
+from eagle3_pipeline.formats.prepared_data import iter_prepared_data
+from eagle3_pipeline.formats.resume import earlier_manifest, refuse_other_settings, setting_differences
+from eagle3_pipeline.formats.vocab_map import (REPORT_FILE, count_target_tokens, mapping_report, save_mapping,
+                                               select_draft_vocab)
+from eagle3_pipeline.verifier.loading import load_tokenizer, read_verifier_info
 
 STAGE = "03_build_vocab_mapping"
 

@@ -12,13 +12,13 @@ from __future__ import annotations
 
 import sys
 
-from common.errors import report_missing_packages  # noqa: E402
+from eagle3_pipeline.errors import report_missing_packages  # noqa: E402
 
 report_missing_packages()  # a missing package: one line naming it and the setup command
 
-from common.cli.parser import parse_stage_args
-from common.cli.stage import run_stage
-from common.train.inputs import (STAGE, apply_min_steps, check_disk, check_fp8, check_inputs, check_output,
+from eagle3_pipeline.cli.parser import parse_stage_args
+from eagle3_pipeline.cli.stage import run_stage
+from eagle3_pipeline.train.inputs import (STAGE, apply_min_steps, check_disk, check_fp8, check_inputs, check_output,
     rank_device, resolve_machine_defaults, run_config_of)
 
 
@@ -28,9 +28,9 @@ def parse(argv):
 
 
 def work(args, log, hooks=()):
-    from common import distributed
-    from common.train.checkpoints import CheckpointManager
-    from common.train.run import count_parameters, train_drafter
+    from eagle3_pipeline import distributed
+    from eagle3_pipeline.train.checkpoints import CheckpointManager
+    from eagle3_pipeline.train.run import count_parameters, train_drafter
 
     rank = distributed.rank_info()
     # Every rank checks everything (read-only), so a bad input stops all of them with exit code 2.
@@ -53,7 +53,7 @@ def work(args, log, hooks=()):
 
 
 def inputs_read(args):
-    """The other stages' outputs this run reads (common/cli/stage.py holds them against an --overwrite)."""
+    """The other stages' outputs this run reads (eagle3_pipeline/cli/stage.py holds them against an --overwrite)."""
     return ("prepared_data" if args.online else "data_dir", "vocab_mapping_dir")
 
 

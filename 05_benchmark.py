@@ -12,8 +12,8 @@ its first N lines. Prompts that overlap the drafter's training data are refused 
 default RUN_DIR/bench): bench_<mode>_<settings>.json, .md and .png, listed newest first in bench/README.md; a rerun
 of the same settings moves the report it replaces to bench/earlier/ and says so.
 A rerun needs only what changes: flags not given take the values of the last run in the same folder and --mode, and
-the verifier those of the stages before it (common/cli/recorded.py; the log names each), except the decoding settings
-(--num-steps, --topk, --num-draft-tokens, --temperature, --top-p, --concurrency, --tau-only), which are always
+the verifier those of the stages before it (eagle3_pipeline/cli/recorded.py; the log names each), except the decoding
+settings (--num-steps, --topk, --num-draft-tokens, --temperature, --top-p, --concurrency, --tau-only), which are always
 the ones given or their defaults, as the report's file name says. Details: docs/benchmarking.md.
 """
 from __future__ import annotations
@@ -21,23 +21,23 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-from common.errors import report_missing_packages  # noqa: E402
+from eagle3_pipeline.errors import report_missing_packages  # noqa: E402
 
 report_missing_packages()  # a missing package: one line naming it and the setup command
 
-from common.errors import UsageError
-from common.bench.drafter_check import check_verifier_weights
-from common.bench.eval_mode import eval_summary_line, run_eval
-from common.bench.lineage import DATA_STAGE, check_overlap
-from common.bench.offline_mode import offline_summary_line, run_offline
-from common.bench.report import headline, results_stem, run_counts, write_reports
-from common.bench.server_mode import run_server, server_summary_line
-from common.bench.settings import STAGE, BenchConfig, BenchInputs
-from common.formats.run_layout import EVAL_DATA_FILE, RUN_LAYOUT
-from common.cli.parser import parse_stage_args
-from common.cli.recorded import take_recorded_flags
-from common.cli.stage import run_stage
-from common.formats.manifest import Manifest
+from eagle3_pipeline.errors import UsageError
+from eagle3_pipeline.bench.drafter_check import check_verifier_weights
+from eagle3_pipeline.bench.eval_mode import eval_summary_line, run_eval
+from eagle3_pipeline.bench.lineage import DATA_STAGE, check_overlap
+from eagle3_pipeline.bench.offline_mode import offline_summary_line, run_offline
+from eagle3_pipeline.bench.report import headline, results_stem, run_counts, write_reports
+from eagle3_pipeline.bench.server_mode import run_server, server_summary_line
+from eagle3_pipeline.bench.settings import STAGE, BenchConfig, BenchInputs
+from eagle3_pipeline.formats.run_layout import EVAL_DATA_FILE, RUN_LAYOUT
+from eagle3_pipeline.cli.parser import parse_stage_args
+from eagle3_pipeline.cli.recorded import take_recorded_flags
+from eagle3_pipeline.cli.stage import run_stage
+from eagle3_pipeline.formats.manifest import Manifest
 
 MODES = {  # --mode: (the run, its SUMMARY line)
     "offline": (run_offline, offline_summary_line),
@@ -62,8 +62,8 @@ def parse(argv):
 
 def resolve_prompts(inputs: BenchInputs, seed: int, log):
     """(--prompts as given or defaulted, the chosen prompts, the selection record of --num-prompts)."""
-    from common.bench.prompt_selection import select_prompts, selection_summary
-    from common.bench.prompts import load_prompts
+    from eagle3_pipeline.bench.prompt_selection import select_prompts, selection_summary
+    from eagle3_pipeline.bench.prompts import load_prompts
 
     spec = inputs.prompts
     if spec is None and inputs.run_dir:
@@ -93,7 +93,7 @@ def verifier_record(model_path, config: BenchConfig) -> dict:
     """The verifier's identity as the other stages' manifests record it (a server's URL when there is no path)."""
     if not model_path:
         return {"url": config.server.url}
-    from common.verifier.loading import read_verifier_info
+    from eagle3_pipeline.verifier.loading import read_verifier_info
 
     return read_verifier_info(model_path, config.verifier.trust_remote_code).identity()
 
@@ -154,7 +154,7 @@ def run_benchmark(args, log):
 
 
 def inputs_read(args):
-    """The other stages' outputs this run reads (common/cli/stage.py holds them against an --overwrite)."""
+    """The other stages' outputs this run reads (eagle3_pipeline/cli/stage.py holds them against an --overwrite)."""
     return ("draft_model_path", "data_dir") if args.mode == "eval" else ("draft_model_path",)
 
 

@@ -23,19 +23,17 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-from common.errors import report_missing_packages  # noqa: E402
+from eagle3_pipeline.errors import report_missing_packages  # noqa: E402
 
 report_missing_packages()  # a missing package: one line naming it and the setup command
 
-from common.errors import USAGE_ERROR, UsageError  # noqa: E402
-from common.cli.parser import StageArgumentParser  # noqa: E402
-from common.cli.lock import hold_run_directory  # noqa: E402
-from common.cli.pipeline import (STAGES, check_all_flags, is_current, log_size, output_manifest,  # noqa: E402
+from eagle3_pipeline.errors import USAGE_ERROR, UsageError  # noqa: E402
+from eagle3_pipeline.cli.parser import StageArgumentParser  # noqa: E402
+from eagle3_pipeline.cli.lock import hold_run_directory  # noqa: E402
+from eagle3_pipeline.cli.pipeline import (STAGES, check_all_flags, is_current, log_size, output_manifest,  # noqa: E402
     run_one, split_shared_flags, stage_argv, stage_command, stage_named, tail)
-from common.cli.run_status import print_status  # noqa: E402
-from common.formats.manifest import STATUS_COMPLETE  # noqa: E402
+from eagle3_pipeline.cli.run_status import print_status  # noqa: E402
+from eagle3_pipeline.formats.manifest import STATUS_COMPLETE  # noqa: E402
 
 
 def runner_parser() -> StageArgumentParser:

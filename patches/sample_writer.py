@@ -27,7 +27,8 @@ def _disable_save_crc() -> None:
 
 
 class SampleFileWriter:
-    """Writes captured requests as stage-02 sample folders (common.extract.writer.write_samples), off the forward.
+    """Writes captured requests as stage-02 sample folders (eagle3_pipeline.extract.writer.write_samples), off the
+    forward.
 
     Each batch is gathered on the device (the requests' rows, in the stored dtype) and copied to the host once,
     into one of PENDING_BATCHES reusable buffers (page-locked on a GPU); writer threads save the samples from
@@ -39,7 +40,7 @@ class SampleFileWriter:
                  num_workers: int, journal: Callable[[int], None] | None = None,
                  on_error: Callable[[str], None] | None = None, pending_batches: int = PENDING_BATCHES,
                  aux_layers: Sequence[int] = ()):
-        from common.extract.writer import write_samples
+        from eagle3_pipeline.extract.writer import write_samples
 
         self._write_samples = write_samples
         self.num_workers = max(1, num_workers)
@@ -125,8 +126,8 @@ class SampleFileWriter:
 
     def _refuse_nonfinite(self, todo: list[RequestRows], gathered: list[torch.Tensor]) -> None:
         """NaN/inf never reach the disk: one reduction for the batch, then (only when found) the samples and the
-        layer where they first appear, as the hf backend reports them (common.extract.finite)."""
-        from common.extract.finite import all_finite, first_nonfinite, layer_names, nonfinite_failure
+        layer where they first appear, as the hf backend reports them (eagle3_pipeline.extract.finite)."""
+        from eagle3_pipeline.extract.finite import all_finite, first_nonfinite, layer_names, nonfinite_failure
 
         if bool(all_finite(gathered)):
             return

@@ -15,7 +15,7 @@ from typing import Any, Callable, Sequence
 
 import torch
 
-from common.verifier.capture import capture_layer_ids
+from eagle3_pipeline.verifier.capture import capture_layer_ids
 
 PLAN_ENV = "EAGLE3_SGLANG_CAPTURE_PLAN"  # path of the capture plan; set by stage 02 for SGLang's processes
 RID_PREFIX = "eagle3-"
@@ -287,7 +287,7 @@ class CapturePlan:
         return self.folder / PLAN_FILE
 
     def write(self) -> Path:
-        from common.formats.files import write_text_atomic
+        from eagle3_pipeline.formats.files import write_text_atomic
 
         write_text_atomic(self.path, json.dumps(asdict(self), indent=2) + "\n")
         return self.path
@@ -315,7 +315,7 @@ class CapturePlan:
 
     def open_writer(self) -> "SampleFileWriter":
         """The sink in the writing SGLang process: the prepared data read the same way stage 02 read it."""
-        from common.formats.prepared_data import read_prepared_data
+        from eagle3_pipeline.formats.prepared_data import read_prepared_data
         from patches.sample_writer import SampleFileWriter
 
         samples, _ = read_prepared_data(self.prepared_data, self.vocab_size, self.max_seq_len)

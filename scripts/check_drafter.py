@@ -16,10 +16,6 @@ import json
 import sys
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
-if str(REPO) not in sys.path:
-    sys.path.insert(0, str(REPO))
-
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0], epilog=__doc__,
@@ -31,9 +27,9 @@ def main(argv=None) -> int:
     parser.add_argument("--json", action="store_true", help="print {problems, warnings} as JSON")
     args = parser.parse_args(argv)
 
-    from common.errors import UsageError
-    from common.formats.checkpoint import CONFIG_FILE, WEIGHTS_FILE, check_drafter_readable
-    from common.model.checkpoint import inspect_drafter_dir
+    from eagle3_pipeline.errors import UsageError
+    from eagle3_pipeline.formats.checkpoint import CONFIG_FILE, WEIGHTS_FILE, check_drafter_readable
+    from eagle3_pipeline.model.checkpoint import inspect_drafter_dir
 
     folder = Path(args.drafter)
     if all((folder / name).is_file() for name in (CONFIG_FILE, WEIGHTS_FILE)):  # missing ones: listed as problems
@@ -52,7 +48,7 @@ def main(argv=None) -> int:
             return 2
     info = None
     if args.model_path:
-        from common.verifier.loading import read_verifier_info
+        from eagle3_pipeline.verifier.loading import read_verifier_info
 
         try:
             info = read_verifier_info(args.model_path, args.trust_remote_code, with_tokenizer_hash=False)

@@ -48,16 +48,15 @@ import tempfile
 from pathlib import Path
 from typing import Iterator, Sequence
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
+import torch
 
-import torch  # noqa: E402
+REPO = Path(__file__).resolve().parents[1]
 
 
 def prepare(folder: Path, model_path: str, trust_remote_code: bool, count: int, lengths: tuple[int, int],
             seed: int) -> Path:
-    from common.formats.manifest import Manifest
-    from common.verifier.loading import read_verifier_info
+    from eagle3_pipeline.formats.manifest import Manifest
+    from eagle3_pipeline.verifier.loading import read_verifier_info
 
     info = read_verifier_info(model_path, trust_remote_code)
     generator = torch.Generator().manual_seed(seed)
@@ -125,7 +124,7 @@ def file_similarity(a: torch.Tensor, b: torch.Tensor) -> dict:
 def paired_files(folders: Sequence[Path]) -> Iterator[tuple[dict, str, list[torch.Tensor]]]:
     """(the last folder's index entry of the sample, file name, that file's tensor in each folder) for every sample
     and stored file of stage-02 outputs that hold the same samples."""
-    from common.formats.hidden_states import AUX_FILES, FINAL_FILE, open_hidden_states
+    from eagle3_pipeline.formats.hidden_states import AUX_FILES, FINAL_FILE, open_hidden_states
 
     indexes = [open_hidden_states(folder)[1] for folder in folders]
     ids = [[entry["id"] for entry in entries] for entries in indexes]
@@ -140,7 +139,7 @@ def paired_files(folders: Sequence[Path]) -> Iterator[tuple[dict, str, list[torc
 
 def compare(hf_dir: Path, sglang_dir: Path) -> dict:
     """Per stored file name (aux_0..2, final): the worst file over all samples; plus the worst file of all."""
-    from common.formats.hidden_states import AUX_FILES, FINAL_FILE
+    from eagle3_pipeline.formats.hidden_states import AUX_FILES, FINAL_FILE
 
     worst: dict = {name: {"max_abs": 0.0, "min_cosine": 1.0, "min_token_cosine": 1.0, "worst_file": None}
                    for name in AUX_FILES + (FINAL_FILE,)}
@@ -247,7 +246,7 @@ def main(argv=None) -> int:
     data = prepare(work / "data", args.model_path, args.trust_remote_code, args.num_samples,
                    (args.min_len, args.max_len), args.seed)
     run_stage02(data, work / "sglang", args, "sglang")
-    from common.formats.hidden_states import open_hidden_states
+    from eagle3_pipeline.formats.hidden_states import open_hidden_states
 
     manifest, entries = open_hidden_states(work / "sglang")
     result = {"model_path": args.model_path, "tp_size": args.tp_size, "samples": len(entries),

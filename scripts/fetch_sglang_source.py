@@ -19,11 +19,9 @@ import zipfile
 from importlib import metadata
 from pathlib import Path
 
+from patches.sglang_releases import CHECKED_VERSIONS
+
 REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
-
-from patches.sglang_releases import CHECKED_VERSIONS  # noqa: E402
-
 SOURCE_FOLDER = REPO / ".venv" / "sglang-src"  # tests/sglang_source.py reads the releases from here
 # The wheel pip fetches, the same on every machine (SGLang publishes only CPython x86-64 Linux wheels).
 WHEEL_TAGS = ["--only-binary=:all:", "--python-version", "3.11", "--implementation", "cp", "--abi", "cp311",

@@ -4,7 +4,8 @@
 # split, HumanEval, MT-bench) at k=3 (what SGLang serves), temperature 0 and 1.
 #
 #   scripts/gpu_smollm2.sh VERIFIER DATA_DIR RUN_DIR
-#     VERIFIER  dense SmolLM2 folder, or its .gguf file (converted once with common.verifier.loading.densify_gguf)
+#     VERIFIER  dense SmolLM2 folder, or its .gguf file (converted once with
+#               eagle3_pipeline.verifier.loading.densify_gguf)
 #     DATA_DIR  made by scripts/prepare_device_data.py: sharegpt.json, humaneval.jsonl, mt_bench.jsonl
 # Sizes through the environment (defaults below): NPROC (GPUs for stages 02 and 04; stage 01 regenerates with a copy
 # of the verifier on every visible GPU), BENCH_GPUS (GPUs sharing stage 05's prompt sets), SAMPLES, EPOCHS, LR, STEP_TOKENS,
@@ -21,6 +22,7 @@
 # file back as REGEN_CACHE=FILE on a fresh machine and stage 01 reuses every reply made with the same settings.
 set -euo pipefail
 cd "$(dirname "$0")/.."
+export PYTHONPATH="$(pwd)${PYTHONPATH:+:$PYTHONPATH}"  # the repository's packages where it is not pip-installed
 VERIFIER=$1; DATA=$2; RUN=$3
 # Measured on one H200 (2026-11-30, all 15,620 distinct ShareGPT prompts): regeneration at 23 conversations/s
 # (batch 1024, 256 new tokens, before stage 01 sorted prompts over 8 batches), extraction at 319K tokens/s, stage
@@ -54,8 +56,8 @@ if [ -n "${REGEN_CACHE:-}" ] && [ ! -f "$RUN/data/regenerated.jsonl" ]; then
 fi
 if [[ "$VERIFIER" == *.gguf ]]; then
   DENSE=$(dirname "$VERIFIER")/smollm2-dense
-  [ -f "$DENSE/config.json" ] || python3 -c "import sys; sys.path.insert(0, '.')
-from pathlib import Path; from common.verifier.loading import densify_gguf
+  [ -f "$DENSE/config.json" ] || python3 -c "from pathlib import Path
+from eagle3_pipeline.verifier.loading import densify_gguf
 densify_gguf(Path('$VERIFIER'), Path('$DENSE'))"
   VERIFIER=$DENSE
 fi

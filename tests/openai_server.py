@@ -32,16 +32,12 @@ import uuid
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
-if str(REPO) not in sys.path:
-    sys.path.insert(0, str(REPO))
-
 
 class ModelServer:
     def __init__(self, model, tokenizer, name: str = "test-model", decoder=None, eos_token_ids=(),
                  info_layout: str = "nested", fail_first: int = 0, fail_when=None, meta_info=None,
                  metrics_text=None):
-        from common.bench.prompts import has_chat_template
+        from eagle3_pipeline.bench.prompts import has_chat_template
 
         self.model, self.tokenizer, self.name, self.decoder = model, tokenizer, name, decoder
         self.eos = list(eos_token_ids) or ([tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else [])
@@ -61,7 +57,7 @@ class ModelServer:
     # --- generation ---------------------------------------------------------------------------------
     def complete(self, input_ids: list[int], max_new_tokens: int, temperature: float, top_p: float,
                  stop_ids: list[int] | None = None) -> dict:
-        from common.bench.decoding import plain_decode
+        from eagle3_pipeline.bench.decoding import plain_decode
 
         with self.lock:
             if self.decoder is not None:
@@ -85,7 +81,7 @@ class ModelServer:
         return {"text": text, "output_ids": list(tokens), "meta_info": meta}
 
     def render(self, messages: list[dict]) -> list[int]:
-        from common.bench.prompts import render_conversation
+        from eagle3_pipeline.bench.prompts import render_conversation
 
         return render_conversation(self.tokenizer, messages, raw=self.raw)
 
@@ -232,14 +228,14 @@ def main(argv=None) -> int:
     parser.add_argument("--dtype", default="float32")
     args = parser.parse_args(argv)
 
-    from common.verifier.loading import load_tokenizer, load_verifier_model
+    from eagle3_pipeline.verifier.loading import load_tokenizer, load_verifier_model
 
     tokenizer = load_tokenizer(args.model_path)
     model = load_verifier_model(args.model_path, args.device, args.dtype)
     decoder = None
     if args.draft_model_path:
-        from common.model.checkpoint import load_drafter
-        from common.bench.speculative import SpeculativeDecoder
+        from eagle3_pipeline.model.checkpoint import load_drafter
+        from eagle3_pipeline.bench.speculative import SpeculativeDecoder
 
         drafter = load_drafter(args.draft_model_path, embed=model.get_input_embeddings().weight.detach(),
                                device=args.device, dtype=args.dtype)

@@ -120,8 +120,8 @@ class StandinEngine:
     """sglang.Engine's surface that stage 02 uses (__init__(**server args), generate, shutdown), on CPU."""
 
     def __init__(self, **kwargs):
-        from common.verifier.capture import find_text_model
-        from common.verifier.loading import load_verifier_model
+        from eagle3_pipeline.verifier.capture import find_text_model
+        from eagle3_pipeline.verifier.loading import load_verifier_model
         # Imported with the plan in the environment, the hooks module would hook SGLang's own classes (as in
         # SGLang's processes); the stand-in takes the plan out first and hooks its own class with it.
         plan_path = os.environ.pop(PLAN_ENV)

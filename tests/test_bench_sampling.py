@@ -16,7 +16,7 @@ from conftest import TWO_TURN_PROMPTS as MT_BENCH
 
 @pytest.fixture(scope="module")
 def mt_bench():
-    from common.bench.prompts import load_prompts
+    from eagle3_pipeline.bench.prompts import load_prompts
 
     prompts = load_prompts(str(MT_BENCH))
     assert len(prompts) == 24 and len({p.category for p in prompts}) == 8
@@ -24,7 +24,7 @@ def mt_bench():
 
 
 def test_a_sample_is_spread_evenly_over_the_categories(mt_bench):
-    from common.bench.prompt_selection import select_prompts
+    from eagle3_pipeline.bench.prompt_selection import select_prompts
 
     chosen, record = select_prompts(mt_bench, 16, seed=0)
     counts = Counter(p.category for p in chosen)
@@ -40,7 +40,7 @@ def test_a_sample_is_spread_evenly_over_the_categories(mt_bench):
 
 
 def test_the_sample_is_deterministic_for_a_seed_and_changes_with_it(mt_bench):
-    from common.bench.prompt_selection import select_prompts
+    from eagle3_pipeline.bench.prompt_selection import select_prompts
 
     ids = [p.id for p in select_prompts(mt_bench, 16, seed=0)[0]]
     assert ids == [p.id for p in select_prompts(list(mt_bench), 16, seed=0)[0]]
@@ -54,8 +54,8 @@ def test_the_sample_is_deterministic_for_a_seed_and_changes_with_it(mt_bench):
 
 
 def test_all_prompts_keep_file_order_and_uncategorised_prompts_are_one_category(mt_bench, tmp_path):
-    from common.bench.prompt_selection import NO_CATEGORY, select_prompts, selection_summary
-    from common.bench.prompts import load_prompts
+    from eagle3_pipeline.bench.prompt_selection import NO_CATEGORY, select_prompts, selection_summary
+    from eagle3_pipeline.bench.prompts import load_prompts
 
     for n in (None, 24, 500):
         chosen, record = select_prompts(mt_bench, n, seed=3)
@@ -76,7 +76,7 @@ def test_all_prompts_keep_file_order_and_uncategorised_prompts_are_one_category(
 
 
 def test_first_divergence_and_share_before_it():
-    from common.bench.metrics import first_divergence, share_before_divergence
+    from eagle3_pipeline.bench.metrics import first_divergence, share_before_divergence
 
     assert first_divergence([1, 2, 3], [1, 2, 3]) is None and share_before_divergence([1, 2, 3], [1, 2, 3]) == 1.0
     assert first_divergence([], []) is None and share_before_divergence([], []) == 1.0
@@ -89,7 +89,7 @@ def test_first_divergence_and_share_before_it():
 
 
 def test_the_greedy_summary_counts_identical_turns_and_the_mean_share():
-    from common.bench.metrics import summarize_generations
+    from eagle3_pipeline.bench.metrics import summarize_generations
 
     def run(prompt_id, first, share, margin=None):
         return {"prompt_id": prompt_id, "turn": 0, "spec": {"accept_lengths": [2, 1], "new_tokens": 3, "wall_s": 1.0,

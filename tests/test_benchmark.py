@@ -1,6 +1,6 @@
 """Stage 05 (benchmark) on real models, on CPU: speculative decoding, its baselines, the three modes, reports.
 
-The verifier is stories260K. Drafters are built with common.model.drafter: a randomly initialised one (nothing
+The verifier is stories260K. Drafters are built with eagle3_pipeline.model.drafter: a randomly initialised one (nothing
 accepted, yet the output must still be exactly the verifier's greedy output), and one trained here for a
 few seconds with the real TTT loss on the verifier's own hidden states (so drafts are accepted and the
 rollback paths of the caches run). The last tests build a whole run directory with the real stages 01-04
@@ -47,18 +47,18 @@ def stage05():
 
 @pytest.fixture(scope="module")
 def verifier(stories260k):
-    from common.verifier.loading import load_tokenizer, load_verifier_model
+    from eagle3_pipeline.verifier.loading import load_tokenizer, load_verifier_model
 
     torch.set_num_threads(1)
     return load_verifier_model(str(stories260k), "cpu", "float32"), load_tokenizer(str(stories260k))
 
 
 def _new_drafter(model, stories260k, counts):
-    from common.model.config import DrafterConfig
-    from common.model.drafter import Eagle3Drafter
-    from common.formats.layer_ids import default_aux_layers
-    from common.verifier.loading import read_verifier_info
-    from common.formats.vocab_map import select_draft_vocab
+    from eagle3_pipeline.model.config import DrafterConfig
+    from eagle3_pipeline.model.drafter import Eagle3Drafter
+    from eagle3_pipeline.formats.layer_ids import default_aux_layers
+    from eagle3_pipeline.verifier.loading import read_verifier_info
+    from eagle3_pipeline.formats.vocab_map import select_draft_vocab
 
     info = read_verifier_info(str(stories260k))
     mapping = select_draft_vocab(counts, DRAFT_VOCAB)  # 320 of 512: d2t is not the identity
@@ -72,12 +72,12 @@ def _new_drafter(model, stories260k, counts):
 def drafters(verifier, stories260k, tmp_path_factory):
     """{"random": untrained (random lm_head), "trained": a few TTT steps on the verifier's own greedy
     continuations, "trained_dir": that drafter saved as an SGLang-ready folder}."""
-    from common.model.checkpoint import save_drafter
-    from common.train.loss import ttt_loss
-    from common.bench.decoding import plain_decode
-    from common.verifier.capture import LayerInputCapture, decoder_layers, whole
-    from common.train.data import collate
-    from common.formats.vocab_map import count_target_tokens
+    from eagle3_pipeline.model.checkpoint import save_drafter
+    from eagle3_pipeline.train.loss import ttt_loss
+    from eagle3_pipeline.bench.decoding import plain_decode
+    from eagle3_pipeline.verifier.capture import LayerInputCapture, decoder_layers, whole
+    from eagle3_pipeline.train.data import collate
+    from eagle3_pipeline.formats.vocab_map import count_target_tokens
 
     model, tokenizer = verifier
     torch.manual_seed(0)
@@ -116,7 +116,7 @@ def drafters(verifier, stories260k, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def greedy_refs(verifier):
-    from common.bench.decoding import plain_decode
+    from eagle3_pipeline.bench.decoding import plain_decode
 
     model, tokenizer = verifier
     return {start: plain_decode(model, tokenizer(start).input_ids, 40, [2])[0] for start in STARTS[:4]}
@@ -130,8 +130,8 @@ SETTINGS = [  # (num_steps, topk, num_draft_tokens)
 
 @pytest.mark.parametrize("kind", ["random", "trained"])
 def test_greedy_speculative_output_is_the_verifiers_greedy_output(kind, verifier, drafters, greedy_refs):
-    from common.bench.decoding import hf_generate
-    from common.bench.speculative import SpeculativeDecoder
+    from eagle3_pipeline.bench.decoding import hf_generate
+    from eagle3_pipeline.bench.speculative import SpeculativeDecoder
 
     model, tokenizer = verifier
     taus = {}
@@ -161,8 +161,8 @@ def test_every_first_draft_is_the_drafters_teacher_forced_prediction(num_steps, 
     every t and predicts token t+2. In decoding, the first draft of each verify step must be exactly that
     prediction at the committed position, whatever was accepted or rolled back before: otherwise the live
     acceptance falls below the validation agreement that training reports."""
-    from common.bench.speculative import SpeculativeDecoder
-    from common.verifier.capture import LayerInputCapture, decoder_layers, whole
+    from eagle3_pipeline.bench.speculative import SpeculativeDecoder
+    from eagle3_pipeline.verifier.capture import LayerInputCapture, decoder_layers, whole
 
     model, tokenizer = verifier
     drafter = drafters["trained"]
@@ -198,10 +198,10 @@ def test_chain_decoding_accepts_what_validation_walks(verifier, drafters, greedy
     decoding would. On the text chain decoding produced (float32), the walk must accept exactly what
     decoding accepted at every verify step: drafts 2 and 3 included, which rest on the drafter's own KV
     entries of the steps before (a stale or misplaced entry would accept less than training predicts)."""
-    from common.bench.speculative import SpeculativeDecoder
-    from common.train.loss import ttt_loss
-    from common.train.metrics import walk_chain
-    from common.verifier.capture import LayerInputCapture, decoder_layers, whole
+    from eagle3_pipeline.bench.speculative import SpeculativeDecoder
+    from eagle3_pipeline.train.loss import ttt_loss
+    from eagle3_pipeline.train.metrics import walk_chain
+    from eagle3_pipeline.verifier.capture import LayerInputCapture, decoder_layers, whole
 
     model, tokenizer = verifier
     drafter = drafters["trained"]
@@ -238,9 +238,9 @@ def test_stage05_scores_its_decoded_text_with_stage04s_validation(verifier, draf
     """Stage 05 reports the drafter's teacher-forced agreement on the text it decoded (stage 02's capture,
     stage 04's validation). Step 0 must count exactly the output tokens that the drafter predicts from the
     position two before, among those whose verifier argmax is a draft token."""
-    from common.verifier.capture import find_text_model, sample_states
-    from common.verifier.capture import LayerInputCapture, decoder_layers, whole
-    from common.train.step import evaluate
+    from eagle3_pipeline.verifier.capture import find_text_model, sample_states
+    from eagle3_pipeline.verifier.capture import LayerInputCapture, decoder_layers, whole
+    from eagle3_pipeline.train.step import evaluate
 
     model, tokenizer = verifier
     drafter = drafters["trained"]
@@ -266,8 +266,8 @@ def test_stage05_scores_its_decoded_text_with_stage04s_validation(verifier, draf
 
 
 def test_stop_token_inside_an_accepted_block_and_the_token_budget(verifier, drafters):
-    from common.bench.decoding import plain_decode
-    from common.bench.speculative import SpeculativeDecoder
+    from eagle3_pipeline.bench.decoding import plain_decode
+    from eagle3_pipeline.bench.speculative import SpeculativeDecoder
 
     model, tokenizer = verifier
     period = tokenizer.convert_tokens_to_ids(".")
@@ -287,9 +287,9 @@ def test_verifier_attention_runs_without_cudnn_in_every_generation_loop(verifier
     token: speculative decoding, both of its baselines and stage 01's regeneration run the verifier with
     cuDNN's SDPA kernel switched off (the flag is real PyTorch state, checked at every verifier forward),
     and switch it back on afterwards."""
-    from common.data.responders import HFResponder
-    from common.bench.decoding import hf_generate, plain_decode
-    from common.bench.speculative import SpeculativeDecoder
+    from eagle3_pipeline.data.responders import HFResponder
+    from eagle3_pipeline.bench.decoding import hf_generate, plain_decode
+    from eagle3_pipeline.bench.speculative import SpeculativeDecoder
 
     model, tokenizer = verifier
     ids = tokenizer(STARTS[0]).input_ids
@@ -317,7 +317,7 @@ def test_verifier_attention_runs_without_cudnn_in_every_generation_loop(verifier
 
 def test_rejection_sampling_preserves_the_target_distribution():
     """Standard speculative sampling with explicit p and q over a small vocabulary (20000 draws)."""
-    from common.bench.sampling import Sampler, make_generator, rejection_sample
+    from eagle3_pipeline.bench.sampling import Sampler, make_generator, rejection_sample
 
     V = 6
     draft_to_target = torch.tensor([0, 2, 3, 5])  # a draft vocabulary of 4 of the 6 tokens
@@ -352,7 +352,7 @@ def test_rejection_sampling_preserves_the_target_distribution():
 def test_top_p_keeps_the_same_tokens_as_transformers():
     from transformers.generation.logits_process import TopPLogitsWarper
 
-    from common.bench.sampling import Sampler
+    from eagle3_pipeline.bench.sampling import Sampler
 
     logits = torch.randn(4, 50, generator=torch.Generator().manual_seed(0)) * 3
     for top_p in (0.5, 0.9):
@@ -377,8 +377,8 @@ def _exact_two_token_distribution(model, ids, sampler) -> dict[tuple[int, int], 
 def test_sampled_first_two_tokens_follow_the_verifier(topk, num_steps, verifier, drafters):
     """End to end: the first two tokens (the second from the first verify step) against the exact joint
     distribution of the verifier at temperature 1, top-p 0.6 (loose bound: 400 samples)."""
-    from common.bench.sampling import Sampler
-    from common.bench.speculative import SpeculativeDecoder
+    from eagle3_pipeline.bench.sampling import Sampler
+    from eagle3_pipeline.bench.speculative import SpeculativeDecoder
 
     model, tokenizer = verifier
     ids = tokenizer("Once upon a time").input_ids
@@ -403,7 +403,7 @@ def test_target_only_rule_accepts_the_drafters_top_token_with_the_verifiers_prob
     """--acceptance-rule target-only (SGLang's default for EAGLE3 at T > 0): after a given first token (sampled
     from the verifier at prefill) the first draft is always the drafter's top token d, accepted in a share of draws
     equal to the verifier's p(d); the second token still follows the verifier (500 draws, loose bounds)."""
-    from common.bench.speculative import SpeculativeDecoder
+    from eagle3_pipeline.bench.speculative import SpeculativeDecoder
 
     model, tokenizer = verifier
     ids = tokenizer("Once upon a time").input_ids
@@ -464,9 +464,9 @@ def assert_valid_png(path: Path) -> tuple[int, int]:
 
 
 def test_report_helpers():
-    from common.bench.metrics import acceptance_by_position, percentile, repetition_share
-    from common.bench.plots import render_bar_png
-    from common.bench.report import results_stem
+    from eagle3_pipeline.bench.metrics import acceptance_by_position, percentile, repetition_share
+    from eagle3_pipeline.bench.plots import render_bar_png
+    from eagle3_pipeline.bench.report import results_stem
 
     assert repetition_share([1, 2, 3, 4, 5, 6, 7, 8]) == 0.0
     assert repetition_share([1, 2, 3, 4, 1, 2, 3, 4]) == 0.5  # the second 1 2 3 4 repeats the first
@@ -501,7 +501,7 @@ def _chain_runs(rng, prompts: int, accept: float) -> list[list[int]]:
 def _tau_pairs(runs: list[list[int]]) -> tuple[list, dict]:
     """Each prompt's (tokens, verify steps) from its summary, as compare_recipes reads them, and the overall
     summary, both pooled by stage 05's summarize_generations."""
-    from common.bench.metrics import summarize_generations, tau_parts
+    from eagle3_pipeline.bench.metrics import summarize_generations, tau_parts
 
     turns = [{"spec": {"accept_lengths": lengths, "new_tokens": sum(lengths), "wall_s": 1.0,
                        "tokens": list(range(sum(lengths)))}} for lengths in runs]
@@ -514,7 +514,7 @@ def _one_more_draft(lengths: list[int]) -> list[int]:
 
 
 def test_paired_ratio_interval_of_two_drafters_taus():
-    from common.bench.metrics import higher_lower_equal, paired_ratio_interval
+    from eagle3_pipeline.bench.metrics import higher_lower_equal, paired_ratio_interval
 
     rng = np.random.default_rng(7)
     theirs_runs = _chain_runs(rng, 40, 0.3)
@@ -580,8 +580,8 @@ def bench_prompts(tmp_path: Path) -> Path:
 
 
 def test_prompt_files_of_every_supported_format(tmp_path):
-    from common.errors import UsageError
-    from common.bench.prompts import load_prompts
+    from eagle3_pipeline.errors import UsageError
+    from eagle3_pipeline.bench.prompts import load_prompts
 
     mt = load_prompts(str(TWO_TURN_PROMPTS))  # MT-bench's format
     assert len(mt) == 24 and all(len(p.turns) == 2 for p in mt) and len({p.category for p in mt}) == 8
@@ -711,8 +711,8 @@ def test_offline_mode_reports_every_number(stage05, stories260k, drafters, tmp_p
 def test_greedy_check_finds_the_first_divergence_and_its_margin(verifier, drafters, greedy_refs):
     """The divergence report on real verifier states: a crafted output that leaves the greedy output at
     token 5 is caught there, against the plain greedy output and (--tau-only) teacher-forced alike."""
-    from common.bench.offline_mode import greedy_check
-    from common.verifier.capture import find_text_model, sample_states
+    from eagle3_pipeline.bench.offline_mode import greedy_check
+    from eagle3_pipeline.verifier.capture import find_text_model, sample_states
 
     model, tokenizer = verifier
     text = find_text_model(model)
@@ -872,10 +872,10 @@ def test_the_library_takes_typed_settings_built_once_from_the_flags(stage05, tmp
     import dataclasses
     import inspect
 
-    from common.bench import decode_workers, drafter_check, eval_mode, offline_mode, server_mode
-    from common.bench.settings import (BenchConfig, DecodingSettings, VerifierSpec, chosen_settings,
-                                       recorded_settings)
-    from common.errors import UsageError
+    from eagle3_pipeline.bench import decode_workers, drafter_check, eval_mode, offline_mode, server_mode
+    from eagle3_pipeline.bench.settings import (BenchConfig, DecodingSettings, VerifierSpec, chosen_settings,
+                                                recorded_settings)
+    from eagle3_pipeline.errors import UsageError
 
     drafter = tmp_path / "drafter"
     drafter.mkdir()
@@ -918,7 +918,7 @@ def test_the_library_takes_typed_settings_built_once_from_the_flags(stage05, tmp
         assert json.dumps(recorded) == json.dumps(before), mode
 
 
-ENTRY_MODULES = ("settings.py",)  # BenchConfig.from_args: the one reader of the parsed flags in common/bench
+ENTRY_MODULES = ("settings.py",)  # BenchConfig.from_args: the one reader of the parsed flags in eagle3_pipeline/bench
 
 
 def functions_taking_args(source: str) -> list[int]:
@@ -936,9 +936,11 @@ def functions_taking_args(source: str) -> list[int]:
 def test_no_function_below_stage_05_takes_the_parsed_flags():
     assert functions_taking_args("def f(config, log):\n    return lambda *args: config\n") == [2]
     assert functions_taking_args("class A:\n    def g(self, args, log):\n        pass\n") == [2]
-    found = [f"common/bench/{module.name}:{line}" for module in sorted((REPO / "common" / "bench").glob("*.py"))
+    found = [f"eagle3_pipeline/bench/{module.name}:{line}"
+             for module in sorted((REPO / "eagle3_pipeline" / "bench").glob("*.py"))
              if module.name not in ENTRY_MODULES for line in functions_taking_args(module.read_text())]
-    assert found == [], "these take the Namespace: give them BenchConfig (common/bench/settings.py) or its parts"
+    assert found == [], ("these take the Namespace: give them BenchConfig (eagle3_pipeline/bench/settings.py) "
+                         "or its parts")
 
 
 # --- server mode --------------------------------------------------------------------------------------
@@ -946,10 +948,9 @@ def test_no_function_below_stage_05_takes_the_parsed_flags():
 @pytest.fixture(scope="module")
 def servers(verifier, drafters):
     """A speculative server (our decoder; injects two transient 503s) and a plain one, over HTTP."""
-    sys.path.insert(0, str(REPO / "tests"))
     from openai_server import ModelServer
 
-    from common.bench.speculative import SpeculativeDecoder
+    from eagle3_pipeline.bench.speculative import SpeculativeDecoder
 
     model, tokenizer = verifier
     spec = ModelServer(model, tokenizer, name="stories-spec", decoder=SpeculativeDecoder(model, drafters["trained"]),
@@ -962,8 +963,8 @@ def servers(verifier, drafters):
 
 
 def test_server_mode_against_a_real_http_server(stage05, servers, tmp_path):
-    from common.bench.report import sglang_acceptance_markdown
-    from common.bench.server_mode import sglang_summary
+    from eagle3_pipeline.bench.report import sglang_acceptance_markdown
+    from eagle3_pipeline.bench.server_mode import sglang_summary
 
     spec, plain, (spec_url, plain_url) = servers
     out = tmp_path / "bench"
@@ -1051,10 +1052,9 @@ SGLANG_0_5_17_META = [
 
 
 def test_server_mode_reports_sglangs_own_acceptance_fields(stage05, verifier, tmp_path):
-    sys.path.insert(0, str(REPO / "tests"))
     from openai_server import ModelServer
 
-    from common.bench.server import spec_fields
+    from eagle3_pipeline.bench.server import spec_fields
 
     recorded = dict(zip(["Once upon a time", "The little dog", "Tom and Sue went"], SGLANG_0_5_17_META))
     model, tokenizer = verifier
@@ -1123,10 +1123,9 @@ def vllm_counters(engine: int, requests: int) -> str:
 
 
 def test_server_mode_reads_vllms_acceptance_counters(stage05, verifier, stories260k, tmp_path):
-    sys.path.insert(0, str(REPO / "tests"))
     from openai_server import ModelServer
 
-    from common.bench.vllm_metrics import spec_decode_counters
+    from eagle3_pipeline.bench.vllm_metrics import spec_decode_counters
 
     model, tokenizer = verifier
     server = ModelServer(model, tokenizer, name="vllm-0.26-shape", eos_token_ids=[2],
@@ -1169,7 +1168,7 @@ def test_server_mode_reads_vllms_acceptance_counters(stage05, verifier, stories2
 def test_vllms_counters_read_from_a_recorded_metrics_page():
     """GET /metrics of vLLM 0.26.0 serving this project's SmolLM2 drafter (EAGLE-3, 3 speculative tokens) on an H100,
     recorded after the MT-bench run of docs/results/2026-12-07-h100-vllm-serving.md (its warm-up request included)."""
-    from common.bench.vllm_metrics import spec_decode_counters, vllm_acceptance
+    from eagle3_pipeline.bench.vllm_metrics import spec_decode_counters, vllm_acceptance
 
     counters = spec_decode_counters((REPO / "tests" / "assets" / "vllm_0.26.0_metrics.txt").read_text())
     assert counters == {"num_drafts": 7965.0, "num_draft_tokens": 23895.0, "num_accepted_tokens": 10399.0,
@@ -1181,7 +1180,7 @@ def test_vllms_counters_read_from_a_recorded_metrics_page():
 
 
 def test_server_info_layouts_and_unreachable_server(stage05, tmp_path):
-    from common.bench.server import avg_spec_accept_length
+    from eagle3_pipeline.bench.server import avg_spec_accept_length
 
     assert avg_spec_accept_length({"avg_spec_accept_length": 2.5}) == 2.5
     assert avg_spec_accept_length({"internal_states": [{"avg_spec_accept_length": 3.25}]}) == 3.25
@@ -1246,8 +1245,8 @@ def test_offline_defaults_come_from_the_run_directory(stage05, pipeline_run):
 
 
 def test_prompts_from_the_training_data_are_refused(stage05, pipeline_run, tmp_path):
-    from common.bench.lineage import check_overlap
-    from common.bench.prompts import load_prompts
+    from eagle3_pipeline.bench.lineage import check_overlap
+    from eagle3_pipeline.bench.prompts import load_prompts
 
     run = pipeline_run["run"]
     train_ids = {json.loads(line)["id"] for line in (run / "data" / "tokenized_data.jsonl").read_text().splitlines()}
@@ -1271,8 +1270,8 @@ def test_a_copied_run_directory_is_traced_at_its_new_place(pipeline_run, tmp_pat
     import logging
     import shutil
 
-    from common.bench.lineage import check_overlap
-    from common.bench.prompts import load_prompts
+    from eagle3_pipeline.bench.lineage import check_overlap
+    from eagle3_pipeline.bench.prompts import load_prompts
 
     copy = tmp_path / "elsewhere" / "run_copy"
     shutil.copytree(pipeline_run["run"], copy, ignore=shutil.ignore_patterns("*.pt", "*.safetensors.tmp*"))
@@ -1282,7 +1281,7 @@ def test_a_copied_run_directory_is_traced_at_its_new_place(pipeline_run, tmp_pat
 
 
 def test_relocated_follows_a_moved_tree_and_leaves_other_paths(tmp_path):
-    from common.formats.manifest import relocated
+    from eagle3_pipeline.formats.manifest import relocated
 
     manifest_file = tmp_path / "new" / "run" / "checkpoints" / "manifest.json"
     manifest_file.parent.mkdir(parents=True)
@@ -1409,8 +1408,8 @@ def test_reply_lengths_reports_greedy_replies_their_end_and_repetition(stories26
     """scripts/lab/reply_lengths.py: one first turn per category, each reply the verifier's own greedy decoding
     (checked here against an argmax loop over the full sequence), cut at the budget or at an end-of-turn
     token, with stage 05's 4-gram repetition share over its first 128 tokens and over all of it."""
-    from common.bench.metrics import repetition_share
-    from common.verifier.loading import load_tokenizer, load_verifier_model
+    from eagle3_pipeline.bench.metrics import repetition_share
+    from eagle3_pipeline.verifier.loading import load_tokenizer, load_verifier_model
 
     from conftest import run_script
 

@@ -19,11 +19,11 @@ import pytest
 import torch
 
 from conftest import REPO
-from common.extract.writer import write_samples
-from common.formats.hidden_states import AUX_FILES, FINAL_FILE, STAGE, open_hidden_states, write_index
-from common.formats.manifest import Manifest
-from common.formats.prepared_data import read_prepared_data
-from common.formats.storage import StorageFormat
+from eagle3_pipeline.extract.writer import write_samples
+from eagle3_pipeline.formats.hidden_states import AUX_FILES, FINAL_FILE, STAGE, open_hidden_states, write_index
+from eagle3_pipeline.formats.manifest import Manifest
+from eagle3_pipeline.formats.prepared_data import read_prepared_data
+from eagle3_pipeline.formats.storage import StorageFormat
 
 pytestmark = pytest.mark.usefixtures("one_intra_op_thread")
 

@@ -17,10 +17,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from common.errors import UsageError
-from common.formats.files import read_json
-from common.formats.hidden_states import AUX_FILES, RECORD_FILE, open_hidden_states, verify_sample
-from common.train.checkpoints import CheckpointManager
+from eagle3_pipeline.errors import UsageError
+from eagle3_pipeline.formats.files import read_json
+from eagle3_pipeline.formats.hidden_states import AUX_FILES, RECORD_FILE, open_hidden_states, verify_sample
+from eagle3_pipeline.train.checkpoints import CheckpointManager
 from conftest import REPO
 from test_extract import assert_same_files, extract, stage_log, write_prepared_data
 from test_train import RESUME_FLAGS, _load_module, build_run, crash_at, final_weights, log_text, train_argv
@@ -188,7 +188,7 @@ def test_a_hidden_state_file_damaged_in_place_is_found_by_its_checksum(stories26
 def test_nan_in_validation_is_an_error_naming_the_sample_not_a_best_checkpoint(stories260k, stage04, tmp_path):
     """A validation sample whose stored states hold NaN, in a folder written before records (nothing to compare
     its checksum with): the first validation stops the run naming it and `--verify`; no best is chosen."""
-    from common.train.data import split_train_val
+    from eagle3_pipeline.train.data import split_train_val
 
     run = build_run(stories260k, tmp_path / "run", seed=6)
     data = run / "hidden_states"

@@ -11,8 +11,8 @@ import sys
 
 import pytest
 
-from common.cli.flags import FLAGS, STAGE_FLAGS
-from common.cli.parser import build_parser
+from eagle3_pipeline.cli.flags import FLAGS, STAGE_FLAGS
+from eagle3_pipeline.cli.parser import build_parser
 from conftest import REPO, STORIES_TEMPLATE, run_script
 
 STAGES = list(STAGE_FLAGS)
@@ -188,9 +188,9 @@ def test_a_shared_flag_says_what_it_does_in_each_stage_only(every_help):
 
 
 def test_the_batch_size_defaults_in_help_are_those_the_stages_use(every_help):
-    from common.data.prepare import DEFAULT_REGEN_BATCH
-    from common.extract.run import DEFAULT_BATCH_SIZE, DEFAULT_MAX_TOKENS_PER_BATCH
-    from common.train.inputs import DEFAULT_TOKENS_PER_BATCH
+    from eagle3_pipeline.data.prepare import DEFAULT_REGEN_BATCH
+    from eagle3_pipeline.extract.run import DEFAULT_BATCH_SIZE, DEFAULT_MAX_TOKENS_PER_BATCH
+    from eagle3_pipeline.train.inputs import DEFAULT_TOKENS_PER_BATCH
 
     assert f"Default: {DEFAULT_REGEN_BATCH} (" in every_help["01_prepare_data"]["--batch-size"]
     extract = every_help["02_extract_hidden_states"]
@@ -223,8 +223,8 @@ def test_the_shipped_sharegpt_files_cut_is_one_informational_line(tmp_path, stor
 
 
 def test_another_file_cut_off_or_broken_is_still_a_bad_record(tmp_path):
-    from common.data.records import BadRecords
-    from common.data.sources import read_records, resolve_source
+    from eagle3_pipeline.data.records import BadRecords
+    from eagle3_pipeline.data.sources import read_records, resolve_source
 
     rows = json.dumps([{"id": f"r{i}", "text": f"row {i}"} for i in range(3)], indent=1)
     cut = tmp_path / "cut.json"

@@ -21,8 +21,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from common.formats.files import read_json
-from common.distributed import RankInfo, share_by_cost
+from eagle3_pipeline.formats.files import read_json
+from eagle3_pipeline.distributed import RankInfo, share_by_cost
 from conftest import REPO
 
 from test_extract import write_prepared_data as write_token_data  # noqa: E402  (random ids, stage 01's format)
@@ -46,7 +46,7 @@ def torchrun(script: str, *args: str, nproc: int = 2, env: dict | None = None, t
 
 @pytest.mark.parametrize("world_size", [1, 2, 3])
 def test_step_shares_cover_each_global_step_once(world_size):
-    from common.train.data import step_shares
+    from eagle3_pipeline.train.data import step_shares
 
     num_batches, start, grad_accum = 11, 2, 2
     per_step = grad_accum * world_size
@@ -76,7 +76,7 @@ def test_batches_are_shared_by_cost_and_disjoint():
 def test_gpu_groups_per_local_rank(monkeypatch):
     """Which GPUs each local rank owns. No GPU here: torch's GPU count is replaced by a stand-in (a mock of
     the driver's answer), so only the arithmetic and the environment variable are real."""
-    from common.distributed import restrict_gpus_to_local_rank
+    from eagle3_pipeline.distributed import restrict_gpus_to_local_rank
 
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 8)
     monkeypatch.setattr(torch.cuda, "is_initialized", lambda: False)
@@ -87,7 +87,7 @@ def test_gpu_groups_per_local_rank(monkeypatch):
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "2,3,5,7,9,11,13,15")
     assert restrict_gpus_to_local_rank(RankInfo(rank=2, world_size=8, local_rank=2, local_world_size=8)) == ["5"]
     assert restrict_gpus_to_local_rank(RankInfo()) is None  # one process: nothing changes
-    from common.errors import UsageError
+    from eagle3_pipeline.errors import UsageError
 
     monkeypatch.delenv("CUDA_VISIBLE_DEVICES")
     with pytest.raises(UsageError, match="at most 8 processes per node"):

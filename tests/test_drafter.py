@@ -1,5 +1,5 @@
-"""The EAGLE-3 drafter (common/model with its checkpoint.py, common/train/loss.py and optimizer.py,
-common/formats/checkpoint.py and layer_ids.py): TTT attention and loss against naive full-mask references, the
+"""The EAGLE-3 drafter (eagle3_pipeline/model with its checkpoint.py, eagle3_pipeline/train/loss.py and optimizer.py,
+eagle3_pipeline/formats/checkpoint.py and layer_ids.py): TTT attention and loss against naive full-mask references, the
 decode path, the SGLang export and its checker, the optimizer, and a conversion by the `speculators` package.
 
 Models are tiny random configurations built in code (fp64 where two implementations are compared, so any
@@ -15,19 +15,19 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from common.formats import checkpoint as CK
-from common.model.checkpoint import check_drafter_dir, inspect_drafter_dir, load_drafter, save_drafter
-from common.formats.layer_ids import aux_layers_from_eagle_config, eagle_config_layer_ids
-from common.model import config as C
-from common.model import drafter as D
-from common.model import ttt_attention as TA
-from common.model.config import DrafterConfig
-from common.model.drafter import DrafterCache, Eagle3Drafter
-from common.model.ttt_attention import ttt_attention
-from common.train import loss as L
-from common.train import optimizer as O
-from common.train.loss import simulated_acceptance_length, ttt_loss
-from common.train.optimizer import make_optimizer
+from eagle3_pipeline.formats import checkpoint as CK
+from eagle3_pipeline.model.checkpoint import check_drafter_dir, inspect_drafter_dir, load_drafter, save_drafter
+from eagle3_pipeline.formats.layer_ids import aux_layers_from_eagle_config, eagle_config_layer_ids
+from eagle3_pipeline.model import config as C
+from eagle3_pipeline.model import drafter as D
+from eagle3_pipeline.model import ttt_attention as TA
+from eagle3_pipeline.model.config import DrafterConfig
+from eagle3_pipeline.model.drafter import DrafterCache, Eagle3Drafter
+from eagle3_pipeline.model.ttt_attention import ttt_attention
+from eagle3_pipeline.train import loss as L
+from eagle3_pipeline.train import optimizer as O
+from eagle3_pipeline.train.loss import simulated_acceptance_length, ttt_loss
+from eagle3_pipeline.train.optimizer import make_optimizer
 
 V, VD, H = 40, 16, 16
 
@@ -542,9 +542,9 @@ def test_ttt_step_j_is_the_speculative_decoders_jth_draft_step(stories260k):
     (stories260K verifier, float64) is replayed as training on the committed text followed by the drafted
     tokens, so the unroll teacher-forces exactly what the decoder drafted: step j's logits at the root's row
     must equal the decoder's j-th draft logits. (Training that keeps position t at every step fails this.)"""
-    from common.bench.speculative import SpeculativeDecoder
-    from common.verifier.capture import LayerInputCapture, decoder_layers, whole
-    from common.verifier.loading import load_tokenizer, load_verifier_model
+    from eagle3_pipeline.bench.speculative import SpeculativeDecoder
+    from eagle3_pipeline.verifier.capture import LayerInputCapture, decoder_layers, whole
+    from eagle3_pipeline.verifier.loading import load_tokenizer, load_verifier_model
 
     verifier = load_verifier_model(str(stories260k), "cpu", "float64")
     prompt = load_tokenizer(str(stories260k))("Once upon a time").input_ids
@@ -721,8 +721,8 @@ def test_check_drafter_dir_compares_layer_ids_with_the_hidden_state_manifest(tmp
 
 def stories260k_drafter(stories260k, **overrides):
     """A drafter on stories260K's shape, initialised from its real tensors, with draft ids 0, 2, ..., 198."""
-    from common.formats.layer_ids import default_aux_layers
-    from common.verifier.loading import read_embedding_tensors, read_verifier_info
+    from eagle3_pipeline.formats.layer_ids import default_aux_layers
+    from eagle3_pipeline.verifier.loading import read_embedding_tensors, read_verifier_info
 
     info = read_verifier_info(str(stories260k))
     cfg = DrafterConfig.from_verifier(info, 100, default_aux_layers(info.num_layers), **overrides)
@@ -748,7 +748,7 @@ def test_from_verifier_and_init_on_real_stories260k(stories260k):
         bad[1] = True
         model.init_from_verifier(tensors["embed_tokens"].float(), tensors["lm_head"].float(),
                                  ids - torch.arange(100), bad)
-    from common.verifier.loading import read_verifier_info
+    from eagle3_pipeline.verifier.loading import read_verifier_info
 
     info = read_verifier_info(str(stories260k))
     mla = type(info)(**{**info.__dict__, "model_type": "deepseek_v3", "hidden_size": 7168,

@@ -20,16 +20,16 @@ import torch
 
 from conftest import REPO, run_script, save_tiny_deepseek_v3
 from faults import fault_env
-from common.formats.manifest import Manifest
-from common.formats.files import read_json, write_json_atomic
-from common.extract.extractor import Extractor
-from common.extract.plan import plan_batches
-from common.formats.hidden_states import (AUX_FILES, FINAL_FILE, LAYER_CONVENTION, META_FILE, RECORD_FILE,
+from eagle3_pipeline.formats.manifest import Manifest
+from eagle3_pipeline.formats.files import read_json, write_json_atomic
+from eagle3_pipeline.extract.extractor import Extractor
+from eagle3_pipeline.extract.plan import plan_batches
+from eagle3_pipeline.formats.hidden_states import (AUX_FILES, FINAL_FILE, LAYER_CONVENTION, META_FILE, RECORD_FILE,
     SAMPLE_FILES, TMP_PREFIX, load_sample, open_hidden_states, sample_dir_name)
-from common.formats.prepared_data import read_prepared_data
-from common.formats.storage import StorageFormat
-from common.verifier.capture import find_text_model
-from common.verifier.loading import load_verifier_model, read_verifier_info
+from eagle3_pipeline.formats.prepared_data import read_prepared_data
+from eagle3_pipeline.formats.storage import StorageFormat
+from eagle3_pipeline.verifier.capture import find_text_model
+from eagle3_pipeline.verifier.loading import load_verifier_model, read_verifier_info
 
 pytestmark = pytest.mark.usefixtures("one_intra_op_thread")
 
@@ -86,7 +86,7 @@ def extract(model: Path, data: Path, out: Path, *extra: str) -> int:
 
 def stage02_config(*flags: str, model_path: str = "/models/m"):
     """Stage 02's typed settings from a real command line, parsed by the stage's own parser."""
-    from common.extract.config import ExtractionConfig
+    from eagle3_pipeline.extract.config import ExtractionConfig
 
     args = stage02.parse(["--model-path", model_path, "--prepared-data", "/data/tokenized_data.jsonl",
                           "--output-dir", "/out", *flags])
@@ -161,7 +161,7 @@ def test_plan_batches_respects_limits_and_is_deterministic(stories260k, tmp_path
 def test_the_config_is_built_once_from_the_parsed_flags_and_the_library_takes_it():
     import inspect
 
-    from common.extract import run, sglang_backend
+    from eagle3_pipeline.extract import run, sglang_backend
 
     config = stage02_config("--backend", "sglang", "--tp-size", "8", "--batch-size", "16", "--aux-layers", "1,4,7",
                             "--targets", "topk", "--target-topk", "8", "--sglang-arg", "grammar_backend=none",
@@ -192,15 +192,16 @@ def test_the_config_is_built_once_from_the_parsed_flags_and_the_library_takes_it
 
 
 # Stage 02's library, and its one module that may read the argparse Namespace (ExtractionConfig.from_args).
-STAGE02_LIBRARY = ("common/extract/*.py", "common/verifier/sglang_settings.py", "common/formats/storage.py")
-READS_THE_NAMESPACE = {"common/extract/config.py"}
+STAGE02_LIBRARY = ("eagle3_pipeline/extract/*.py", "eagle3_pipeline/verifier/sglang_settings.py",
+                   "eagle3_pipeline/formats/storage.py")
+READS_THE_NAMESPACE = {"eagle3_pipeline/extract/config.py"}
 
 
 def test_no_function_below_stage02_takes_args_but_the_config_builder():
     import ast
 
     files = [path for pattern in STAGE02_LIBRARY for path in sorted(REPO.glob(pattern))]
-    assert len(files) > 5 and REPO / "common/formats/storage.py" in files
+    assert len(files) > 5 and REPO / "eagle3_pipeline/formats/storage.py" in files
     taking = []
     for path in files:
         name = str(path.relative_to(REPO))
@@ -321,7 +322,7 @@ def test_find_text_model_in_multimodal_wrappers(deepseek_dir):
 
 
 def stage_sample(ids: torch.Tensor):
-    from common.formats.prepared_data import Sample
+    from eagle3_pipeline.formats.prepared_data import Sample
 
     return Sample(position=0, id="s", input_ids=ids, loss_mask=torch.ones_like(ids, dtype=torch.uint8))
 

@@ -6,8 +6,8 @@ import re
 
 import pytest
 
-from common.cli.flags import FLAGS, STAGE_FLAGS
-from common.cli.parser import build_parser, parse_stage_args
+from eagle3_pipeline.cli.flags import FLAGS, STAGE_FLAGS
+from eagle3_pipeline.cli.parser import build_parser, parse_stage_args
 from conftest import REPO, run_script
 
 STAGES = list(STAGE_FLAGS)
@@ -149,10 +149,10 @@ def test_help_says_each_default_once_and_keeps_the_docstring_layout():
 def test_every_environment_switch_is_listed_for_the_manifests():
     """Each EAGLE3_ variable the library or a stage reads is a BEHAVIOUR_SWITCHES entry (recorded in every manifest)
     or one a stage sets for its own children."""
-    from common.formats.manifest import BEHAVIOUR_SWITCHES
+    from eagle3_pipeline.formats.manifest import BEHAVIOUR_SWITCHES
 
     set_for_children = {"EAGLE3_RUNNER_PID", "EAGLE3_SGLANG_CAPTURE_PLAN"}
-    sources = [*REPO.glob("common/**/*.py"), *REPO.glob("patches/*.py"), *REPO.glob("[0-9][0-9]_*.py"),
+    sources = [*REPO.glob("eagle3_pipeline/**/*.py"), *REPO.glob("patches/*.py"), *REPO.glob("[0-9][0-9]_*.py"),
                REPO / "run_pipeline.py"]
     read = {name for path in sources for name in re.findall(r"EAGLE3_[A-Z_]+", path.read_text())}
     assert read - set_for_children == set(BEHAVIOUR_SWITCHES)

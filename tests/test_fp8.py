@@ -1,5 +1,5 @@
-"""FP8 training GEMMs (common/model/kernels.py, stage 04's --fp8), run on the CPU, whose torch._scaled_mm computes
-the same FP8 products as the GPU's tensor cores (slowly).
+"""FP8 training GEMMs (eagle3_pipeline/model/kernels.py, stage 04's --fp8), run on the CPU, whose torch._scaled_mm
+computes the same FP8 products as the GPU's tensor cores (slowly).
 
 FP8 is approximate by design: the checks are that each product stays within FP8's rounding of the exact
 one (and is not exact, so the FP8 path really ran), that the weight copies follow optimizer updates, that
@@ -12,9 +12,9 @@ import shutil
 import pytest
 import torch
 
-from common.train.loss import ttt_loss
-from common.model import kernels
-from common.model.kernels import E4M3, E5M2, Bf16Gemms, Fp8Gemms, linear, quantize
+from eagle3_pipeline.train.loss import ttt_loss
+from eagle3_pipeline.model import kernels
+from eagle3_pipeline.model.kernels import E4M3, E5M2, Bf16Gemms, Fp8Gemms, linear, quantize
 from tests.test_drafter import assert_overfits_a_fixed_batch, random_batch, tiny_model
 
 pytestmark = pytest.mark.usefixtures("one_intra_op_thread")

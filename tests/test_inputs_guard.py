@@ -286,7 +286,7 @@ def test_stage_05_warns_of_prompts_without_turns_and_of_num_prompts_beyond_them(
 
 def test_stage_04_on_cpu_says_float16_is_not_used_and_clears_a_killed_runs_drawing(run, tmp_path):
     run = copy_of(run, tmp_path / "run")
-    # What a run killed while drawing its curves leaves (common.formats.files.atomic_path's temporary name).
+    # What a run killed while drawing its curves leaves (eagle3_pipeline.formats.files.atomic_path's temporary name).
     stale = run / "checkpoints" / ".training_curves.png.k1ll3d.tmp"
     stale.write_bytes(b"\x89PNG half")
 

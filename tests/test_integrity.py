@@ -18,9 +18,9 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from conftest import REPO, run_script
-from common.errors import UsageError
-from common.formats.files import read_json, write_json_atomic
-from common.formats.hidden_states import AUX_FILES, FINAL_FILE, SAMPLE_FILES, load_sample, open_hidden_states
+from eagle3_pipeline.errors import UsageError
+from eagle3_pipeline.formats.files import read_json, write_json_atomic
+from eagle3_pipeline.formats.hidden_states import AUX_FILES, FINAL_FILE, SAMPLE_FILES, load_sample, open_hidden_states
 from test_extract import ONE_THREAD, STAGE_SCRIPT, all_tensors, extract, stage02, stage_log, write_prepared_data
 
 pytestmark = pytest.mark.usefixtures("one_intra_op_thread")
@@ -35,7 +35,7 @@ def entries_by_id(out: Path) -> dict[str, dict]:
 # --- 1. damaged hidden states ------------------------------------------------------------------------------
 
 def test_sizes_and_checksums_recorded_damage_found_named_and_redone(stories260k, tmp_path):
-    from common.errors import StageFailure
+    from eagle3_pipeline.errors import StageFailure
 
     data = write_prepared_data(tmp_path / "data", stories260k, [12, 20, 9, 16])
     out = tmp_path / "out"
@@ -173,12 +173,13 @@ def test_training_names_the_samples_of_a_nonfinite_step(stories260k, tmp_path):
 
 # --- 3. one writer per output folder ------------------------------------------------------------------------
 
-HOLD = ("import sys, time; sys.path.insert(0, sys.argv[2]); from common.cli.lock import OutputLock; "
+HOLD = ("import sys, time; from eagle3_pipeline.cli.lock import OutputLock; "
         "lock = OutputLock(sys.argv[1]).acquire(); print('held', flush=True); time.sleep(120)")
 
 
 def hold_lock(folder: Path) -> subprocess.Popen:
-    holder = subprocess.Popen([sys.executable, "-c", HOLD, str(folder), str(REPO)], stdout=subprocess.PIPE, text=True)
+    holder = subprocess.Popen([sys.executable, "-c", HOLD, str(folder)], cwd=str(REPO), stdout=subprocess.PIPE,
+                              text=True)
     assert holder.stdout.readline().strip() == "held"
     return holder
 
@@ -269,7 +270,7 @@ def test_a_verifier_with_other_weights_is_refused_naming_both(stories260k, tmp_p
 
 
 def test_tokenizer_mismatch_names_both_models():
-    from common.formats.manifest import check_verifier_matches
+    from eagle3_pipeline.formats.manifest import check_verifier_matches
 
     upstream = {"verifier": {"path": "/models/llama-a", "tokenizer_sha256": "a" * 64}}
     with pytest.raises(UsageError) as error:
@@ -281,9 +282,9 @@ def test_tokenizer_mismatch_names_both_models():
 # --- 5. bytes that are not UTF-8 ----------------------------------------------------------------------------
 
 def test_invalid_utf8_in_a_json_array_is_a_bad_record_with_its_line(tmp_path):
-    from common.bench.prompts import load_prompts
-    from common.data.records import BadRecordError
-    from common.data.sources import iter_json_array
+    from eagle3_pipeline.bench.prompts import load_prompts
+    from eagle3_pipeline.data.records import BadRecordError
+    from eagle3_pipeline.data.sources import iter_json_array
 
     path = tmp_path / "chats.json"
     path.write_bytes(b'[\n{"text": "one"},\n{"text": "t\xffwo"},\n{"text": "caf\xc3\xa9"}\n]\n')
@@ -306,8 +307,8 @@ def test_invalid_utf8_in_a_json_array_is_a_bad_record_with_its_line(tmp_path):
 def test_overlap_check_covers_plain_text_training_data(stories260k, tmp_path):
     import logging
 
-    from common.bench.lineage import check_overlap
-    from common.bench.prompts import load_prompts
+    from eagle3_pipeline.bench.lineage import check_overlap
+    from eagle3_pipeline.bench.prompts import load_prompts
 
     texts = [f"Once upon a time there was a little dog number {i} who liked to run in the park " * 3 for i in range(6)]
     dataset = tmp_path / "texts.jsonl"

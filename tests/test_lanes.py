@@ -1,5 +1,6 @@
-"""Lanes (common/lab, scripts/lab/run_lanes.py): every lane the shell scripts knew keeps its meaning, names are composed
-by one grammar, and the lanes command runs lanes over a base run, records each in lane.json and skips finished ones.
+"""Lanes (eagle3_pipeline/lab, scripts/lab/run_lanes.py): every lane the shell scripts knew keeps its meaning, names are
+composed by one grammar, and the lanes command runs lanes over a base run, records each in lane.json and skips finished
+ones.
 
 The grammar tests take milliseconds. The expected flags below are what scripts/recipe_lanes.sh and the case lists
 of gpu_drafter_quality.sh gave at their defaults (EPOCHS 4, LR 1e-3, STEP_TOKENS 4096, LEVER_STEP_TOKENS 2048,
@@ -16,9 +17,9 @@ from pathlib import Path
 
 import pytest
 
-from common.errors import UsageError
-from common.lab.argv import last_value, merged
-from common.lab.lanes import EXTRACT, PREPARE, SPECFORGE, TRAIN, Base, Knobs, lane_named
+from eagle3_pipeline.errors import UsageError
+from eagle3_pipeline.lab.argv import last_value, merged
+from eagle3_pipeline.lab.lanes import EXTRACT, PREPARE, SPECFORGE, TRAIN, Base, Knobs, lane_named
 from conftest import REPO, STORIES260K, TWO_TURN_PROMPTS
 
 LAB = REPO / "scripts" / "lab"  # the lab's commands

@@ -1,7 +1,7 @@
 """scripts/sglang_launch_command.py: the SGLang command that serves a drafter, checked against the installed release.
 
-The verifiers: stories260K (a real Llama folder) with a real drafter saved by common.model.checkpoint, and a Kimi-K2.5
-shaped config (its config.json only, as published: multimodal wrapper, nested DeepSeek-V3 text config, int4
+The verifiers: stories260K (a real Llama folder) with a real drafter saved by eagle3_pipeline.model.checkpoint, and a
+Kimi-K2.5 shaped config (its config.json only, as published: multimodal wrapper, nested DeepSeek-V3 text config, int4
 compressed-tensors quantization, remote code) with drafter folders whose config.json is the real export of a
 Kimi-shaped DrafterConfig (their weights file holds no tensors: the command reads configs only). Every flag the
 command uses is looked up in the installed SGLang's ServerArgs and choice lists (read with ast, tests/sglang_source.py).
@@ -15,8 +15,9 @@ from pathlib import Path
 
 import sglang_source as src
 from conftest import run_script
-from common.formats.layer_ids import eagle_ids_for
-from common.verifier.sglang_launch import SM120_ATTENTION_BACKEND, SM120_DRAFT_ATTENTION_BACKEND, build_launch_command
+from eagle3_pipeline.formats.layer_ids import eagle_ids_for
+from eagle3_pipeline.verifier.sglang_launch import (SM120_ATTENTION_BACKEND, SM120_DRAFT_ATTENTION_BACKEND,
+                                                    build_launch_command)
 
 KIMI_TEXT = {"model_type": "deepseek_v3", "architectures": ["DeepseekV3ForCausalLM"], "hidden_size": 7168,
              "num_hidden_layers": 61, "vocab_size": 163840, "num_attention_heads": 64, "num_key_value_heads": 64,
@@ -47,8 +48,8 @@ def kimi_drafter(folder: Path, verifier: Path, layers: list[int], eagle_ids: lis
     """A Kimi-shaped drafter folder: the exporter's config.json (optionally with other eagle_config ids)."""
     from safetensors.torch import save_file
 
-    from common.model.config import DrafterConfig
-    from common.verifier.loading import read_verifier_info
+    from eagle3_pipeline.model.config import DrafterConfig
+    from eagle3_pipeline.verifier.loading import read_verifier_info
 
     info = read_verifier_info(str(verifier), with_tokenizer_hash=False)
     config = DrafterConfig.from_verifier(info, 32000, layers).to_sglang_config()
@@ -118,7 +119,7 @@ def test_layer_ids_that_sglang_would_read_differently_are_refused(tmp_path):
 def test_script_on_a_real_llama_drafter(stories260k, tmp_path):
     from test_drafter import stories260k_drafter
 
-    from common.model.checkpoint import save_drafter
+    from eagle3_pipeline.model.checkpoint import save_drafter
 
     model, _, _, _ = stories260k_drafter(stories260k)
     save_drafter(model, tmp_path / "best", extra={"training": {"ttt_steps": 3}})  # as stage 04 records it

@@ -3,14 +3,18 @@ listed path real, thin stage scripts, and no flag a stage accepts without readin
 from __future__ import annotations
 
 import ast
+import os
 import re
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 
-from common.cli.flags import FLAGS, STAGE_FLAGS
+from eagle3_pipeline.cli.flags import FLAGS, STAGE_FLAGS
 
 REPO = Path(__file__).resolve().parents[1]
+PACKAGE = REPO / "eagle3_pipeline"
 STAGE_SCRIPTS = sorted(REPO.glob("0[1-5]_*.py"))
 
 
@@ -21,11 +25,11 @@ def layout_block() -> str:
 
 
 def listed_modules() -> set[str]:
-    """common/<package>/ and patches/ lines name their modules after the folder (continued on indented lines);
-    common/x.py lines name themselves."""
+    """eagle3_pipeline/<package>/ and patches/ lines name their modules after the folder (continued on indented
+    lines); eagle3_pipeline/x.py lines name themselves."""
     modules, package = set(), None
     for line in layout_block().splitlines():
-        head = re.match(r"((?:common|patches)/(?:\w+/)?)(\S*)", line)
+        head = re.match(r"((?:eagle3_pipeline|patches)/(?:\w+/)?)(\S*)", line)
         if head:
             package = head.group(1) if head.group(1).endswith("/") and not head.group(2) else None
             if head.group(2).endswith(".py"):
@@ -38,7 +42,7 @@ def listed_modules() -> set[str]:
 
 
 def test_readme_layout_lists_every_library_module_and_nothing_else():
-    on_disk = {str(p.relative_to(REPO)) for folder in ("common", "patches") for p in (REPO / folder).rglob("*.py")
+    on_disk = {str(p.relative_to(REPO)) for folder in (PACKAGE.name, "patches") for p in (REPO / folder).rglob("*.py")
                if p.name != "__init__.py"}
     listed = listed_modules()
     assert sorted(on_disk - listed) == [], "modules missing from the README's Layout section"
@@ -76,23 +80,23 @@ def test_every_top_level_path_in_the_layout_exists():
 def test_stage_scripts_are_thin():
     for script in STAGE_SCRIPTS:
         lines = len(script.read_text().splitlines())
-        assert lines <= 200, f"{script.name} has {lines} lines: move its logic into common/"
+        assert lines <= 200, f"{script.name} has {lines} lines: move its logic into eagle3_pipeline/"
 
 
 def test_library_modules_read_in_one_sitting():
-    for module in (REPO / "common").rglob("*.py"):
+    for module in PACKAGE.rglob("*.py"):
         lines = len(module.read_text().splitlines())
         assert lines <= 500, f"{module.relative_to(REPO)} has {lines} lines: split it by concern"
 
 
 def test_every_flag_a_stage_accepts_is_read_by_the_code():
     """A flag accepted and never applied (as --drafter-config once was) costs a user a whole run."""
-    code = "\n".join(p.read_text() for p in [*STAGE_SCRIPTS, *(REPO / "common").rglob("*.py")]
+    code = "\n".join(p.read_text() for p in [*STAGE_SCRIPTS, *PACKAGE.rglob("*.py")]
                      if p.name != "flags.py")
     for stage, names in STAGE_FLAGS.items():
         for name in names:
             dest = FLAGS[name].dest
-            if dest in ("run_dir",):  # resolved into the path flags by common.cli.flags itself
+            if dest in ("run_dir",):  # resolved into the path flags by eagle3_pipeline.cli.flags itself
                 continue
             assert re.search(rf"\.{dest}\b|['\"]{dest}['\"]", code), f"{stage} accepts {name} but no code reads it"
 
@@ -104,17 +108,90 @@ def test_requirements_files_name_only_files_that_exist():
             assert (REPO / name).exists(), f"{requirements.name} names {name}, which does not exist"
 
 
+# --- the package, and how every script finds it ---------------------------------------------------------------
+
+# A script finds the library as the installed package (scripts/setup_env.sh installs it editable) or, on a machine
+# where the repository is only unpacked, through the PYTHONPATH its shell script sets: never by editing sys.path.
+SYS_PATH_EDIT = re.compile(r"sys\.path\.(?:insert|append)\b|sys\.path\[")
+# What may still edit it, and why: none of these finds this repository.
+SYS_PATH_EDITS_ALLOWED = {
+    "eagle3_pipeline/peer/specforge_run.py": "--specforge-path puts the user's SpecForge checkout first",
+}
+
+
+def repository_files(*suffixes: str) -> list[Path]:
+    """The repository's own files with these suffixes: not under hidden folders (.venv, .git) or runs/."""
+    found = []
+    for folder, subfolders, files in os.walk(REPO):
+        subfolders[:] = [name for name in subfolders
+                         if not name.startswith(".") and name not in ("runs", "__pycache__")]
+        found += [Path(folder) / name for name in files if name.endswith(suffixes)]
+    return sorted(found)
+
+
+def test_no_file_edits_sys_path():
+    found = [f"{path.relative_to(REPO)}:{number}: {line.strip()}"
+             for path in repository_files(".py", ".sh") if str(path.relative_to(REPO)) not in SYS_PATH_EDITS_ALLOWED
+             for number, line in enumerate(path.read_text().splitlines(), 1) if SYS_PATH_EDIT.search(line)]
+    assert found == [], "import the package instead (the shell scripts put the repository on PYTHONPATH)"
+
+
+def test_every_shell_script_puts_the_repository_on_pythonpath():
+    """On a GPU machine the repository is unpacked, not installed: a script's Python finds the package through
+    the PYTHONPATH its shell script sets right after it moves to the repository root."""
+    export = 'export PYTHONPATH="$(pwd)${PYTHONPATH:+:$PYTHONPATH}"'
+    for script in sorted([*REPO.glob("scripts/*.sh"), *REPO.glob("scripts/lab/*.sh")]):
+        lines = script.read_text().splitlines()
+        moves = [i for i, line in enumerate(lines) if re.fullmatch(r'cd "\$\(dirname "\$0"\)/\.\.(/\.\.)?"', line)]
+        assert len(moves) == 1, f"{script.relative_to(REPO)}: no single cd to the repository root"
+        assert lines[moves[0] + 1].startswith(export), f"{script.relative_to(REPO)}: {export} must follow its cd"
+
+
+def pyproject() -> dict:
+    tomllib = pytest.importorskip("tomllib")  # the standard library's from Python 3.11
+    return tomllib.loads((REPO / "pyproject.toml").read_text())
+
+
+def test_the_package_pyproject_names_is_the_library_folder():
+    project = pyproject()
+    assert project["project"]["name"].replace("-", "_") == PACKAGE.name
+    included = project["tool"]["setuptools"]["packages"]["find"]["include"]
+    assert f"{PACKAGE.name}*" in included
+    for pattern in included:
+        package = REPO / pattern.rstrip("*")
+        assert (package / "__init__.py").is_file(), f"pyproject.toml includes {pattern}: no such package"
+
+
+def test_pyproject_depends_on_what_requirements_txt_lists():
+    """setup_env.sh installs requirements.txt, then the project with --no-deps: the two lists must agree."""
+    listed = [line.split("#")[0].strip() for line in (REPO / "requirements.txt").read_text().splitlines()]
+    project = pyproject()["project"]
+    declared = project["dependencies"] + [spec for specs in project["optional-dependencies"].values() for spec in specs]
+    assert sorted(declared) == sorted(spec for spec in listed if spec)
+
+
+def test_the_installed_package_is_this_checkout(tmp_path):
+    """From another folder, without PYTHONPATH, this Python imports the package from here: setup_env.sh's editable
+    install, so the scripts outside the repository root find it."""
+    env = {name: value for name, value in os.environ.items() if name != "PYTHONPATH"}
+    found = subprocess.run([sys.executable, "-c", "import eagle3_pipeline; print(eagle3_pipeline.__file__)"],
+                           cwd=tmp_path, env=env, capture_output=True, text=True)
+    assert found.returncode == 0, f"eagle3_pipeline is not installed in {sys.executable}: run scripts/setup_env.sh"
+    assert Path(found.stdout.strip()).resolve() == (PACKAGE / "__init__.py").resolve()
+
+
 # --- imports run one way -------------------------------------------------------------------------------------
 
-# common/'s packages, lowest first: a module imports from its own package or lower ones, never higher. Below them
-# all is the ground floor, every module directly in common/ (errors, log, progress, distributed, ...), which
-# imports nothing of the packages. The README's Layout section states this order (checked below).
+# eagle3_pipeline/'s packages, lowest first: a module imports from its own package or lower ones, never higher. Below
+# them all is the ground floor, every module directly in eagle3_pipeline/ (errors, log, progress, distributed, ...),
+# which imports nothing of the packages. The README's Layout section states this order (checked below).
 LAYERS = ("formats", "model", "verifier", "extract", "data", "train", "bench", "peer", "cli", "lab")
 GROUND = "ground floor"
 
 
 def package_of(module: str, root: Path) -> str | None:
-    """'common.formats.files' -> 'formats'; 'common.errors' -> 'errors', a ground-floor module; None outside."""
+    """'eagle3_pipeline.formats.files' -> 'formats'; 'eagle3_pipeline.errors' -> 'errors', a ground-floor module;
+    None outside."""
     parts = module.split(".")
     return parts[1] if parts[0] == root.name and len(parts) > 1 else None
 
@@ -128,8 +205,8 @@ def layer_of(package: str, root: Path) -> int:
 
 
 def imported_modules(path: Path, root: Path) -> list[tuple[int, str]]:
-    """(line, dotted module) of every import in the file, top-level and inside functions alike; `from common
-    import errors` gives common.errors, and relative imports are resolved against the file's package."""
+    """(line, dotted module) of every import in the file, top-level and inside functions alike; `from eagle3_pipeline
+    import errors` gives eagle3_pipeline.errors, and relative imports are resolved against the file's package."""
     own = list(path.relative_to(root.parent).with_suffix("").parts)[:-1]
     found = []
     for node in ast.walk(ast.parse(path.read_text(), str(path))):
@@ -138,7 +215,7 @@ def imported_modules(path: Path, root: Path) -> list[tuple[int, str]]:
         elif isinstance(node, ast.ImportFrom):
             base = own[:len(own) - node.level + 1] if node.level else []
             module = ".".join(base + ([node.module] if node.module else []))
-            if module == root.name or (node.level and not node.module):  # `from common import errors`
+            if module == root.name or (node.level and not node.module):  # `from eagle3_pipeline import errors`
                 found += [(node.lineno, f"{module}.{alias.name}") for alias in node.names]
             else:
                 found.append((node.lineno, module))
@@ -189,20 +266,20 @@ def package_cycles(root: Path) -> list[list[str]]:
     return cycles
 
 
-def test_every_package_of_common_has_a_layer():
-    packages = sorted(p.parent.name for p in (REPO / "common").glob("*/__init__.py"))
-    assert sorted(set(packages) - set(LAYERS)) == [], "packages of common/ missing from LAYERS"
-    assert sorted(set(LAYERS) - set(packages)) == [], "LAYERS names packages common/ does not have"
+def test_every_package_of_the_library_has_a_layer():
+    packages = sorted(p.parent.name for p in PACKAGE.glob("*/__init__.py"))
+    assert sorted(set(packages) - set(LAYERS)) == [], "packages of eagle3_pipeline/ missing from LAYERS"
+    assert sorted(set(LAYERS) - set(packages)) == [], "LAYERS names packages eagle3_pipeline/ does not have"
 
 
 def test_no_module_imports_a_higher_layer():
     """A lower layer importing a higher one ties them into one: the fix is to move the borrowed thing down to
     where it belongs, not to hide the import inside a function (those count too)."""
-    assert upward_imports(REPO / "common") == []
+    assert upward_imports(PACKAGE) == []
 
 
 def test_no_cycle_between_packages():
-    root = REPO / "common"
+    root = PACKAGE
     where = {(source, target): line for source, target, line in package_imports(root)}
     cycles = package_cycles(root)
     assert cycles == [], "\n".join(" -> ".join(cycle) + ": " + "; ".join(
@@ -211,29 +288,30 @@ def test_no_cycle_between_packages():
 
 def test_the_layer_checks_find_a_planted_upward_import_and_cycle(tmp_path):
     """The checks above on a small tree of real files: an upward import inside a function and a relative one are
-    found, `from common import log` counts as importing common.log (the two ground-floor modules importing each
-    other make a cycle), and a package without a layer is named."""
-    root = tmp_path / "common"
-    files = {"__init__.py": "", "errors.py": "from common import log\n", "log.py": "import common.errors\n",
-             "formats/__init__.py": "", "formats/files.py": "from common.errors import UsageError\n",
-             "formats/checkpoint.py": "def load():\n    from common.model.drafter import Eagle3Drafter\n",
+    found, `from eagle3_pipeline import log` counts as importing eagle3_pipeline.log (the two ground-floor modules
+    importing each other make a cycle), and a package without a layer is named."""
+    root = tmp_path / "eagle3_pipeline"
+    files = {"__init__.py": "", "errors.py": "from eagle3_pipeline import log\n",
+             "log.py": "import eagle3_pipeline.errors\n",
+             "formats/__init__.py": "", "formats/files.py": "from eagle3_pipeline.errors import UsageError\n",
+             "formats/checkpoint.py": "def load():\n    from eagle3_pipeline.model.drafter import Eagle3Drafter\n",
              "formats/manifest.py": "from ..cli import flags\n",
-             "model/__init__.py": "", "model/drafter.py": "from common.errors import UsageError\n",
+             "model/__init__.py": "", "model/drafter.py": "from eagle3_pipeline.errors import UsageError\n",
              "cli/__init__.py": "", "cli/flags.py": ""}
     for name, text in files.items():
         (root / name).parent.mkdir(parents=True, exist_ok=True)
         (root / name).write_text(text)
     assert upward_imports(root) == [
-        "common/formats/checkpoint.py:2 imports common.model.drafter (model, above formats)",
-        "common/formats/manifest.py:1 imports common.cli (cli, above formats)"]
+        "eagle3_pipeline/formats/checkpoint.py:2 imports eagle3_pipeline.model.drafter (model, above formats)",
+        "eagle3_pipeline/formats/manifest.py:1 imports eagle3_pipeline.cli (cli, above formats)"]
     assert package_cycles(root) == [["errors", "log", "errors"]]
     (root / "lab").mkdir()
     (root / "lab" / "__init__.py").write_text("")
-    (root / "lab" / "run.py").write_text("import common.errors\n")
+    (root / "lab" / "run.py").write_text("import eagle3_pipeline.errors\n")
     (root / "extra").mkdir()
     (root / "extra" / "__init__.py").write_text("")
-    (root / "extra" / "run.py").write_text("import common.errors\n")
-    with pytest.raises(AssertionError, match="common/extra/ has no layer"):
+    (root / "extra" / "run.py").write_text("import eagle3_pipeline.errors\n")
+    with pytest.raises(AssertionError, match="eagle3_pipeline/extra/ has no layer"):
         upward_imports(root)
 
 
@@ -243,5 +321,5 @@ def test_the_readme_states_the_layer_order():
     section = readme[readme.index("## Layout"):].split("```")[0]
     stated = re.search(r"lowest first:([^.]*)\.", " ".join(section.split()))
     assert stated, "README's Layout section lacks the 'Imports run one way, lowest first: ...' sentence"
-    names = re.findall(r"`common/(\w+)/`", stated.group(1))
+    names = re.findall(r"`eagle3_pipeline/(\w+)/`", stated.group(1))
     assert names == list(LAYERS), f"README states the layers as {names}, tests/test_layout.py as {list(LAYERS)}"

@@ -1,5 +1,5 @@
-"""Locks between stages (common/cli/lock.py): `--overwrite` of a folder another stage reads is refused, and so is
-a stage run by hand in a run directory that run_pipeline.py holds. Real stages on stories260K in real processes:
+"""Locks between stages (eagle3_pipeline/cli/lock.py): `--overwrite` of a folder another stage reads is refused, and so
+is a stage run by hand in a run directory that run_pipeline.py holds. Real stages on stories260K in real processes:
 a training paused with SIGSTOP holds its reader lock as a long training would; one killed with SIGKILL leaves a
 stale record that the next overwrite removes."""
 from __future__ import annotations

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from common.formats.files import read_json
+from eagle3_pipeline.formats.files import read_json
 from conftest import REPO, run_script
 from test_train import (RESUME_FLAGS, _load_module, comparable, crash_at, final_weights, log_text, signal_at,
                         train_argv, write_prepared_data)
@@ -97,9 +97,9 @@ def assert_same_training(online: Path, offline: Path, loss_tol: float = 1e-5, we
 
 @pytest.mark.slow
 def test_online_training_is_offline_training_step_for_step(pair, run, stories260k):
-    from common.bench.lineage import training_lineage
-    from common.model.checkpoint import check_drafter_dir
-    from common.formats.hidden_states import open_hidden_states
+    from eagle3_pipeline.bench.lineage import training_lineage
+    from eagle3_pipeline.model.checkpoint import check_drafter_dir
+    from eagle3_pipeline.formats.hidden_states import open_hidden_states
 
     offline, online = pair
     assert_same_training(online, offline)
@@ -178,7 +178,7 @@ def test_online_resume_after_a_crash_and_after_sigterm_ends_as_an_uninterrupted_
 
 @pytest.mark.slow
 def test_online_refusals_name_the_cause(pair, run, stories260k, stage04, tmp_path):
-    from common.cli.lock import OutputLock
+    from eagle3_pipeline.cli.lock import OutputLock
 
     _, online = pair
     flags = dict(dtype="float32", **FLAGS)
@@ -234,7 +234,7 @@ def test_finetune_from_online_and_stage05_on_the_online_drafter(pair, run, stori
 
 
 def sharegpt_conversations(path: Path, count: int) -> list[dict]:
-    from common.data.sources import iter_json_array
+    from eagle3_pipeline.data.sources import iter_json_array
 
     conversations = []
     for _, record in iter_json_array(path):

@@ -151,8 +151,8 @@ def test_ctrl_c_reaches_stage_04_once_and_it_stops_with_a_checkpoint(tmp_path, t
 def test_progress_in_a_log_reports_the_end_once(tmp_path):
     """Under nohup (no terminal) progress goes to the log; an update that has just reported the last
     count is not repeated by the closing report, and a count reached between reports still is."""
-    from common.progress import Progress
-    from common.cli.stage import setup_logging
+    from eagle3_pipeline.progress import Progress
+    from eagle3_pipeline.cli.stage import setup_logging
 
     setup_logging("progress_test", tmp_path)
     with Progress(total=4, desc="work", interval=0.0) as progress:
@@ -168,8 +168,8 @@ def test_progress_in_a_log_is_never_silent_longer_than_its_interval(tmp_path):
     """A long item (a regeneration round, a big batch) still gets a line every interval, saying so."""
     import time
 
-    from common.progress import Progress
-    from common.cli.stage import setup_logging
+    from eagle3_pipeline.progress import Progress
+    from eagle3_pipeline.cli.stage import setup_logging
 
     setup_logging("heartbeat_test", tmp_path)
     with Progress(total=3, desc="regenerate", unit="conv", interval=0.4) as progress:
@@ -229,8 +229,8 @@ def test_a_rerun_with_nothing_changed_skips_every_stage(tmp_path, stories260k):
     05 takes from the run directory; the same command again skips all five. Every flag a stage recorded with
     another value than its plain parse gives (a default resolved at run time) comes out of the stage's own parse,
     which the staleness check uses, as recorded."""
-    from common.cli.parser import parse_stage_args
-    from common.cli.pipeline import STAGES, in_run_terms, output_manifest, stage_parser
+    from eagle3_pipeline.cli.parser import parse_stage_args
+    from eagle3_pipeline.cli.pipeline import STAGES, in_run_terms, output_manifest, stage_parser
     from conftest import STORIES_TEMPLATE
 
     template = tmp_path / "stories.jinja"
@@ -264,7 +264,7 @@ def test_a_rerun_with_nothing_changed_skips_every_stage(tmp_path, stories260k):
 
 def _stage_argv(stage: str, argv: list[str]) -> list[str]:
     """The part of a runner's command line that reaches `stage` (as run_pipeline.py routes it)."""
-    from common.cli.pipeline import split_shared_flags, stage_argv
+    from eagle3_pipeline.cli.pipeline import split_shared_flags, stage_argv
 
     shared = split_shared_flags(argv[2:], pytest.fail, [])
     return stage_argv(stage, argv[1], shared, {})

@@ -1,4 +1,4 @@
-"""Stage 01 (01_prepare_data.py, common/data/) on real tokenizers and models.
+"""Stage 01 (01_prepare_data.py, eagle3_pipeline/data/) on real tokenizers and models.
 
 Loss masks are checked exactly: the masked tokens, decoded span by span, must be the assistant contents
 followed by the end-of-turn token, on SmolLM2's ChatML tokenizer, on a Kimi-style template over a BPE
@@ -14,11 +14,11 @@ from pathlib import Path
 import pytest
 
 from conftest import REPO, STORIES_TEMPLATE, run_script
-from common.data.chat_tokenizer import ChatTokenizer, end_of_turn_ids
-from common.data.processing import Processor, fill
-from common.data.records import BadRecordError, BadRecords, prompt_hash
-from common.data.sources import iter_json_array, read_records, resolve_source
-from common.data.regenerate import CACHE_FILE, RegenerationCache, prompts_hash, regenerate_conversations
+from eagle3_pipeline.data.chat_tokenizer import ChatTokenizer, end_of_turn_ids
+from eagle3_pipeline.data.processing import Processor, fill
+from eagle3_pipeline.data.records import BadRecordError, BadRecords, prompt_hash
+from eagle3_pipeline.data.sources import iter_json_array, read_records, resolve_source
+from eagle3_pipeline.data.regenerate import CACHE_FILE, RegenerationCache, prompts_hash, regenerate_conversations
 
 SCRIPT = "01_prepare_data.py"
 
@@ -222,7 +222,7 @@ def test_template_that_rewrites_history_splits_turns(smol_tokenizer):
 
 def test_plain_text_loss_everywhere_and_truncation(smol_tokenizer):
     chat = ChatTokenizer(smol_tokenizer, end_of_turn_ids(smol_tokenizer), max_seq_len=8)
-    from common.data.records import Record
+    from eagle3_pipeline.data.records import Record
 
     [text] = chat.record(Record("t", "x", 1, text="Once upon a time there was a small robot who loved to paint."))
     assert len(text.input_ids) == 8 and text.loss_mask == [1] * 8 and text.truncated
@@ -408,7 +408,7 @@ def test_eval_split_prompts_never_in_training(stage, tmp_path, smol_tokenizer, s
 
 
 def test_excluded_prompts_are_never_trained_on(stage, tmp_path, smollm2):
-    from common.data.records import benchmark_prompt_hashes
+    from eagle3_pipeline.data.records import benchmark_prompt_hashes
 
     rows = [sharegpt([("human", f"Tell me about topic {i}"), ("gpt", f"Topic {i} is fine.")], id=f"c{i}")
             for i in range(12)]
@@ -519,7 +519,7 @@ class ScriptedResponder:
 
 
 def test_regeneration_driver_turn_by_turn_and_resume(tmp_path):
-    from common.data.records import Record
+    from eagle3_pipeline.data.records import Record
 
     conversations = [
         Record("a", "d", 1, messages=[{"role": "system", "content": "S"}, {"role": "user", "content": "u1"},
@@ -563,9 +563,9 @@ def test_large_regeneration_batches_are_sorted_over_several_batches(tmp_path, st
     """With --batch-size 1024 a round holds 8 batches, so length-sorted batches pad little: over 5000
     conversations the prompts reach the responder in one non-decreasing length order, and only the last
     batch holds the longest ones (a round of 2048 put the longest of every round into its second batch)."""
-    from common.data.records import Record
-    from common.data.regenerate import Regenerator
-    from common.verifier.loading import load_tokenizer
+    from eagle3_pipeline.data.records import Record
+    from eagle3_pipeline.data.regenerate import Regenerator
+    from eagle3_pipeline.verifier.loading import load_tokenizer
 
     prompts = [f"{i:04d}" + "x" * ((i * 7919) % 997) for i in range(5000)]  # scrambled lengths, all distinct
     records = [Record(f"r{i}", "d", i + 1, messages=[{"role": "user", "content": p}]) for i, p in enumerate(prompts)]
@@ -584,8 +584,8 @@ def test_large_regeneration_batches_are_sorted_over_several_batches(tmp_path, st
 def test_regeneration_on_two_copies_gives_the_same_replies_in_order(stories260k):
     """With one copy of the verifier per device, the batches of a call run on whichever copy is free (one
     thread each); every conversation still gets the reply one copy gives it, in its own place."""
-    from common.data.responders import HFResponder
-    from common.verifier.loading import load_tokenizer, load_verifier_model
+    from eagle3_pipeline.data.responders import HFResponder
+    from eagle3_pipeline.verifier.loading import load_tokenizer, load_verifier_model
 
     tokenizer = load_tokenizer(str(stories260k))
     tokenizer.chat_template = STORIES_TEMPLATE
@@ -674,7 +674,7 @@ def test_regenerate_with_stories260k_and_resume(stage, tmp_path, stories260k, st
 
 
 def test_max_turns_keeps_the_first_user_turns_and_their_replies():
-    from common.data.records import keep_first_user_turns
+    from eagle3_pipeline.data.records import keep_first_user_turns
 
     messages = [{"role": "system", "content": "s"}, {"role": "user", "content": "u1"},
                 {"role": "assistant", "content": "a1"}, {"role": "user", "content": "u2"},
@@ -689,10 +689,9 @@ def test_max_turns_keeps_the_first_user_turns_and_their_replies():
 def endpoint(stories260k):
     """tests/openai_server.py serving stories260K (with STORIES_TEMPLATE) over real HTTP: the first two
     POSTs get a transient 503, and any request whose messages contain "ALWAYS FAIL" gets a 500."""
-    sys.path.insert(0, str(REPO / "tests"))
     from openai_server import ModelServer
 
-    from common.verifier.loading import load_tokenizer, load_verifier_model
+    from eagle3_pipeline.verifier.loading import load_tokenizer, load_verifier_model
 
     tokenizer = load_tokenizer(str(stories260k))
     tokenizer.chat_template = STORIES_TEMPLATE
@@ -779,7 +778,7 @@ def test_unreachable_endpoint_exits_2_before_any_work(stage, tmp_path, stories26
 def test_device_data_with_prompts_only_keeps_every_prompt_and_no_reply(sharegpt_path, tmp_path):
     """scripts/prepare_device_data.py --prompts-only: the first N ShareGPT conversations, each with its first
     exchange's prompt and no assistant message (stage 01 --regenerate writes the replies), plus HumanEval."""
-    from common.data.records import ASSISTANT, ROLE_ALIASES
+    from eagle3_pipeline.data.records import ASSISTANT, ROLE_ALIASES
 
     result = run_script("scripts/prepare_device_data.py", str(tmp_path), "--conversations", "40", "--prompts-only",
                         timeout=300)
@@ -801,7 +800,7 @@ def test_device_data_with_prompts_only_keeps_second_turns_for_stage_01(sharegpt_
     answers each turn (without it the two user turns read as one prompt with one reply)."""
     from transformers import AutoTokenizer
 
-    from common.data.records import ASSISTANT, ROLE_ALIASES
+    from eagle3_pipeline.data.records import ASSISTANT, ROLE_ALIASES
 
     result = run_script("scripts/prepare_device_data.py", str(tmp_path), "--conversations", "60", "--prompts-only",
                         "--turns", "2", timeout=300)
@@ -857,11 +856,11 @@ def test_the_config_is_built_once_from_the_parsed_flags_and_the_library_takes_it
     import inspect
     import typing
 
-    from common.data.config import PrepareConfig
-    from common.data.inputs import check_inputs
-    from common.data.prepare import prepare_data
-    from common.errors import UsageError
-    from common.formats.manifest import resolved_config
+    from eagle3_pipeline.data.config import PrepareConfig
+    from eagle3_pipeline.data.inputs import check_inputs
+    from eagle3_pipeline.data.prepare import prepare_data
+    from eagle3_pipeline.errors import UsageError
+    from eagle3_pipeline.formats.manifest import resolved_config
 
     data = small_dataset(tmp_path, n=4)
     args = stage.parse(["--model-path", str(stories260k), "--chat-template", str(stories_template), "--dataset",
@@ -891,14 +890,14 @@ def test_the_config_is_built_once_from_the_parsed_flags_and_the_library_takes_it
         PrepareConfig.from_args(stage.parse(["--dataset", str(data), "--output-dir", str(tmp_path / "o")]))
 
 
-ARGS_ALLOWED_IN = ("config.py",)  # common/data/: the one module that reads the parsed flags
+ARGS_ALLOWED_IN = ("config.py",)  # eagle3_pipeline/data/: the one module that reads the parsed flags
 
 
 def test_no_library_function_of_stage_01_takes_the_flags_namespace():
     import ast
 
     taking_args = []
-    for path in sorted((REPO / "common" / "data").glob("*.py")):
+    for path in sorted((REPO / "eagle3_pipeline" / "data").glob("*.py")):
         if path.name in ARGS_ALLOWED_IN:
             continue
         for node in ast.walk(ast.parse(path.read_text(), str(path))):
@@ -908,4 +907,4 @@ def test_no_library_function_of_stage_01_takes_the_flags_namespace():
                                          every.kwarg] if a is not None]
                 if "args" in names:
                     taking_args.append(f"{path.relative_to(REPO)}:{node.lineno}")
-    assert taking_args == [], "these take `args`; give them common.data.config's settings instead"
+    assert taking_args == [], "these take `args`; give them eagle3_pipeline.data.config's settings instead"

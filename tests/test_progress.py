@@ -12,7 +12,7 @@ from collections import Counter
 import pytest
 
 from conftest import STORIES_TEMPLATE, run_script
-from common.errors import UsageError
+from eagle3_pipeline.errors import UsageError
 
 INTERVAL = 0.25
 BATCH = 4
@@ -87,8 +87,8 @@ def test_a_responder_tells_its_listener_every_decoding_step(stories260k, engine)
     """The counts a listener gets add up to what the batches did: rows x steps, and the tokens up to each stop."""
     from transformers import AutoTokenizer
 
-    from common.data.responders import HFResponder
-    from common.verifier.loading import load_verifier_model
+    from eagle3_pipeline.data.responders import HFResponder
+    from eagle3_pipeline.verifier.loading import load_verifier_model
 
     tokenizer = AutoTokenizer.from_pretrained(stories260k)
     tokenizer.chat_template = STORIES_TEMPLATE
@@ -105,8 +105,8 @@ def test_a_responder_tells_its_listener_every_decoding_step(stories260k, engine)
 
 def test_nested_progress_writes_one_line_per_interval(tmp_path):
     """A progress inside another (a regeneration inside a split's round) speaks for both while it is open."""
-    from common.progress import Progress
-    from common.cli.stage import setup_logging
+    from eagle3_pipeline.progress import Progress
+    from eagle3_pipeline.cli.stage import setup_logging
 
     setup_logging("nested_test", tmp_path)
     with Progress(total=2, desc="outer", unit="round", interval=0.2) as outer:
@@ -125,7 +125,7 @@ def test_nested_progress_writes_one_line_per_interval(tmp_path):
 
 
 def test_the_progress_interval_comes_from_the_environment(monkeypatch):
-    from common.progress import PROGRESS_INTERVAL_ENV, Progress
+    from eagle3_pipeline.progress import PROGRESS_INTERVAL_ENV, Progress
 
     monkeypatch.setenv(PROGRESS_INTERVAL_ENV, "0.5")
     with Progress(total=1, desc="env") as progress:

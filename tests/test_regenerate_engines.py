@@ -1,5 +1,5 @@
-"""Stage 01's regeneration engines (common.data.responders.HFResponder, --regenerate-engine): static-cache
-`generate`, our own decoding loop (common.data.decode_loop) and transformers' continuous batching give,
+"""Stage 01's regeneration engines (eagle3_pipeline.data.responders.HFResponder, --regenerate-engine): static-cache
+`generate`, our own decoding loop (eagle3_pipeline.data.decode_loop) and transformers' continuous batching give,
 greedily in float32, the same replies token for token as plain `generate` (the first engine), on stories260K
 and SmolLM2; the loop's sampling, early stop and cache reuse; several sampled replies per prompt."""
 from __future__ import annotations
@@ -29,8 +29,8 @@ class RowRecorder:
 
 
 def replies_by_engine(model_path, tokenizer, conversations, max_new_tokens, engines, batch_size=4):
-    from common.data.responders import HFResponder
-    from common.verifier.loading import load_verifier_model
+    from eagle3_pipeline.data.responders import HFResponder
+    from eagle3_pipeline.verifier.loading import load_verifier_model
 
     model = load_verifier_model(str(model_path), "cpu", "float32")
     stop_ids = {tokenizer.eos_token_id} | ({tokenizer.convert_tokens_to_ids("<|im_end|>")} - {None, tokenizer.unk_token_id})
@@ -47,8 +47,8 @@ def replies_by_engine(model_path, tokenizer, conversations, max_new_tokens, engi
 def test_plan_tokenizes_each_prompt_as_alone_and_keeps_those_within_the_budget(stories260k):
     """The responder's plan encodes all prompts in one tokenizer call: each gets the ids it gets alone, an
     unrenderable conversation None, and the batches hold the prompts under the budget, shortest first."""
-    from common.data.responders import HFResponder
-    from common.verifier.loading import load_tokenizer
+    from eagle3_pipeline.data.responders import HFResponder
+    from eagle3_pipeline.verifier.loading import load_tokenizer
 
     tokenizer = load_tokenizer(str(stories260k))
     tokenizer.chat_template = STORIES_TEMPLATE
@@ -67,7 +67,7 @@ def test_plan_tokenizes_each_prompt_as_alone_and_keeps_those_within_the_budget(s
 
 
 def test_engines_agree_token_for_token_on_stories260k(stories260k):
-    from common.verifier.loading import load_tokenizer
+    from eagle3_pipeline.verifier.loading import load_tokenizer
 
     tokenizer = load_tokenizer(str(stories260k))
     tokenizer.chat_template = STORIES_TEMPLATE
@@ -84,7 +84,7 @@ def test_engines_agree_token_for_token_on_stories260k(stories260k):
 def test_sdpa_decode_attention_keeps_the_loop_token_for_token(smollm2, monkeypatch):
     """EAGLE3_DECODE_ATTENTION=sdpa, the folded heads in one SDPA call instead of the default matmuls (SmolLM2:
     3 query heads a K/V head): the loop's float32 greedy replies are still generate's, token for token."""
-    from common.verifier.loading import load_tokenizer
+    from eagle3_pipeline.verifier.loading import load_tokenizer
 
     monkeypatch.setenv("EAGLE3_DECODE_ATTENTION", "sdpa")
     tokenizer = load_tokenizer(str(smollm2))
@@ -95,7 +95,7 @@ def test_sdpa_decode_attention_keeps_the_loop_token_for_token(smollm2, monkeypat
 
 
 def test_engines_agree_token_for_token_on_smollm2(smollm2):
-    from common.verifier.loading import load_tokenizer
+    from eagle3_pipeline.verifier.loading import load_tokenizer
 
     tokenizer = load_tokenizer(str(smollm2))
     conversations = [[{"role": "user", "content": text}] for text in
@@ -112,7 +112,7 @@ def test_static_batches_follow_the_token_budget():
     """A "static" batch padded to width W takes floor(batch_size x (128 + new) / (W + new)) rows: with 4 rows
     and 128 new tokens, 4 rows at width 128, 2 at 256 and at 384 (exactly the budget), 1 at 512 and wider;
     prompts are packed in order, a batch closing when the next prompt would overfill it at its width."""
-    from common.data.static_cache import static_batches, static_rows
+    from eagle3_pipeline.data.static_cache import static_batches, static_rows
 
     lengths = [5, 100, 128, 129, 200, 256, 257, 300, 384, 385, 512, 600]
     assert static_batches(lengths, 4, 128) == [[0, 1, 2], [3, 4], [5, 6], [7, 8], [9], [10], [11]]
@@ -130,9 +130,9 @@ def test_static_cache_engines_size_each_cache_to_its_batch_and_reuse_it(stories2
     its own padded prompts plus the new tokens (not the widest seen before), takes the rows its width's budget
     allows, and the second call reuses the pooled caches, reset in place (same tensor addresses, as CUDA
     graphs need); replies equal plain `generate`'s token for token."""
-    from common.data.responders import HFResponder
-    from common.data.static_cache import static_rows
-    from common.verifier.loading import load_tokenizer, load_verifier_model
+    from eagle3_pipeline.data.responders import HFResponder
+    from eagle3_pipeline.data.static_cache import static_rows
+    from eagle3_pipeline.verifier.loading import load_tokenizer, load_verifier_model
 
     tokenizer = load_tokenizer(str(stories260k))
     tokenizer.chat_template = STORIES_TEMPLATE
@@ -176,8 +176,8 @@ def test_static_cache_engines_size_each_cache_to_its_batch_and_reuse_it(stories2
 
 def stories_responder(stories260k, engine, stop_ids=None, max_new_tokens=24, temperature=0.0, seed=0):
     """An HFResponder on stories260K (float32, CPU, batches of 4) and the loaded model."""
-    from common.data.responders import HFResponder
-    from common.verifier.loading import load_tokenizer, load_verifier_model
+    from eagle3_pipeline.data.responders import HFResponder
+    from eagle3_pipeline.verifier.loading import load_tokenizer, load_verifier_model
 
     tokenizer = load_tokenizer(str(stories260k))
     tokenizer.chat_template = STORIES_TEMPLATE
@@ -211,7 +211,7 @@ def test_loop_stops_once_every_row_has_stopped(stories260k):
     check (CHECK_EVERY tokens: the prefill's and CHECK_EVERY - 1 decoding forwards), not after all
     `max_new_tokens`; a row that has stopped produces pads; replies equal `generate`'s with the same stop
     ids."""
-    from common.data.decode_loop import CHECK_EVERY
+    from eagle3_pipeline.data.decode_loop import CHECK_EVERY
 
     conversations = [[{"role": "user", "content": text}] for text in PROMPTS]
     reference, _ = stories_responder(stories260k, "generate", max_new_tokens=2)
@@ -242,7 +242,7 @@ def test_loop_stops_once_every_row_has_stopped(stories260k):
 def record_compiled_decoding_steps(monkeypatch) -> list:
     """Compile the loop's decoding forward as on a GPU, but with a backend that keeps each graph (in the list
     returned) and runs it eagerly; fullgraph=True, so a graph break raises."""
-    from common.data import decode_loop
+    from eagle3_pipeline.data import decode_loop
 
     graphs = []
 
@@ -258,7 +258,7 @@ def record_compiled_decoding_steps(monkeypatch) -> list:
 def test_loop_decoding_step_compiles_to_one_graph_per_batch_shape(stories260k, monkeypatch):
     """The loop's decoding forward, compiled as on a GPU but with a recording backend and fullgraph=True (a
     graph break raises): one graph per batch shape (two here), and the replies of eager `generate`."""
-    from common.verifier.loading import load_tokenizer
+    from eagle3_pipeline.verifier.loading import load_tokenizer
 
     graphs = record_compiled_decoding_steps(monkeypatch)
     tokenizer = load_tokenizer(str(stories260k))
@@ -307,7 +307,7 @@ def test_several_sampled_replies_per_prompt_are_samples_with_their_own_ids(tmp_p
     different sampled replies; eval conversations keep one reply and share no prompt with training; a run
     killed after some replies were cached generates only the missing ones."""
     from conftest import run_script
-    from common.data.records import prompt_hash
+    from eagle3_pipeline.data.records import prompt_hash
 
     data = write_prompts(tmp_path / "prompts.jsonl", STARTS)
     out = tmp_path / "out"
@@ -461,7 +461,7 @@ def test_grouped_decode_attention_equals_transformers_sdpa(way, monkeypatch):
     monkeypatch.setenv("EAGLE3_DECODE_ATTENTION", way)
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-    from common.verifier.decode_attention import gqa_decode_attention
+    from eagle3_pipeline.verifier.decode_attention import gqa_decode_attention
 
     torch.manual_seed(0)
 
@@ -485,7 +485,7 @@ def test_grouped_decode_attention_equals_transformers_sdpa(way, monkeypatch):
 def test_an_unknown_decode_attention_way_is_refused_by_name(monkeypatch):
     import torch
 
-    from common.verifier.decode_attention import gqa_decode_attention
+    from eagle3_pipeline.verifier.decode_attention import gqa_decode_attention
 
     class Layer(torch.nn.Module):
         num_key_value_groups = 2
@@ -501,7 +501,7 @@ def test_the_decoding_attention_is_the_triton_kernel_on_a_gpu_and_the_matmuls_on
     CPU (and on a GPU without Triton); the variable overrides both."""
     import importlib.util
 
-    from common.verifier.decode_attention import chosen_way
+    from eagle3_pipeline.verifier.decode_attention import chosen_way
 
     monkeypatch.delenv("EAGLE3_DECODE_ATTENTION", raising=False)
     assert chosen_way(on_gpu=False) == "matmul"
@@ -518,8 +518,8 @@ def test_a_triton_kernel_that_cannot_run_stops_the_run_or_leaves_it_to_the_matmu
     import logging
 
     use_triton_interpreter(monkeypatch)
-    from common.verifier import decode_attention, triton_decode
-    from common.verifier.loading import load_verifier_model
+    from eagle3_pipeline.verifier import decode_attention, triton_decode
+    from eagle3_pipeline.verifier.loading import load_verifier_model
 
     model = load_verifier_model(str(smollm2), "cpu", "float32")
     triton_decode.problem_with.cache_clear()
@@ -544,7 +544,7 @@ def test_a_triton_kernel_that_cannot_run_stops_the_run_or_leaves_it_to_the_matmu
 def test_triton_decode_blocks_fit_the_shared_memory_of_small_gpus():
     """The K/V tiles of every pipeline stage stay within TILE_BYTES (SM120 GPUs have about 100 KB a block): the
     swept block of 128 at SmolLM2's bf16 heads of 64, smaller ones for wider heads and float32."""
-    from common.verifier.triton_decode import TILE_BYTES, block_for
+    from eagle3_pipeline.verifier.triton_decode import TILE_BYTES, block_for
 
     assert block_for(64, 2, 128, 2) == 128
     assert block_for(128, 2, 128, 2) == 64 and block_for(64, 4, 128, 2) == 64
@@ -560,8 +560,8 @@ def test_triton_decode_attention_skips_hidden_blocks_and_keeps_bfloat16_rounding
     import torch
 
     use_triton_interpreter(monkeypatch)
-    from common.verifier.decode_attention import matmul_attention
-    from common.verifier.triton_decode import OPTIONS, launch, triton_decode_attention
+    from eagle3_pipeline.verifier.decode_attention import matmul_attention
+    from eagle3_pipeline.verifier.triton_decode import OPTIONS, launch, triton_decode_attention
 
     torch.manual_seed(0)
     block = OPTIONS["block"]
@@ -586,7 +586,7 @@ def test_triton_decode_attention_keeps_the_loop_token_for_token(smollm2, monkeyp
     """EAGLE3_DECODE_ATTENTION=triton (in Triton's interpreter here): the loop's float32 greedy replies on
     SmolLM2 are still generate's, token for token, and its compiled decoding step is one graph per batch
     shape with the kernel inside (fullgraph=True: a graph break raises)."""
-    from common.verifier.loading import load_tokenizer
+    from eagle3_pipeline.verifier.loading import load_tokenizer
 
     use_triton_interpreter(monkeypatch)
     graphs = record_compiled_decoding_steps(monkeypatch)
@@ -602,7 +602,7 @@ def test_triton_decode_attention_keeps_the_loop_token_for_token(smollm2, monkeyp
 def test_auto_engine_is_static_on_a_gpu_and_generate_on_a_cpu():
     """A static cache is compiled on a GPU (3x generate on an H200) but measured 1.7x slower than generate on a
     CPU, so the default picks by device; an engine named explicitly is kept."""
-    from common.data.responders import resolve_engine
+    from eagle3_pipeline.data.responders import resolve_engine
 
     assert resolve_engine("auto", ["cpu"]) == "generate"
     assert resolve_engine("auto", ["cuda:0", "cuda:1"]) == "static"

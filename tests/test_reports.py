@@ -26,7 +26,7 @@ def offline_results(rates, turns=2, tokens=48, created="2026-01-01T00:00:00Z", s
 
 
 def test_every_panel_has_axis_labels_and_the_figure_names_its_setting():
-    from common.bench.plots import build_figure
+    from eagle3_pipeline.bench.plots import build_figure
 
     fig = build_figure(offline_results([0.5, 0.25, None]))
     assert "drafter best" in fig._suptitle.get_text() and "prompts mt_bench.jsonl" in fig._suptitle.get_text()
@@ -43,7 +43,7 @@ def test_every_panel_has_axis_labels_and_the_figure_names_its_setting():
 
 
 def test_the_fallback_png_leaves_undefined_positions_blank():
-    from common.bench.plots import render_bar_png
+    from eagle3_pipeline.bench.plots import render_bar_png
 
     blank = render_bar_png([("a", ["1", "2"], [0.5, None])])
     zero = render_bar_png([("a", ["1", "2"], [0.5, 0.0])])
@@ -51,7 +51,7 @@ def test_the_fallback_png_leaves_undefined_positions_blank():
 
 
 def test_stage_04_curves_are_drawn_from_metrics_jsonl(tmp_path):
-    from common.train.plots import build_training_figure, write_training_curves
+    from eagle3_pipeline.train.plots import build_training_figure, write_training_curves
 
     metrics = tmp_path / "metrics.jsonl"
     lines = [{"kind": "train", "step": s, "epoch": 0, "loss": 3.0 - 0.1 * s, "sim_accept_len": 1.1 + 0.05 * s,
@@ -74,7 +74,7 @@ def test_stage_04_curves_are_drawn_from_metrics_jsonl(tmp_path):
 
 
 def test_the_index_lists_every_run_newest_first_and_marks_noisy_speedups(tmp_path):
-    from common.bench.report import write_index, write_reports
+    from eagle3_pipeline.bench.report import write_index, write_reports
 
     write_reports(tmp_path, "bench_offline_k3_t0", offline_results([0.5, 0.25, None]))
     write_reports(tmp_path, "bench_offline_k2_t0", offline_results(
@@ -98,7 +98,7 @@ def test_the_index_lists_every_run_newest_first_and_marks_noisy_speedups(tmp_pat
 
 @pytest.mark.parametrize("mode", ["server", "eval"])
 def test_other_modes_get_labelled_plots_too(mode):
-    from common.bench.plots import build_figure
+    from eagle3_pipeline.bench.plots import build_figure
 
     results = {"mode": mode, "settings": {"draft_checkpoint": "best", "temperature": 0.0, "concurrency": 2,
                                           "num_steps": 3},

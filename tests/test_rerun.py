@@ -1,5 +1,5 @@
 """Rerunning one stage needs only what changes: stage 05 takes the flags its last run and the stages before it
-recorded in the run directory (common/cli/recorded.py); run_pipeline.py --status and a --run-dir that is no
+recorded in the run directory (eagle3_pipeline/cli/recorded.py); run_pipeline.py --status and a --run-dir that is no
 run directory answer with exit 2 and a message."""
 from __future__ import annotations
 
@@ -25,7 +25,7 @@ def run_pipeline(*args: str):
 
 def _upstream_run(run, stories260k):
     """A run directory whose stages 01 and 04 recorded their flags in real manifests (04 the nearest)."""
-    from common.formats.manifest import Manifest
+    from eagle3_pipeline.formats.manifest import Manifest
 
     Manifest(run / "data", "01_prepare_data", {"model_path": "/elsewhere/old-verifier", "trust_remote_code": False,
                                                "chat_template": str(run / "template.jinja")}).complete()
@@ -105,7 +105,7 @@ def test_status_of_a_folder_that_holds_no_run_says_so(tmp_path):
 
 
 def test_status_of_stage_04_reads_its_metrics_in_words(tmp_path):
-    from common.cli.run_status import training_progress
+    from eagle3_pipeline.cli.run_status import training_progress
 
     metrics = tmp_path / "metrics.jsonl"
     long_list = [round(0.1 * j, 6) for j in range(40)]  # a line far longer than a status line

@@ -1,4 +1,4 @@
-"""Stage 02's SGLang backend (patches/sglang_capture.py, common/extract/sglang_backend.py), without a GPU.
+"""Stage 02's SGLang backend (patches/sglang_capture.py, eagle3_pipeline/extract/sglang_backend.py), without a GPU.
 
 Four kinds of checks:
   * the source of every SGLang release the hooks are checked against (patches/sglang_releases.py: 0.5.17 and
@@ -33,7 +33,7 @@ import patches
 import sglang_source as src
 from conftest import REPO, save_tiny_deepseek_v3
 from sglang_standin import SGLangStyleTextModel, StandinForwardMode, pack
-from common.errors import UsageError
+from eagle3_pipeline.errors import UsageError
 from patches.sglang_capture import (ACTIVE_FILE, CAPTURE_MODE, ERROR_FILE, FORWARD_BATCH_FIELDS, JOURNAL_FILE,
                                     TEXT_MODEL_ATTRIBUTES, CaptureError, CaptureHooks, CapturePlan, sample_rid)
 from patches.sglang_releases import CHECKED_VERSIONS, NEWEST, RELEASES, release_for, version_problem
@@ -72,7 +72,7 @@ def test_the_checked_releases_are_the_ones_setup_env_provides():
     assert list(CHECKED_VERSIONS) == sorted(CHECKED_VERSIONS, key=lambda v: tuple(map(int, v.split("."))))
     # Any mention of an installable sglang in the repository names a checked release.
     for path in [*REPO.glob("*.md"), *REPO.glob("*.txt"), *REPO.glob("docs/*.md"), *REPO.glob("scripts/*.*"),
-                 *REPO.glob("scripts/lab/*.*"), *REPO.glob("common/**/*.py"), *REPO.glob("patches/*.py")]:
+                 *REPO.glob("scripts/lab/*.*"), *REPO.glob("eagle3_pipeline/**/*.py"), *REPO.glob("patches/*.py")]:
         for version in re.findall(r"sglang==([0-9][0-9A-Za-z.]*)", path.read_text()):
             assert version in CHECKED_VERSIONS, f"{path} names sglang=={version}"
 
@@ -112,8 +112,8 @@ class _Warnings(logging.Handler):
 
 
 def test_the_backend_dispatches_on_the_installed_release(monkeypatch):
-    from common.log import get_logger
-    from common.extract.sglang_backend import check_sglang_installed, engine_kwargs, installed_release
+    from eagle3_pipeline.log import get_logger
+    from eagle3_pipeline.extract.sglang_backend import check_sglang_installed, engine_kwargs, installed_release
 
     config = kimi_config()
     for version in CHECKED_VERSIONS:
@@ -142,8 +142,8 @@ def test_the_backend_dispatches_on_the_installed_release(monkeypatch):
 
 
 def test_layer_zero_is_refused_where_the_release_cannot_capture_it(stories260k, monkeypatch):
-    from common.verifier.loading import read_verifier_info
-    from common.extract.sglang_backend import SUPPORTED_ARCHITECTURES, check_sglang_verifier
+    from eagle3_pipeline.verifier.loading import read_verifier_info
+    from eagle3_pipeline.extract.sglang_backend import SUPPORTED_ARCHITECTURES, check_sglang_verifier
 
     info = read_verifier_info(str(stories260k), with_tokenizer_hash=False)  # a Llama
     model_path = str(stories260k)
@@ -254,7 +254,7 @@ def test_decoder_layers_capture_their_input_before_attention(checked_sglang, nam
 
 
 def test_the_verifier_classes_run_the_hooked_text_models(checked_sglang):
-    from common.extract.sglang_backend import SUPPORTED_ARCHITECTURES
+    from eagle3_pipeline.extract.sglang_backend import SUPPORTED_ARCHITECTURES
 
     sg, models = checked_sglang, "sglang.srt.models."
     assert {model.name for model in sg.release.text_models} == set(TEXT_MODELS) == set(SUPPORTED_ARCHITECTURES.values())
@@ -338,7 +338,7 @@ def test_every_module_of_the_hooks_package_is_safe_for_sglang_to_import():
 
 
 def test_engine_settings_and_calls_exist_in_each_release(checked_sglang):
-    from common.extract.sglang_backend import engine_kwargs
+    from eagle3_pipeline.extract.sglang_backend import engine_kwargs
     from patches.sglang_releases import SHARED_CAPTURE_SETTINGS
 
     sg = checked_sglang
@@ -366,7 +366,7 @@ def test_engine_settings_and_calls_exist_in_each_release(checked_sglang):
 
 
 def test_layer_id_rules_of_each_release(checked_sglang):
-    """What common/formats/layer_ids.captured_layers encodes, as written in each release's source."""
+    """What eagle3_pipeline/formats/layer_ids.captured_layers encodes, as written in each release's source."""
     sg, models = checked_sglang, "sglang.srt.models."
     llama = src.source_of(sg.find_method(models + "llama", "LlamaForCausalLM", "set_eagle3_layers_to_capture"))
     assert "[2, num_layers // 2, num_layers - 3]" in llama and "[val + 1 for val in layer_ids]" in llama
@@ -377,7 +377,7 @@ def test_layer_id_rules_of_each_release(checked_sglang):
                                         "set_eagle3_layers_to_capture"))
     assert "self.language_model.set_eagle3_layers_to_capture(layer_ids)" in kimi
 
-    from common.formats.layer_ids import captured_layers, eagle_ids_for
+    from eagle3_pipeline.formats.layer_ids import captured_layers, eagle_ids_for
 
     assert captured_layers("LlamaForCausalLM", [1, 14, 26], 30) == [2, 15, 27]
     assert captured_layers("KimiK25ForConditionalGeneration", [1, 29, 57], 61) == [2, 30, 58]
@@ -390,7 +390,7 @@ def test_layer_id_rules_of_each_release(checked_sglang):
 
 
 def test_server_benchmark_reads_what_each_release_returns(checked_sglang):
-    from common.bench.server import SERVER_INFO_PATHS
+    from eagle3_pipeline.bench.server import SERVER_INFO_PATHS
 
     sg = checked_sglang
     manager = src.source_of(sg.parse("sglang.srt.managers.tokenizer_manager"))
@@ -436,9 +436,9 @@ def _prepared(folder: Path, lengths: list[int], seed: int = 0) -> Path:
 
 
 def _setup(model_dir: Path, tmp_path: Path, layers: list[int], lengths: list[int]):
-    from common.formats.prepared_data import read_prepared_data
-    from common.verifier.capture import find_text_model
-    from common.verifier.loading import load_verifier_model
+    from eagle3_pipeline.formats.prepared_data import read_prepared_data
+    from eagle3_pipeline.verifier.capture import find_text_model
+    from eagle3_pipeline.verifier.loading import load_verifier_model
 
     data = _prepared(tmp_path / "data", lengths)
     samples, _ = read_prepared_data(data, 512, 2048)
@@ -457,8 +457,8 @@ def _setup(model_dir: Path, tmp_path: Path, layers: list[int], lengths: list[int
 def test_capture_hooks_on_hf_models_in_sglang_calling_convention(which, verifiers, tmp_path):
     """Forwards as SGLang runs them: one request alone (exact), several packed with a request that is not stage
     02's in between, a decode forward (untouched), and a prefill of an already written sample (written once)."""
-    from common.extract.output import scan_output
-    from common.formats.hidden_states import AUX_FILES, FINAL_FILE, META_FILE, SAMPLE_FILES
+    from eagle3_pipeline.extract.output import scan_output
+    from eagle3_pipeline.formats.hidden_states import AUX_FILES, FINAL_FILE, META_FILE, SAMPLE_FILES
 
     layers = [0, 2, 4]  # the embedding output, a middle layer's input, the last layer's input
     lengths = [13, 9, 21, 1, 16, 7]
@@ -509,7 +509,7 @@ def test_capture_hooks_on_hf_models_in_sglang_calling_convention(which, verifier
 def test_capture_refuses_nonfinite_states_naming_the_sample_and_layer(verifiers, tmp_path):
     """NaN in the residual stream of one packed request: the hooks stop before writing anything of the batch and
     name that request's sample and the first captured layer that holds it, as the hf backend does."""
-    from common.verifier.capture import find_text_model
+    from eagle3_pipeline.verifier.capture import find_text_model
 
     model, text, samples, plan = _setup(verifiers["stories"], tmp_path, [1, 2, 3], [8, 6])
     hooks = CaptureHooks([1, 2, 3], plan.open_writer, on_error=plan.record_error).install(SGLangStyleTextModel)
@@ -589,7 +589,7 @@ def test_the_prepared_data_is_read_when_the_model_is_built_not_in_the_first_forw
 
     hooks = CaptureHooks([1, 2, 3], open_writer, on_error=plan.record_error).install(SGLangStyleTextModel)
     try:
-        from common.verifier.capture import find_text_model
+        from eagle3_pipeline.verifier.capture import find_text_model
 
         text = SGLangStyleTextModel(find_text_model(model).base)  # as SGLang builds the model, before any forward
         assert hooks.wait_ready(timeout=60)
@@ -626,8 +626,8 @@ def test_the_hooks_refuse_an_sglang_other_than_the_one_stage02_checked(tmp_path,
 
 
 def test_journal_follower_and_request_order(tmp_path):
-    from common.formats.prepared_data import Sample
-    from common.extract.sglang_backend import JournalFollower, request_chunks
+    from eagle3_pipeline.formats.prepared_data import Sample
+    from eagle3_pipeline.extract.sglang_backend import JournalFollower, request_chunks
 
     path = tmp_path / JOURNAL_FILE
     follower = JournalFollower(path)
@@ -651,8 +651,8 @@ def test_stage02_backend_sglang_refuses_before_any_engine_starts(stories260k, tm
     a message naming the fix, before reading the data or starting an engine."""
     import importlib.util
 
-    from common.extract.sglang_backend import check_sglang_verifier
-    from common.verifier.loading import read_verifier_info
+    from eagle3_pipeline.extract.sglang_backend import check_sglang_verifier
+    from eagle3_pipeline.verifier.loading import read_verifier_info
 
     spec = importlib.util.spec_from_file_location("stage02_sglang", REPO / "02_extract_hidden_states.py")
     stage02 = importlib.util.module_from_spec(spec)
@@ -684,9 +684,9 @@ def test_stage02_backend_sglang_refuses_before_any_engine_starts(stories260k, tm
 
 def _hidden_states_folder(folder: Path, samples, tensors) -> Path:
     """A finished stage-02 output holding `tensors[i]` (aux_0, aux_1, aux_2, final) for sample i."""
-    from common.extract.writer import write_samples
-    from common.formats.hidden_states import write_index
-    from common.formats.manifest import Manifest
+    from eagle3_pipeline.extract.writer import write_samples
+    from eagle3_pipeline.formats.hidden_states import write_index
+    from eagle3_pipeline.formats.manifest import Manifest
 
     folder.mkdir(parents=True)
     write_samples(folder, samples, tensors)
@@ -698,7 +698,7 @@ def _hidden_states_folder(folder: Path, samples, tensors) -> Path:
 def test_check_script_needs_cosine_above_0999_per_file_and_names_the_worst(tmp_path):
     import importlib.util
 
-    from common.formats.prepared_data import read_prepared_data
+    from eagle3_pipeline.formats.prepared_data import read_prepared_data
 
     spec = importlib.util.spec_from_file_location("check_sglang_capture", REPO / "scripts" / "check_sglang_capture.py")
     check = importlib.util.module_from_spec(spec)
@@ -740,8 +740,8 @@ def standin_engine(installed_checked_sglang, monkeypatch):
     """Stage 02 --backend sglang with tests/sglang_standin.StandinEngine in its engine process. Stand-ins (no GPU
     here): the engine, one visible GPU of 80 GiB. Everything else (preflight, plan, supervision, hooks, writer,
     manifest) is the stage's own."""
-    from common.extract import sglang_backend
-    from common.verifier import sglang_engine
+    from eagle3_pipeline.extract import sglang_backend
+    from eagle3_pipeline.verifier import sglang_engine
 
     monkeypatch.setattr(sglang_engine, "SGLANG_ENGINE", "sglang_standin:StandinEngine")
     monkeypatch.setattr(sglang_backend, "visible_gpu_count", lambda: 1)
@@ -756,8 +756,8 @@ def standin_engine(installed_checked_sglang, monkeypatch):
 
 def test_stage02_sglang_run_through_the_supervised_engine_process(standin_engine, stories260k, tmp_path,
                                                                   monkeypatch):
-    from common.formats.hidden_states import open_hidden_states
-    from common.extract import sglang_backend
+    from eagle3_pipeline.formats.hidden_states import open_hidden_states
+    from eagle3_pipeline.extract import sglang_backend
 
     import sglang_standin
     from patches.sglang_capture import PLAN_ENV
@@ -793,7 +793,7 @@ def test_stage02_runs_each_release_with_its_own_settings(standin_engine, stories
     """With 0.5.17 installed the engine gets 0.5.17's settings (the stand-in refuses any name that release's
     ServerArgs lacks, read from its source); an untested release runs only with --allow-untested-sglang, warned,
     with the newest checked release's settings. The manifest records the version and the release table used."""
-    from common.formats.files import read_json
+    from eagle3_pipeline.formats.files import read_json
 
     release = release_for(installed)
     src.release_source(release.version)  # what the stand-in checks the settings against (skips when absent)
@@ -822,8 +822,8 @@ def test_stage02_reports_a_hooks_failure_in_the_engine_process_and_resumes(stand
     and marks its manifest failed. The printed command then finishes the run."""
     import shlex
 
-    from common.formats.files import read_json
-    from common.formats.hidden_states import open_hidden_states
+    from eagle3_pipeline.formats.files import read_json
+    from eagle3_pipeline.formats.hidden_states import open_hidden_states
     from sglang_standin import FAIL_AT_ENV
 
     stage02, write_prepared_data = standin_engine
@@ -857,7 +857,7 @@ def test_stage02_reports_a_hooks_failure_in_the_engine_process_and_resumes(stand
 
 
 def test_capture_memory_for_kimi_is_taken_off_the_memory_fraction_or_refused():
-    from common.extract.sglang_backend import capture_memory
+    from eagle3_pipeline.extract.sglang_backend import capture_memory
 
     gpu = 96 * 2**30  # an SM120 RTX PRO 6000 of the Kimi deployment
     weights = 547 * 10**9 // 8  # Kimi-K2.5 int4 over 8 GPUs

@@ -1,15 +1,16 @@
-"""SGLang engine settings (common/verifier/sglang_settings.py): stage 02's --attention-backend, --sampling-backend and
---sglang-arg reach sglang.Engine's keyword arguments and the manifest, are checked against the installed release's
-own server_args.py before anything loads, and the serving command printed by scripts/sglang_launch_command.py takes
-the same spelling. The installed release is read as text (tests/sglang_source.py); nothing of SGLang is imported."""
+"""SGLang engine settings (eagle3_pipeline/verifier/sglang_settings.py): stage 02's --attention-backend,
+--sampling-backend and --sglang-arg reach sglang.Engine's keyword arguments and the manifest, are checked against the
+installed release's own server_args.py before anything loads, and the serving command printed by
+scripts/sglang_launch_command.py takes the same spelling. The installed release is read as text
+(tests/sglang_source.py); nothing of SGLang is imported."""
 from __future__ import annotations
 
 import pytest
 
 import sglang_source as src
-from common.errors import UsageError
-from common.verifier.sglang_settings import (as_launch_arguments, chosen_settings, parse_sglang_args,
-                                             server_arg_names)
+from eagle3_pipeline.errors import UsageError
+from eagle3_pipeline.verifier.sglang_settings import (as_launch_arguments, chosen_settings, parse_sglang_args,
+                                                      server_arg_names)
 
 
 @pytest.fixture
@@ -51,7 +52,7 @@ def test_chosen_settings_take_the_backends_and_refuse_what_a_stage_flag_sets():
 
 
 def test_engine_kwargs_carry_the_settings_and_the_installed_release_checks_their_names(installed_sglang):
-    from common.extract.sglang_backend import check_engine_settings, engine_kwargs
+    from eagle3_pipeline.extract.sglang_backend import check_engine_settings, engine_kwargs
     from patches.sglang_releases import NEWEST
 
     config = stage02_config("--attention-backend", "triton", "--sampling-backend", "pytorch",
@@ -74,7 +75,7 @@ def test_stage02_refuses_a_misspelled_engine_setting_before_the_verifier_loads(i
                                                                              tmp_path, monkeypatch):
     """The real stage 02 script: the bad name is named with the closest real one, exit 2, nothing written but the
     log. Stand-in (no GPU here): one visible GPU."""
-    from common.extract import sglang_backend
+    from eagle3_pipeline.extract import sglang_backend
     from test_extract import stage02, write_prepared_data
 
     monkeypatch.setattr(sglang_backend, "visible_gpu_count", lambda: 1)
@@ -99,7 +100,7 @@ def test_launch_arguments_spell_settings_as_sglang_flags():
 def test_launch_command_takes_the_machine_settings(installed_sglang, tmp_path):
     from test_launch_command import kimi_drafter, kimi_folder
 
-    from common.verifier.sglang_launch import build_launch_command
+    from eagle3_pipeline.verifier.sglang_launch import build_launch_command
 
     verifier = kimi_folder(tmp_path / "kimi")
     drafter = kimi_drafter(tmp_path / "d", verifier, [2, 30, 58])

@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from common.formats.files import write_json_atomic
+from eagle3_pipeline.formats.files import write_json_atomic
 from conftest import REPO, run_script
 from test_train import ONE_THREAD, build_run, train_argv
 
@@ -36,7 +36,7 @@ def _script():
 
 
 def _need_specforge():
-    from common.peer.specforge import INSTALL_HINT, specforge_importable
+    from eagle3_pipeline.peer.specforge import INSTALL_HINT, specforge_importable
 
     if not specforge_importable():
         pytest.skip(f"SpecForge is not installed ({INSTALL_HINT})")
@@ -55,8 +55,8 @@ def run_dir(stories260k, tmp_path_factory) -> Path:
 @pytest.fixture(scope="module")
 def trained(run_dir, stories260k):
     """The recipe run in this process (the test needs SpecForge's trained model object), float32 for exactness."""
-    from common.cli.stage import setup_logging
-    from common.peer.specforge_run import run_recipe
+    from eagle3_pipeline.cli.stage import setup_logging
+    from eagle3_pipeline.peer.specforge_run import run_recipe
 
     script = _script()
     args = script.parse(["--run-dir", str(run_dir), "--device", "cpu", "--dtype", "float32", "--max-steps",
@@ -94,9 +94,9 @@ def test_recipe_takes_our_settings_and_split_and_records_the_run(run_dir, traine
 
 
 def test_export_is_exact_and_stage05_loads_it(run_dir, trained, stories260k):
-    from common.model.checkpoint import check_drafter_dir, load_drafter
-    from common.formats.hidden_states import load_sample, open_hidden_states
-    from common.verifier.loading import read_embedding_tensors
+    from eagle3_pipeline.model.checkpoint import check_drafter_dir, load_drafter
+    from eagle3_pipeline.formats.hidden_states import load_sample, open_hidden_states
+    from eagle3_pipeline.verifier.loading import read_embedding_tensors
 
     recipe, results = trained
     best = Path(results["drafter"])
@@ -259,9 +259,9 @@ def test_a_full_plan_trains_every_sample_once_per_epoch(run_dir, trained, storie
     """Three samples, two epochs: six steps, each sample twice, and not reported as stopped early."""
     import logging
 
-    from common.peer import specforge, specforge_export
-    from common.peer.specforge_run import drafter_config_for, plan_run, train
-    from common.verifier.loading import read_embedding_tensors, read_verifier_info
+    from eagle3_pipeline.peer import specforge, specforge_export
+    from eagle3_pipeline.peer.specforge_run import drafter_config_for, plan_run, train
+    from eagle3_pipeline.verifier.loading import read_embedding_tensors, read_verifier_info
 
     plan = plan_run(run_dir, run_dir / "checkpoints", {"epochs": 2, "dtype": "float32"}, "cpu")
     plan.train_entries = plan.train_entries[:3]
@@ -283,7 +283,7 @@ def test_a_full_plan_trains_every_sample_once_per_epoch(run_dir, trained, storie
 def test_requirements_pin_the_specforge_release_the_recipe_is_written_for():
     import re
 
-    from common.peer.specforge import SPECFORGE_VERSION
+    from eagle3_pipeline.peer.specforge import SPECFORGE_VERSION
 
     requirements = (REPO / "requirements-test.txt").read_text()
     assert re.search(rf"^specforge=={re.escape(SPECFORGE_VERSION)}\s*(;.*)?$", requirements, re.M), requirements

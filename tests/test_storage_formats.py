@@ -1,5 +1,5 @@
-"""Stage 02's storage formats (common/formats/storage.py) end to end on stories260K, on CPU: FP8 aux layers with
-per-token scales and top-k targets, written by the real stage 02, read by stage 04 (which learns from them and
+"""Stage 02's storage formats (eagle3_pipeline/formats/storage.py) end to end on stories260K, on CPU: FP8 aux layers
+with per-token scales and top-k targets, written by the real stage 02, read by stage 04 (which learns from them and
 resumes exactly) and by stage 05 --mode eval; and the refusals (an unknown format, two formats in one folder)."""
 from __future__ import annotations
 
@@ -11,11 +11,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from common.errors import UsageError
-from common.formats.files import read_json, write_json_atomic
-from common.formats.hidden_states import estimate_disk_bytes, load_sample, open_hidden_states
-from common.formats.storage import (FP8_MAX, StorageFormat, dequantize_fp8, format_of_manifest, id_dtype,
-                                    quantize_fp8)
+from eagle3_pipeline.errors import UsageError
+from eagle3_pipeline.formats.files import read_json, write_json_atomic
+from eagle3_pipeline.formats.hidden_states import estimate_disk_bytes, load_sample, open_hidden_states
+from eagle3_pipeline.formats.storage import (FP8_MAX, StorageFormat, dequantize_fp8, format_of_manifest, id_dtype,
+                                             quantize_fp8)
 from conftest import REPO
 from test_train import _load_module, crash_at, final_weights, records, train_argv, write_prepared_data
 
@@ -194,7 +194,7 @@ def test_writing_in_the_calling_thread_gives_the_same_files_and_repair_keeps_the
                                                                                       tmp_path):
     """--num-workers 0 (no writer processes) writes the very bytes the writer processes wrote; the repair command
     a damaged sample's error names carries the format's flags (without them the rerun would be refused)."""
-    from common.formats.hidden_states import rerun_command
+    from eagle3_pipeline.formats.hidden_states import rerun_command
 
     run = tmp_path / "inline"
     shutil.copytree(runs["fp8_topk"] / "data", run / "data")

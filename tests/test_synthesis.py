@@ -1,4 +1,4 @@
-"""Stage 01 --synthesize (common/data/user_turns.py, prompt_filters.py, turn_samplers.py, synthesis.py): user
+"""Stage 01 --synthesize (eagle3_pipeline/data/user_turns.py, prompt_filters.py, turn_samplers.py, synthesis.py): user
 turns written by the verifier from its chat template's opening, on real tokenizers and models.
 """
 from __future__ import annotations
@@ -15,10 +15,10 @@ import pytest
 
 from conftest import REPO, STORIES_TEMPLATE, TWO_TURN_PROMPTS
 from test_prepare_data import read_jsonl, smol_tokenizer, stage  # noqa: F401  (two fixtures)
-from common.data.prompt_filters import KEPT, PromptFilters
-from common.data.synthesis import SAMPLES_FILE, SYNTHESIS_FILE, round_seed
-from common.data.user_turns import (UserTurnFormat, template_special_tokens, user_turn_closing, user_turn_opening,
-                                    user_turn_prefix)
+from eagle3_pipeline.data.prompt_filters import KEPT, PromptFilters
+from eagle3_pipeline.data.synthesis import SAMPLES_FILE, SYNTHESIS_FILE, round_seed
+from eagle3_pipeline.data.user_turns import (UserTurnFormat, template_special_tokens, user_turn_closing,
+                                             user_turn_opening, user_turn_prefix)
 
 SCRIPT = "01_prepare_data.py"
 # Kimi's layout: role tokens, <|im_middle|> before the content, <|im_end|> after it, a default system prompt.
@@ -103,7 +103,7 @@ def test_a_sampled_turn_is_cut_at_its_end_and_keeps_leaked_template_tokens(kimi_
 # --- the filters --------------------------------------------------------------------------------------
 
 def test_filters_drop_planted_duplicates_loops_leaks_and_benchmark_prompts(smol_tokenizer):
-    from common.data.inputs import excluded_prompt_hashes
+    from eagle3_pipeline.data.inputs import excluded_prompt_hashes
 
     fmt = UserTurnFormat.of(smol_tokenizer, {smol_tokenizer.eos_token_id})
     benchmark = json.loads(TWO_TURN_PROMPTS.read_text().splitlines()[0])["turns"][0]
@@ -140,8 +140,8 @@ def test_filters_drop_planted_duplicates_loops_leaks_and_benchmark_prompts(smol_
 def test_synthesis_on_smollm2_equals_a_hand_written_sampling_loop(stage, tmp_path, smollm2, smol_tokenizer):
     import torch
 
-    from common.data.chat_tokenizer import end_of_turn_ids
-    from common.verifier.loading import load_verifier_model
+    from eagle3_pipeline.data.chat_tokenizer import end_of_turn_ids
+    from eagle3_pipeline.verifier.loading import load_verifier_model
 
     out = tmp_path / "out"
     args = ["--model-path", str(smollm2), "--synthesize", "3", "--synthesize-temperature", "0.9",
@@ -181,7 +181,7 @@ def test_synthesis_on_smollm2_equals_a_hand_written_sampling_loop(stage, tmp_pat
     # Every made conversation was trained on with the reply made beside its prompt (reused, not regenerated).
     assert manifest["regeneration"]["reused"] == 3 and manifest["regeneration"]["generated"] == 0
     made = [e for e in rounds if e["messages"]][:3]
-    from common.data.records import prompt_hash
+    from eagle3_pipeline.data.records import prompt_hash
 
     hashes = set((out / "train_prompt_hashes.txt").read_text().split())
     assert hashes == {prompt_hash(e["messages"][0]["content"]) for e in made}
@@ -200,10 +200,9 @@ def test_synthesize_needs_regenerate_and_a_chat_template(stage, tmp_path, storie
 
 def test_synthesis_through_an_endpoint_sends_the_opening_as_token_ids(stage, tmp_path, stories260k,
                                                                       stories_tokenizer):
-    sys.path.insert(0, str(REPO / "tests"))
     from openai_server import ModelServer
 
-    from common.verifier.loading import load_verifier_model
+    from eagle3_pipeline.verifier.loading import load_verifier_model
 
     bodies: list[dict] = []
     model = load_verifier_model(str(stories260k), "cpu", "float32")

@@ -20,9 +20,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from common.formats.manifest import MANIFEST, Manifest
-from common.formats.files import read_json, write_json_atomic
-from common.verifier.loading import read_verifier_info
+from eagle3_pipeline.formats.manifest import MANIFEST, Manifest
+from eagle3_pipeline.formats.files import read_json, write_json_atomic
+from eagle3_pipeline.verifier.loading import read_verifier_info
 from conftest import REPO, run_script
 
 pytestmark = pytest.mark.usefixtures("one_intra_op_thread")
@@ -138,7 +138,7 @@ def stage04():
 # --- batching, split, schedule, pointers (no model needed) ----------------------------------------------
 
 def test_batch_plan_packs_by_length_under_the_token_budget_and_is_seeded():
-    from common.train.data import plan_batches
+    from eagle3_pipeline.train.data import plan_batches
 
     generator = torch.Generator().manual_seed(3)
     lengths = torch.randint(5, 200, (500,), generator=generator).tolist()
@@ -155,7 +155,7 @@ def test_batch_plan_packs_by_length_under_the_token_budget_and_is_seeded():
 
 
 def test_validation_split_is_by_sample_seeded_and_independent_of_index_order():
-    from common.train.data import split_train_val
+    from eagle3_pipeline.train.data import split_train_val
 
     ids = [f"id{i}" for i in range(200)]
     train, val = split_train_val(ids, 0.1, seed=0)
@@ -169,7 +169,7 @@ def test_validation_split_is_by_sample_seeded_and_independent_of_index_order():
 
 @pytest.mark.parametrize("kind", ["cosine", "linear", "constant"])
 def test_scheduler_warms_up_then_decays(kind):
-    from common.train.optimizer import make_scheduler
+    from eagle3_pipeline.train.optimizer import make_scheduler
 
     param = torch.nn.Parameter(torch.zeros(1))
     optimizer = torch.optim.AdamW([param], lr=1.0)
@@ -196,7 +196,7 @@ def _fake_checkpoint(root: Path, name: str, step: int) -> None:
 
 @pytest.mark.parametrize("symlinks", [True, False])
 def test_pointers_and_pruning(tmp_path, monkeypatch, symlinks):
-    from common.train.checkpoints import CheckpointManager
+    from eagle3_pipeline.train.checkpoints import CheckpointManager
 
     if not symlinks:  # a filesystem without symlinks (fault injected: os.symlink raises as it would there)
         def no_symlink(*args, **kwargs):
@@ -263,8 +263,8 @@ def trained(run_a, nested_verifier, tmp_path_factory) -> Path:
 
 @pytest.mark.slow
 def test_training_learns_and_writes_sglang_ready_checkpoints(trained, run_a, nested_verifier):
-    from common.model.checkpoint import check_drafter_dir
-    from common.formats.hidden_states import open_hidden_states
+    from eagle3_pipeline.model.checkpoint import check_drafter_dir
+    from eagle3_pipeline.formats.hidden_states import open_hidden_states
 
     train, evals = records(trained, "train"), records(trained, "eval")
     # The loss falls and the agreement with the verifier rises, at every TTT step, on held-out samples.
@@ -318,8 +318,8 @@ def test_training_learns_and_writes_sglang_ready_checkpoints(trained, run_a, nes
 def test_fp8_training_learns_like_bf16_and_exports_the_same_format(trained, run_a, stories260k, tmp_path):
     """Stage 04 --fp8 on the same data (CPU FP8 GEMMs; the intermediate size made a multiple of 16 so every
     GEMM runs in FP8): the validation agreement rises as in the full-precision run and checkpoints pass."""
-    from common.model.checkpoint import check_drafter_dir
-    from common.formats.hidden_states import open_hidden_states
+    from eagle3_pipeline.model.checkpoint import check_drafter_dir
+    from eagle3_pipeline.formats.hidden_states import open_hidden_states
 
     out = tmp_path / "fp8"
     # Half the full run's epochs: torch's CPU FP8 GEMM is a slow reference kernel (0.3 s for 512 x 64 x 176), and
@@ -345,7 +345,7 @@ def test_embedding_and_lm_head_are_the_only_tensors_read(nested_verifier, storie
     """A spy (not a mock: the real safe_open reads the real files) records every shard opened and tensor read."""
     import safetensors
 
-    from common.verifier.loading import read_embedding_tensors
+    from eagle3_pipeline.verifier.loading import read_embedding_tensors
 
     opened, read = [], []
     real_safe_open = safetensors.safe_open
@@ -513,7 +513,7 @@ def test_a_signal_stops_after_the_step_with_a_checkpoint_and_resume_continues_ex
 @pytest.mark.slow
 def test_weights_only_resume_would_be_caught(run_a, stories260k, stage04, tmp_path, monkeypatch):
     """Negative control for the test above: resuming only the weights (SpecForge #496) gives other results."""
-    from common.train import checkpoints, trainer
+    from eagle3_pipeline.train import checkpoints, trainer
 
     whole, broken = tmp_path / "whole", tmp_path / "broken"
     assert stage04.main(train_argv(run_a, whole, stories260k, **RESUME_FLAGS)) == 0
@@ -588,10 +588,10 @@ def test_unfinished_hidden_states_are_refused(run_a, stories260k, stage04, tmp_p
 
 
 def test_finetune_from_a_drafter_of_another_shape_is_refused(run_a, stories260k, stage04, tmp_path):
-    from common.model.config import DrafterConfig
-    from common.model.drafter import Eagle3Drafter
-    from common.model.checkpoint import save_drafter
-    from common.formats.hidden_states import open_hidden_states
+    from eagle3_pipeline.model.config import DrafterConfig
+    from eagle3_pipeline.model.drafter import Eagle3Drafter
+    from eagle3_pipeline.model.checkpoint import save_drafter
+    from eagle3_pipeline.formats.hidden_states import open_hidden_states
 
     manifest, _ = open_hidden_states(run_a / "hidden_states")
     info = read_verifier_info(str(stories260k))
@@ -644,10 +644,10 @@ def test_resume_with_other_settings_is_refused(run_a, stories260k, stage04, tmp_
 @pytest.mark.slow
 def test_finetune_from_trained_drafter_and_evaluate_reproduces_validation(trained, run_a, nested_verifier,
                                                                           stories260k, stage04, tmp_path):
-    from common.model.checkpoint import load_drafter
-    from common.formats.hidden_states import load_sample, open_hidden_states
-    from common.train.step import evaluate
-    from common.verifier.loading import read_embedding_tensors
+    from eagle3_pipeline.model.checkpoint import load_drafter
+    from eagle3_pipeline.formats.hidden_states import load_sample, open_hidden_states
+    from eagle3_pipeline.train.step import evaluate
+    from eagle3_pipeline.verifier.loading import read_embedding_tensors
 
     # evaluate() on the held-out samples (single samples, as stage 05 --mode eval may pass them) reproduces
     # what training logged for the best checkpoint: the export, the load and the metric agree.
@@ -703,8 +703,8 @@ def test_padding_batches_to_a_multiple_changes_shapes_not_training(run_a, storie
     """--pad-batches-to (64 by default on a GPU, so that batch shapes repeat; 1 on a CPU): batch lengths are
     multiples of it (FP8's alignment kept), a padded batch stays within --max-tokens-per-batch, and the padded
     tokens change neither the losses nor the validation where the plan is the same (decided by --batch-size)."""
-    from common.train.data import batch_length_multiple, collate, plan_batches, round_up
-    from common.train.inputs import default_pad_batches_to
+    from eagle3_pipeline.train.data import batch_length_multiple, collate, plan_batches, round_up
+    from eagle3_pipeline.train.inputs import default_pad_batches_to
 
     assert (default_pad_batches_to("cuda:0"), default_pad_batches_to("cpu")) == (64, 1)
     assert [batch_length_multiple(*case) for case in ((64, False), (64, True), (1, True), (1, False))] == [64, 64, 16, 1]
@@ -734,7 +734,7 @@ def test_min_steps_puts_fewer_sequences_in_a_step_until_the_plan_gives_enough(ru
     """--min-steps (default 2000): a plan that gives fewer optimizer steps puts fewer sequences in each micro-batch
     (one at least) and records the cap, so that a resume plans the same; enough steps: no change. A resume whose
     --min-steps gives another cap is refused, naming the run's value."""
-    from common.train.data import sequences_for_min_steps
+    from eagle3_pipeline.train.data import sequences_for_min_steps
 
     lengths, unlimited = [100] * 40, 1 << 30  # ten sequences fill a 1,000-token batch: 4 batches an epoch
     assert sequences_for_min_steps(lengths, 1000, unlimited, 2, 1, 8, seed=0) == unlimited  # 8 steps already
@@ -767,10 +767,10 @@ def test_min_steps_puts_fewer_sequences_in_a_step_until_the_plan_gives_enough(ru
 
 def test_a_checkpoint_failing_its_check_stops_the_run(stories260k, tmp_path):
     """check_drafter_dir runs after every save; a failure raises and `latest` keeps the last good folder."""
-    from common.model.config import DrafterConfig
-    from common.model.drafter import Eagle3Drafter
-    from common.model.checkpoint import check_drafter_dir
-    from common.train.checkpoints import CheckpointManager
+    from eagle3_pipeline.model.config import DrafterConfig
+    from eagle3_pipeline.model.drafter import Eagle3Drafter
+    from eagle3_pipeline.model.checkpoint import check_drafter_dir
+    from eagle3_pipeline.train.checkpoints import CheckpointManager
 
     info = read_verifier_info(str(stories260k))
     model = Eagle3Drafter(DrafterConfig.from_verifier(info, 512, [1, 2, 3]))
@@ -792,15 +792,15 @@ def test_bf16_resume_restores_fp32_master_weights_and_moments(run_a, stories260k
     """The GPU configuration (bf16 parameters, fp32 master weights and moments in the optimizer), run on CPU
     at the Trainer level: a resumed run must end bit-identical, which needs the fp32 optimizer state back
     in fp32 (torch's load_state_dict alone casts it to bf16)."""
-    from common.model.config import DrafterConfig
-    from common.model.drafter import Eagle3Drafter
-    from common.formats.hidden_states import open_hidden_states
-    from common.train.data import HiddenStateDataset
-    from common.train.parameters import cast_parameters
-    from common.train.step import TrainConfig
-    from common.train.trainer import LoopConfig, Trainer
-    from common.verifier.loading import read_embedding_tensors
-    from common.formats.vocab_map import load_mapping
+    from eagle3_pipeline.model.config import DrafterConfig
+    from eagle3_pipeline.model.drafter import Eagle3Drafter
+    from eagle3_pipeline.formats.hidden_states import open_hidden_states
+    from eagle3_pipeline.train.data import HiddenStateDataset
+    from eagle3_pipeline.train.parameters import cast_parameters
+    from eagle3_pipeline.train.step import TrainConfig
+    from eagle3_pipeline.train.trainer import LoopConfig, Trainer
+    from eagle3_pipeline.verifier.loading import read_embedding_tensors
+    from eagle3_pipeline.formats.vocab_map import load_mapping
 
     manifest, entries = open_hidden_states(run_a / "hidden_states")
     info = read_verifier_info(str(stories260k))
@@ -841,7 +841,7 @@ def test_init_from_verifier_layer_starts_the_layer_as_the_verifiers_last(run_a, 
     decoder layer (q/k/v on the hidden half of the input, zeros on the embedding half; o_proj, MLP and norms as
     they are); with training it learns; a layer shape the drafter does not have, and --finetune-from, are refused."""
     from safetensors.torch import load_file
-    from common.verifier.loading import read_layer_tensors, read_verifier_info
+    from eagle3_pipeline.verifier.loading import read_layer_tensors, read_verifier_info
 
     last = read_verifier_info(str(stories260k)).num_layers - 1
     verifier = read_layer_tensors(str(stories260k), last)

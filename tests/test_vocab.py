@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import torch
 
-from common.formats.vocab_map import load_mapping, select_draft_vocab
+from eagle3_pipeline.formats.vocab_map import load_mapping, select_draft_vocab
 from conftest import run_script
 
 DRAFT = 2000

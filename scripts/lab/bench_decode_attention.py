@@ -4,32 +4,32 @@
 Stage 01's "static" and "loop" engines decode one token per row against a StaticCache of the batch's full
 width, with a padding mask. transformers' SDPA attention would repeat every key/value head for its query
 group (repeat_kv: SDPA's own GQA support is used only without a mask); the engines instead fold the groups
-(common.verifier.decode_attention). The ways, on the same tensors:
+(eagle3_pipeline.verifier.decode_attention). The ways, on the same tensors:
 
   repeat   what transformers does with a mask: K/V repeated to the query heads, then SDPA
   gqa      SDPA with enable_gqa=True on the unrepeated K/V
   folded   the query heads of a group folded into the query length ([B, kv, group, D]): every K/V head
            is read once, by a query block of `group` rows that share one position and one mask row (the
-           engines' way today: common.verifier.decode_attention.folded_decode_attention)
+           engines' way today: eagle3_pipeline.verifier.decode_attention.folded_decode_attention)
   matmul   the same folding as two batched matmuls and a softmax (no attention kernel: cuBLAS reads the
            cache as a batched matrix-vector product; the engines' EAGLE3_DECODE_ATTENTION=matmul candidate)
   reduce   the same folding as multiplies and sums, for inductor to fuse into reductions when compiled (eager it
            materialises every product, so time it with --compile); slower than matmul on an H200
   triton   the engines' way on a GPU: one Triton kernel, each K/V row read once with an online softmax,
-           nothing loaded where the mask hides (padding, the unwritten tail) (common.verifier.triton_decode);
+           nothing loaded where the mask hides (padding, the unwritten tail) (eagle3_pipeline.verifier.triton_decode);
            a custom op, so --compile keeps it whole
   flex     torch's FlexAttention, compiled, with the padding as a block mask and enable_gqa: at one query a
            row it runs its split-KV decoding kernel (the block mask is built once per shape, outside the timing)
 
 With --triton-sweep the triton way is also timed at each of its kernel's options (block, skip, num_warps,
-num_stages; common.verifier.triton_decode.OPTIONS is the one the engines run).
+num_stages; eagle3_pipeline.verifier.triton_decode.OPTIONS is the one the engines run).
 
 With --compile every way but flex is timed as torch.compile(dynamic=False) makes it, as the loop engine runs
 its decoding step (flex is compiled either way).
 
-Each is timed with CUDA events over --iters calls, after a warm-up, under common.model.kernels.sdpa_without_cudnn
-(as the engine runs), and checked against `repeat` (max abs difference). The lower bound printed beside them is
-one read of K and V at --bandwidth GB/s.
+Each is timed with CUDA events over --iters calls, after a warm-up, under
+eagle3_pipeline.model.kernels.sdpa_without_cudnn (as the engine runs), and checked against `repeat` (max abs
+difference). The lower bound printed beside them is one read of K and V at --bandwidth GB/s.
 
   python scripts/lab/bench_decode_attention.py [--shapes 1024x384,624x512,180x1280] [--heads 9 --kv-heads 3 --head-dim 64]
 
@@ -41,15 +41,12 @@ from __future__ import annotations
 import argparse
 import functools
 import itertools
-import sys
-from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
-from common.model.kernels import sdpa_without_cudnn  # noqa: E402
-from common.verifier.decode_attention import folded_decode_attention  # noqa: E402
+from eagle3_pipeline.model.kernels import sdpa_without_cudnn
+from eagle3_pipeline.verifier.decode_attention import folded_decode_attention
 
 
 def attention_repeat(q, k, v, mask):
@@ -103,7 +100,7 @@ def block_mask(mask):
 
 
 def attention_triton(q, k, v, mask):
-    from common.verifier.triton_decode import triton_decode_attention
+    from eagle3_pipeline.verifier.triton_decode import triton_decode_attention
 
     return triton_decode_attention(q, k, v, mask)
 
@@ -203,7 +200,7 @@ def main(argv=None) -> list[dict]:
 
 def triton_variants(dim: int):
     """(name, function) for each combination of the Triton kernel's options."""
-    from common.verifier.triton_decode import launch
+    from eagle3_pipeline.verifier.triton_decode import launch
 
     for block, skip, warps, stages in itertools.product((32, 64, 128), (True, False), (2, 4, 8), (None, 2, 3)):
         name = f"triton b{block} {'skip' if skip else 'masked'} w{warps} s{stages or '-'}"

@@ -4,8 +4,8 @@
 On the same synthetic batches, in one process, it measures (in the storage format stage 02's --aux-dtype,
 --targets and --target-topk ask for; bf16 aux + final by default):
   forward_only  the base model's forward (no LM head, nothing captured or copied), twice (before and after);
-  extraction    common.extract.extractor.Extractor.run, the exact code the stage runs: hooks, gather, side-stream
-                copies into page-locked staging buffers, writer processes saving .pt files;
+  extraction    eagle3_pipeline.extract.extractor.Extractor.run, the exact code the stage runs: hooks, gather,
+                side-stream copies into page-locked staging buffers, writer processes saving .pt files;
   naive         (optional) output_hidden_states=True, synchronous .cpu() copies, torch.save in the loop (bf16
                 aux + final whatever the format);
   disk          the raw sequential write rate of the output disk (one big file + fsync), before and after
@@ -37,18 +37,16 @@ import tempfile
 import time
 from pathlib import Path
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+import torch
 
-import torch  # noqa: E402
-
-from common.cli.flags import FLAGS  # noqa: E402
-from common.cli.parser import add_flags  # noqa: E402
-from common.extract.extractor import Extractor, forward_only, synchronize_all  # noqa: E402
-from common.extract.plan import batch_inputs, plan_batches  # noqa: E402
-from common.formats.hidden_states import SAMPLE_FILES  # noqa: E402
-from common.formats.prepared_data import Sample  # noqa: E402
-from common.formats.storage import format_of_flags  # noqa: E402
-from common.verifier.capture import find_text_model  # noqa: E402
+from eagle3_pipeline.cli.flags import FLAGS
+from eagle3_pipeline.cli.parser import add_flags
+from eagle3_pipeline.extract.extractor import Extractor, forward_only, synchronize_all
+from eagle3_pipeline.extract.plan import batch_inputs, plan_batches
+from eagle3_pipeline.formats.hidden_states import SAMPLE_FILES
+from eagle3_pipeline.formats.prepared_data import Sample
+from eagle3_pipeline.formats.storage import format_of_flags
+from eagle3_pipeline.verifier.capture import find_text_model
 
 # Random-weight verifiers of known shapes: extraction's speed does not depend on the weights' values.
 RANDOM_SHAPES = {
@@ -122,7 +120,7 @@ def build_random_llama(shape: str, device: str, dtype: torch.dtype):
 
 
 def load_model(args, device: str, compute_dtype: str):
-    from common.verifier.loading import load_verifier_model, read_verifier_info
+    from eagle3_pipeline.verifier.loading import load_verifier_model, read_verifier_info
 
     info = read_verifier_info(args.model_path, args.trust_remote_code, with_tokenizer_hash=False)
     return info, lambda: load_verifier_model(args.model_path, device, compute_dtype, args.trust_remote_code)
@@ -203,7 +201,7 @@ def main(argv=None) -> int:
         info, make_model = load_model(args, device, compute_dtype)
         num_layers, hidden, vocab = info.num_layers, info.hidden_size, info.vocab_size
         model_name = args.model_path
-    from common.formats.layer_ids import check_aux_layers, default_aux_layers
+    from eagle3_pipeline.formats.layer_ids import check_aux_layers, default_aux_layers
 
     layers = check_aux_layers([int(x) for x in args.aux_layers.split(",")] if args.aux_layers
                               else default_aux_layers(num_layers), num_layers)

@@ -3,8 +3,8 @@
 
 For micro-batches planned as stage 04 plans them (random token ids, lengths between --min-len and --max-len,
 at most --max-tokens-per-batch padded tokens, lengths rounded up to --pad-to), side by side in one run:
-  forward   the verifier's base model alone (common.verifier.capture.run_base), nothing kept;
-  states    common.train.online.OnlineStates.complete: one micro-batch's states (the forward with the aux-layer
+  forward   the verifier's base model alone (eagle3_pipeline.verifier.capture.run_base), nothing kept;
+  states    eagle3_pipeline.train.online.OnlineStates.complete: one micro-batch's states (the forward with the aux-layer
             capture, the rows gathered and laid out as a collated batch on the device), as validation makes them;
   pass      OnlineStates.complete_all over --batches-per-pass micro-batches at once, as training makes them
             (default: the number stage 04 takes for this verifier), per micro-batch;
@@ -20,20 +20,16 @@ import argparse
 import json
 import sys
 import time
-from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(REPO))
+import torch
 
-import torch  # noqa: E402
-
-from common.formats.layer_ids import default_aux_layers  # noqa: E402
-from common.formats.storage import StorageFormat  # noqa: E402
-from common.model.kernels import sdpa_without_cudnn  # noqa: E402
-from common.train.data import collate, plan_batches  # noqa: E402
-from common.train.online import OnlineStates, batches_per_pass  # noqa: E402
-from common.verifier.capture import find_text_model, run_base  # noqa: E402
-from common.verifier.loading import load_verifier_model, read_verifier_info  # noqa: E402
+from eagle3_pipeline.formats.layer_ids import default_aux_layers
+from eagle3_pipeline.formats.storage import StorageFormat
+from eagle3_pipeline.model.kernels import sdpa_without_cudnn
+from eagle3_pipeline.train.data import collate, plan_batches
+from eagle3_pipeline.train.online import OnlineStates, batches_per_pass
+from eagle3_pipeline.verifier.capture import find_text_model, run_base
+from eagle3_pipeline.verifier.loading import load_verifier_model, read_verifier_info
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -47,7 +43,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--pad-to", type=int, default=64)
     parser.add_argument("--batches", type=int, default=40)
     parser.add_argument("--warmup", type=int, default=5)
-    parser.add_argument("--batches-per-pass", type=int, default=0, help="default: common.train.online.batches_per_pass")
+    parser.add_argument("--batches-per-pass", type=int, default=0,
+                        help="default: eagle3_pipeline.train.online.batches_per_pass")
     parser.add_argument("--profile", action="store_true")
     return parser.parse_args(argv)
 

@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Speed of stage 01's regeneration engines (common.data.responders.HFResponder, --regenerate-engine).
+"""Speed of stage 01's regeneration engines (eagle3_pipeline.data.responders.HFResponder, --regenerate-engine).
 
 One run, the same prompts (the first user turns of --num-prompts conversations of a ShareGPT JSON / JSONL
 file, a seeded sample spread over it), greedy:
@@ -9,7 +9,7 @@ file, a seeded sample spread over it), greedy:
    - the static-cache engines, each twice on every prompt with one responder, as stage 01 keeps one: cold
      (the decoding step compiled) and warm (the rate a long stage 01 run sees, its pooled caches reused):
      "static" (transformers' generate over a StaticCache, the default on a GPU) and "loop" (our own
-     decoding loop over the same caches, common.data.decode_loop); their replies are compared with
+     decoding loop over the same caches, eagle3_pipeline.data.decode_loop); their replies are compared with
      "generate"'s (where differing ones part, and how far apart the model's logits of the two tokens are
      there: a bf16 tie, or a bug). Batches are packed by the token budget (--batch-size rows at the shortest width, fewer
      when wider), each with a cache of its own width; the warm call's batches (rows, padded width, cache
@@ -47,9 +47,6 @@ import sys
 import time
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[2]
-if str(REPO) not in sys.path:
-    sys.path.insert(0, str(REPO))
 
 # Llama-3.1-8B's shape (random weights: replies rarely stop early, the worst case for padded batches).
 LLAMA_8B = dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
@@ -115,8 +112,8 @@ def engine_list(text: str) -> tuple[str, ...]:
 
 def first_turns(data: str, count: int) -> list[list[dict]]:
     """The first user turns of `count` conversations of the file: a seeded sample spread over the whole file
-    (common.bench.prompts.load_prompts, as stage 05's --num-prompts), not its first lines."""
-    from common.bench.prompts import load_prompts
+    (eagle3_pipeline.bench.prompts.load_prompts, as stage 05's --num-prompts), not its first lines."""
+    from eagle3_pipeline.bench.prompts import load_prompts
 
     return [[{"role": "user", "content": prompt.turns[0]}] for prompt in load_prompts(data, count)]
 
@@ -143,7 +140,7 @@ def log_compile_hints() -> None:
 
 
 def make_responder(model, tokenizer, stop_ids, args, engine: str, batch_size: int, device: str):
-    from common.data.responders import HFResponder
+    from eagle3_pipeline.data.responders import HFResponder
 
     return HFResponder(lambda _device: model, tokenizer, stop_ids, args.max_new_tokens, 0.0, batch_size,
                        args.max_prompt_tokens, devices=[device], engine=engine)
@@ -182,7 +179,7 @@ def forward_rate(model, device: str, batch: int, length: int) -> float:
     """Tokens/s of the forward pass alone (random tokens, one full batch, after two warm-ups)."""
     import torch
 
-    from common.model.kernels import sdpa_without_cudnn
+    from eagle3_pipeline.model.kernels import sdpa_without_cudnn
 
     vocab = model.get_input_embeddings().num_embeddings
     ids = torch.randint(min(10, vocab - 1), min(1000, vocab), (batch, length), device=device)
@@ -219,7 +216,7 @@ def parting_margins(model, tokenizer, prompts: list, a: list, b: list, device: s
     conversation's prompt text (HFResponder.render), None where it has none."""
     import torch
 
-    from common.model.kernels import sdpa_without_cudnn
+    from eagle3_pipeline.model.kernels import sdpa_without_cudnn
 
     def reply_tokens(prompt_ids: list, prompt: str, reply: str) -> list | None:
         ids = list(tokenizer(prompt + reply, add_special_tokens=False)["input_ids"])
@@ -279,7 +276,7 @@ def profile_last_batch(responder, conversations: list, device: str) -> dict:
     total and per decoding step), and the top ops by device time and by CPU time."""
     from torch.profiler import ProfilerActivity, profile
 
-    from common.train.profiling import device_busy_seconds
+    from eagle3_pipeline.train.profiling import device_busy_seconds
 
     batch = last_batch(responder, conversations)
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.startswith("cuda") else [])
@@ -378,7 +375,7 @@ def ratios(part: dict) -> dict:
 def fp32_check(args, tokenizer, stop_ids, conversations, device, found: dict, save) -> dict:
     """Float32: each static-cache engine's replies against "generate"'s, token for token (compared as decoded
     text of the same rows), into `found` {engine: counts} (saved after each)."""
-    from common.verifier.loading import load_verifier_model
+    from eagle3_pipeline.verifier.loading import load_verifier_model
 
     model = load_verifier_model(args.model_path, device, "float32")
     subset = conversations[:args.fp32_check_prompts]
@@ -525,9 +522,9 @@ def main(argv=None) -> int:
     import torch
     import transformers
 
-    from common.data.chat_tokenizer import end_of_turn_ids
-    from common.formats.files import write_json_atomic, write_text_atomic
-    from common.verifier.loading import load_tokenizer, load_verifier_model, pick_device, resolve_model_path
+    from eagle3_pipeline.data.chat_tokenizer import end_of_turn_ids
+    from eagle3_pipeline.formats.files import write_json_atomic, write_text_atomic
+    from eagle3_pipeline.verifier.loading import load_tokenizer, load_verifier_model, pick_device, resolve_model_path
 
     args = parse_args(argv)
     args.out.mkdir(parents=True, exist_ok=True)

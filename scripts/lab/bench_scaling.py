@@ -36,7 +36,6 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(REPO))
 
 SHAPES = {  # Llama shapes for --random-llama (vocabulary and widths as the real models)
     "tiny": dict(hidden_size=64, num_hidden_layers=6, num_attention_heads=4, num_key_value_heads=2,
@@ -128,8 +127,8 @@ def write_prepared_data(run: Path, model_path: str, args) -> Path:
     """Stage 01's output without stage 01: random token ids, loss on the last three quarters of each sample.
     Kept when --work-dir already holds it for the same settings (so a later call can reuse its stage 02)."""
     import torch
-    from common.formats.manifest import Manifest
-    from common.verifier.loading import read_verifier_info
+    from eagle3_pipeline.formats.manifest import Manifest
+    from eagle3_pipeline.verifier.loading import read_verifier_info
 
     data_dir = run / "data"
     key = {"model": model_path, "num_samples": args.num_samples, "min_len": args.min_len, "max_len": args.max_len,

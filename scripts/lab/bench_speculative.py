@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Speed of stage 05's speculative decoding loop (common.bench.speculative) on one GPU, batch 1.
+"""Speed of stage 05's speculative decoding loop (eagle3_pipeline.bench.speculative) on one GPU, batch 1.
 
 For each prompt: the same loop without drafting (plain_decode), transformers' generate, and speculative
 decoding with a drafter, all greedy (the speculative output is checked token for token against
@@ -34,11 +34,7 @@ import sys
 import time
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[2]
-if str(REPO) not in sys.path:
-    sys.path.insert(0, str(REPO))
-
-import torch  # noqa: E402
+import torch
 
 PROMPTS = ["Write a short story about a robot who learns to paint.",
            "Explain how a rainbow forms, step by step.",
@@ -84,10 +80,10 @@ class OracleDrafter(torch.nn.Module):
 
 
 def build_drafter(args, verifier, info, device, dtype):
-    from common.model.checkpoint import load_drafter
-    from common.formats.layer_ids import default_aux_layers
-    from common.model.config import DrafterConfig
-    from common.model.drafter import Eagle3Drafter
+    from eagle3_pipeline.model.checkpoint import load_drafter
+    from eagle3_pipeline.formats.layer_ids import default_aux_layers
+    from eagle3_pipeline.model.config import DrafterConfig
+    from eagle3_pipeline.model.drafter import Eagle3Drafter
 
     embed = verifier.get_input_embeddings().weight.detach()
     if args.draft_model_path:
@@ -105,7 +101,7 @@ def build_drafter(args, verifier, info, device, dtype):
 
 def timed(fn, device, repeats: int) -> float:
     """Median seconds of fn() over `repeats` runs, synchronised."""
-    from common.bench.decoding import synchronize
+    from eagle3_pipeline.bench.decoding import synchronize
 
     times = []
     for _ in range(repeats):
@@ -120,9 +116,9 @@ def timed(fn, device, repeats: int) -> float:
 @torch.inference_mode()
 def component_costs(verifier, drafter, ids, k: int, device, repeats: int) -> dict:
     """Seconds per verifier forward (1 and k+1 tokens on a cache), drafter step and extend."""
-    from common.model.drafter import DrafterCache
-    from common.bench.verifier_runner import VerifierRunner
-    from common.verifier.capture import LayerInputCapture, decoder_layers, whole
+    from eagle3_pipeline.model.drafter import DrafterCache
+    from eagle3_pipeline.bench.verifier_runner import VerifierRunner
+    from eagle3_pipeline.verifier.capture import LayerInputCapture, decoder_layers, whole
 
     runner = VerifierRunner(verifier)
     cache = runner.new_cache()
@@ -183,17 +179,17 @@ def main(argv=None) -> int:
                         help="random weights at the shape of --model-path's config.json (timing only)")
     parser.add_argument("--cudnn-attention", action="store_true",
                         help="let PyTorch pick cuDNN's attention for the verifier (EAGLE3_CUDNN_ATTENTION=1), "
-                             "which the loops otherwise switch off (common.model.kernels.sdpa_without_cudnn)")
+                             "which the loops otherwise switch off (eagle3_pipeline.model.kernels.sdpa_without_cudnn)")
     parser.add_argument("--hf-mask", action="store_true",
                         help="verify with transformers' own causal mask instead of the explicit one")
     args = parser.parse_args(argv)
     if args.cudnn_attention:
         os.environ["EAGLE3_CUDNN_ATTENTION"] = "1"
 
-    from common.bench.prompts import has_chat_template, render_conversation
-    from common.bench.decoding import hf_generate, plain_decode
-    from common.bench.speculative import SpeculativeDecoder
-    from common.verifier.loading import load_tokenizer, load_verifier_model, read_verifier_info
+    from eagle3_pipeline.bench.prompts import has_chat_template, render_conversation
+    from eagle3_pipeline.bench.decoding import hf_generate, plain_decode
+    from eagle3_pipeline.bench.speculative import SpeculativeDecoder
+    from eagle3_pipeline.verifier.loading import load_tokenizer, load_verifier_model, read_verifier_info
 
     device = torch.device(args.device)
     dtype = getattr(torch, args.dtype)
@@ -268,7 +264,7 @@ def random_verifier(model_path: str, device, dtype):
     """A causal LM at the shape of model_path's config.json, randomly initialised (seed 0)."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from common.verifier.loading import resolve_model_path
+    from eagle3_pipeline.verifier.loading import resolve_model_path
 
     folder, _ = resolve_model_path(model_path)
     config = AutoConfig.from_pretrained(folder)

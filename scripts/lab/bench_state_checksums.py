@@ -3,10 +3,10 @@
 without comparing each file's CRC32 with the one stage 02 recorded (docs/training.md, reading the hidden states).
 
 Writes `--samples` samples of `--tokens` tokens at hidden size `--hidden` (bf16 aux_0..2 + final, stage 02's own
-writer) into a temporary folder, then reads them through stage 04's dataset (common.train.data.HiddenStateDataset)
-twice after a warm-up read: files in the page cache, so the figures are the host's work, not the disk's (reading
-from a disk costs the same with or without the check: the check reads the bytes first, the load then finds them
-cached). Prints one JSON line.
+writer) into a temporary folder, then reads them through stage 04's dataset
+(eagle3_pipeline.train.data.HiddenStateDataset) twice after a warm-up read: files in the page cache, so the figures are
+the host's work, not the disk's (reading from a disk costs the same with or without the check: the check reads the bytes
+first, the load then finds them cached). Prints one JSON line.
 
   python scripts/lab/bench_state_checksums.py --hidden 4096 --tokens 1024 --samples 16
 """
@@ -14,19 +14,16 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 import tempfile
 import time
 from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
-
-from common.extract.writer import write_sample  # noqa: E402
-from common.formats.hidden_states import sample_path  # noqa: E402
-from common.formats.prepared_data import Sample  # noqa: E402
-from common.train.data import HiddenStateDataset  # noqa: E402
+from eagle3_pipeline.extract.writer import write_sample
+from eagle3_pipeline.formats.hidden_states import sample_path
+from eagle3_pipeline.formats.prepared_data import Sample
+from eagle3_pipeline.train.data import HiddenStateDataset
 
 
 def write_samples(folder: Path, count: int, tokens: int, hidden: int) -> list[dict]:

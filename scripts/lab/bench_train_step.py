@@ -1,12 +1,12 @@
 #!/usr/bin/env python3
 """Benchmark one full EAGLE-3 drafter training step: tokens/s, peak GPU memory, MFU.
 
-The timed step is stage 04's own: common.train.step.train_step (ttt_loss from common.train.loss + backward +
-grad clip + optimizer step + scheduler), with the optimizer stage 04 builds (common.train.optimizer.make_optimizer)
-unless --optimizer says otherwise. Inputs are synthetic and already on the device: aux [B,S,3H] and final
-[B,S,H] hidden states (bf16), random input ids, all-ones masks, a random verifier lm_head [V,H], and a
-vocabulary map of the Vd most frequent verifier-argmax tokens of the batch (as stage 03 builds it from
-real data; it keeps nearly every position in the loss, like real data does).
+The timed step is stage 04's own: eagle3_pipeline.train.step.train_step (ttt_loss from eagle3_pipeline.train.loss +
+backward + grad clip + optimizer step + scheduler), with the optimizer stage 04 builds
+(eagle3_pipeline.train.optimizer.make_optimizer) unless --optimizer says otherwise. Inputs are synthetic and already on
+the device: aux [B,S,3H] and final [B,S,H] hidden states (bf16), random input ids, all-ones masks, a random verifier
+lm_head [V,H], and a vocabulary map of the Vd most frequent verifier-argmax tokens of the batch (as stage 03 builds it
+from real data; it keeps nearly every position in the loss, like real data does).
 
 Shapes (drafter = one Llama layer at the verifier's width; peer numbers are SpecForge 0.2.0 on one H200):
   smollm2  H 576,  9 heads, 3 KV, intermediate 1536,  V 49152
@@ -39,11 +39,7 @@ import subprocess
 import sys
 import time
 import traceback
-from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[2]
-if str(REPO) not in sys.path:
-    sys.path.insert(0, str(REPO))
 
 H200_PEAK_BF16_FLOPS = 989e12
 RESULT_FILE = "bench_train_step.jsonl"
@@ -112,11 +108,11 @@ def memory_estimate_gib(cfg, trainable: int, seq: int, ttt: int, master: bool, o
 def run_one(args) -> dict:
     import torch
 
-    from common.model import drafter as D
-    from common.model.config import DrafterConfig
-    from common.model.kernels import fuse_elementwise
-    from common.train import optimizer as O
-    from common.train.loss import store_ce_gradients, ttt_loss
+    from eagle3_pipeline.model import drafter as D
+    from eagle3_pipeline.model.config import DrafterConfig
+    from eagle3_pipeline.model.kernels import fuse_elementwise
+    from eagle3_pipeline.train import optimizer as O
+    from eagle3_pipeline.train.loss import store_ce_gradients, ttt_loss
 
     rec = {"bench": "bench_train_step", "shape": args.shape, "seq_len": args.seq_len, "batch_size": args.batch_size,
            "ttt_steps": args.ttt_steps, "draft_vocab_size": args.draft_vocab, "device": args.device,
@@ -183,8 +179,8 @@ def run_one(args) -> dict:
 
     # ---- optimizer + scheduler + step: stage 04's
     try:
-        from common.train import step as TR
-        from common.train.step import TrainConfig, train_step
+        from eagle3_pipeline.train import step as TR
+        from eagle3_pipeline.train.step import TrainConfig, train_step
     except ImportError:  # stage 04 not present: the same steps inline
         TR = None
     # stage04: master weights when the parameters are narrower than fp32, as stage 04 builds it
@@ -193,8 +189,8 @@ def run_one(args) -> dict:
     master = bool(getattr(optimizer, "master_weights", False))
     rec["optimizer"] = (f"{type(optimizer).__name__}(master_weights={master}, "
                         f"stochastic_rounding={getattr(optimizer, 'stochastic_rounding', None) and not master})")
-    rec["optimizer_source"] = "common.train.optimizer.make_optimizer" if args.optimizer == "stage04" else \
-        f"common.train.optimizer.make_optimizer({args.optimizer})"
+    rec["optimizer_source"] = "eagle3_pipeline.train.optimizer.make_optimizer" if args.optimizer == "stage04" else \
+        f"eagle3_pipeline.train.optimizer.make_optimizer({args.optimizer})"
     rec["memory_model"] = memory_estimate_gib(cfg, trainable, B * S, T, master, offload, mlp,
                                               rec["ce_grad_stored"])
     if TR is not None:
@@ -204,7 +200,7 @@ def run_one(args) -> dict:
 
         def step():
             return train_step(model, batch, optimizer, scheduler, lm_head, train_cfg)["loss"]
-        rec["code_path"] = "common.train.step.train_step (ttt_loss + backward + clip + optimizer + scheduler)"
+        rec["code_path"] = "eagle3_pipeline.train.step.train_step (ttt_loss + backward + clip + optimizer + scheduler)"
     else:
         params = [p for p in model.parameters() if p.requires_grad]
 
@@ -272,7 +268,7 @@ def run_one(args) -> dict:
         if "peak_mem_gib" in rec:
             rec["memory_vs_peer"] = round(rec["peak_mem_gib"] / peer[1], 3)
             rec["meets_target"] = rec["speedup_vs_peer"] >= 1.3 and rec["memory_vs_peer"] <= 0.7
-    from common.model.ttt_attention import _BACKEND_CACHE
+    from eagle3_pipeline.model.ttt_attention import _BACKEND_CACHE
     rec["ttt_attention_backend"] = os.environ.get("EAGLE3_TTT_ATTENTION") or sorted(set(_BACKEND_CACHE.values())) or None
     rec["loss_first"], rec["loss_last"] = losses[0], losses[-1]
     rec["status"] = "ok" if all(x == x and abs(x) != float("inf") for x in losses) else "nonfinite_loss"
@@ -380,13 +376,13 @@ def main(argv=None) -> int:
     p.add_argument("--device", default="cuda")
     p.add_argument("--dtype", choices=("bf16", "fp32"), default="bf16")
     p.add_argument("--optimizer", choices=("stage04", "sr", "master"), default="stage04",
-                   help="stage04: common.train.optimizer.make_optimizer (what stage 04 uses); sr: bf16 parameters with "
-                        "stochastic rounding, no master copy; master: fp32 master weights")
+                   help="stage04: eagle3_pipeline.train.optimizer.make_optimizer (what stage 04 uses); sr: bf16 "
+                        "parameters with stochastic rounding, no master copy; master: fp32 master weights")
     p.add_argument("--mlp-recompute", choices=("act", "gate_up", "none"), default="act",
                    help="act: keep gate/up outputs, recompute silu*up; gate_up: keep only the MLP input")
     p.add_argument("--ce-grad", choices=("auto", "store", "recompute"), default="auto",
                    help="soft-CE: keep the logits' gradient [S, Vd] per TTT step until backward (store) or "
-                        "recompute it there (recompute); auto: store for large drafters (common.train.loss."
+                        "recompute it there (recompute); auto: store for large drafters (eagle3_pipeline.train.loss."
                         "store_ce_gradients)")
     p.add_argument("--offload-embedding", choices=("auto", "on", "off"), default="auto",
                    help="keep the frozen [V,H] embedding in pinned CPU memory (auto: on CUDA when >= 256 MiB)")
@@ -397,7 +393,8 @@ def main(argv=None) -> int:
     p.add_argument("--fuse-elementwise", action="store_true",
                    help="the TTT step's elementwise ops as compiled islands (EAGLE3_FUSE_ELEMENTWISE=1, a candidate)")
     p.add_argument("--fp8", action="store_true",
-                   help="stage 04's --fp8: the drafter's GEMMs on FP8 tensor cores (common.model.kernels.Fp8Gemms)")
+                   help="stage 04's --fp8: the drafter's GEMMs on FP8 tensor cores "
+                        "(eagle3_pipeline.model.kernels.Fp8Gemms)")
     p.add_argument("--lr", type=float, default=1e-4)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--shape-json", default=None, help="JSON overrides of the shape, e.g. for a CPU smoke test")
@@ -414,9 +411,9 @@ def main(argv=None) -> int:
     if unknown:
         p.error(f"unknown shape(s) {unknown}; choose from {sorted(SHAPES)}")
     seq_lens = [int(x) for x in args.seq_lens.split(",") if x]
-    if args.ttt_attention != "auto":  # read by common.model.ttt_attention at every TTT attention call
+    if args.ttt_attention != "auto":  # read by eagle3_pipeline.model.ttt_attention at every TTT attention call
         os.environ["EAGLE3_TTT_ATTENTION"] = args.ttt_attention
-    if args.fuse_elementwise:  # read by common.model at every TTT unroll (children inherit it)
+    if args.fuse_elementwise:  # read by eagle3_pipeline.model at every TTT unroll (children inherit it)
         os.environ["EAGLE3_FUSE_ELEMENTWISE"] = "1"
     if args._child:
         args.shape, args.seq_len = shapes[0], seq_lens[0]

@@ -31,8 +31,6 @@ import sys
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
-if str(REPO) not in sys.path:
-    sys.path.insert(0, str(REPO))
 
 TAU_TARGET, TIME_TARGET = 1.05, 0.7
 CHAIN = ["--num-steps", "3", "--topk", "1", "--num-draft-tokens", "4", "--temperature", "0"]
@@ -121,14 +119,14 @@ def bench_output(args, drafter: str, prompt_set: str) -> Path:
 
 
 def bench_result(folder: Path) -> dict | None:
-    from common.bench.report import read_reports
+    from eagle3_pipeline.bench.report import read_reports
 
     found = [results for path, results in read_reports(folder, "bench_offline_") if "_tau" in path.stem]
     return found[-1] if found else None
 
 
 def eval_result(folder: Path) -> dict | None:
-    from common.bench.report import latest_report
+    from eagle3_pipeline.bench.report import latest_report
 
     return latest_report(folder, "bench_eval_")
 
@@ -168,7 +166,7 @@ def ratio(a, b):
 
 def paired_prompts(results: list[dict], folders: list[Path]) -> tuple[list, list]:
     """Both drafters' per-prompt (tokens, verify steps), paired by prompt id."""
-    from common.bench.metrics import tau_parts
+    from eagle3_pipeline.bench.metrics import tau_parts
 
     ours, theirs = ({p["id"]: tau_parts(p["summary"]) for p in r["prompts"]} for r in results)
     if ours.keys() != theirs.keys():
@@ -180,7 +178,7 @@ def paired_prompts(results: list[dict], folders: list[Path]) -> tuple[list, list
 
 def set_row(args, prompt_set: str) -> dict:
     """One prompt set's taus, their ratio and, when both drafters have a result, its spread over prompts."""
-    from common.bench.metrics import higher_lower_equal, paired_ratio_interval
+    from eagle3_pipeline.bench.metrics import higher_lower_equal, paired_ratio_interval
 
     folders = [bench_output(args, name, prompt_set) for name in drafters(args)]
     results = [bench_result(folder) for folder in folders]
@@ -203,7 +201,7 @@ def counts_cell(counts: list | None) -> str:
 
 
 def table(args) -> dict:
-    from common.formats.files import read_json, write_json_atomic, write_text_atomic
+    from eagle3_pipeline.formats.files import read_json, write_json_atomic, write_text_atomic
 
     if not (args.run_dir / "specforge" / "specforge_results.json").exists():
         die(f"no {args.run_dir / 'specforge' / 'specforge_results.json'}: run the train part first", 2)

@@ -14,6 +14,7 @@
 # Environment: PYTHON (.venv/bin/python), PROMPTS (2000, passed to cpu_recipe_levers.sh).
 set -euo pipefail
 cd "$(dirname "$0")/../.."
+export PYTHONPATH="$(pwd)${PYTHONPATH:+:$PYTHONPATH}"  # the repository's packages where it is not pip-installed
 ROOT=${1:-runs/mixed_replies}
 export PYTHON=${PYTHON:-.venv/bin/python} OMP_NUM_THREADS=1
 run() {  # $1 run name, $2 lanes, $3 stage-01 flags

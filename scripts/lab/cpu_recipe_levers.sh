@@ -11,7 +11,7 @@
 #             tau on the validation split (--mode eval), and chain 3-1-4 decoding (--tau-only, float32) of the
 #             held-out prompts at T=0 and at T=1. scripts/lab/run_lanes.py runs each lane into RUN/lanes/NAME (with
 #             its lane.json) and skips what is complete; a name is its changes joined by "_", in the grammar of
-#             common/lab/lanes.py (docs/lab.md), read against this script's recipe:
+#             eagle3_pipeline/lab/lanes.py (docs/lab.md), read against this script's recipe:
 #               default  EPOCHS epochs, lr LR, STEP_TOKENS-token steps, --loss kl, stage 04's --ttt-steps (3 since
 #                        2026-12-02; the lanes of results/2026-12-01-stories260k-cpu-levers.md ran with TTT 7)
 #               lrX      X times LR (lr3, lr10, ...)
@@ -39,6 +39,7 @@
 # own log in the lane's folder.
 set -euo pipefail
 cd "$(dirname "$0")/../.."
+export PYTHONPATH="$(pwd)${PYTHONPATH:+:$PYTHONPATH}"  # the repository's packages where it is not pip-installed
 RUN=${1:-runs/levers}
 PROMPTS=${PROMPTS:-2000}; EPOCHS=${EPOCHS:-4}; LR=${LR:-1e-3}; STEP_TOKENS=${STEP_TOKENS:-4096}
 LANES=${LANES:-"default lk specforge init epochs2 steps4 lr3 mlp lr10 lr30 lr3_steps4 lr3_epochs2 lr10_steps4"}; HELDOUT=${HELDOUT:-60}; NEW_TOKENS=${NEW_TOKENS:-128}

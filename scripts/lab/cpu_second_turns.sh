@@ -14,6 +14,7 @@
 # Environment: PYTHON (.venv/bin/python), PROMPTS (2000, passed to cpu_recipe_levers.sh).
 set -euo pipefail
 cd "$(dirname "$0")/../.."
+export PYTHONPATH="$(pwd)${PYTHONPATH:+:$PYTHONPATH}"  # the repository's packages where it is not pip-installed
 ROOT=${1:-runs/second_turns}
 PY=${PYTHON:-.venv/bin/python}
 export PYTHON=$PY LANES=default OMP_NUM_THREADS=1
@@ -25,8 +26,7 @@ mkdir -p "$ROOT/cross"
 "$PY" - "$ROOT" <<'EOF'
 import json, sys
 from pathlib import Path
-sys.path.insert(0, ".")
-from common.data.records import prompt_hash
+from eagle3_pipeline.data.records import prompt_hash
 
 root = Path(sys.argv[1])
 trained = set()
@@ -55,8 +55,7 @@ done
 "$PY" - "$ROOT" <<'EOF' | tee "$ROOT/cross/turns.md"
 import json, sys
 from pathlib import Path
-sys.path.insert(0, ".")
-from common.bench.metrics import summarize_generations
+from eagle3_pipeline.bench.metrics import summarize_generations
 
 root = Path(sys.argv[1]) / "cross"
 print("| held-out set | drafter trained on | T | tau | turn 1 | turn 2 |\n|---|---|---|---|---|---|")

@@ -4,14 +4,14 @@
 # (SmolLM2's GGUF, e.g. reassembled as ../shared/tools/device_smollm2.md says). Results: $OUT/{smol,llama8b}.
 set -euo pipefail
 cd "$(dirname "$0")/../.."
+export PYTHONPATH="$(pwd)${PYTHONPATH:+:$PYTHONPATH}"  # the repository's packages where it is not pip-installed
 GGUF=$1
 DENSE=${DENSE:-$(dirname "$GGUF")/smollm2-dense}
 WORK=${WORK:-$(dirname "$GGUF")/bench_work}
 export PYTHONUNBUFFERED=1
 [ -f "$DENSE/config.json" ] || python3 -c "
-import sys; sys.path.insert(0, '.')
 from pathlib import Path
-from common.verifier.loading import densify_gguf
+from eagle3_pipeline.verifier.loading import densify_gguf
 densify_gguf(Path('$GGUF'), Path('$DENSE'))"
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
 OUT=${OUT:-/tmp/out}

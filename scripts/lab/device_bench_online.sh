@@ -4,7 +4,7 @@
 # both at stage 04's defaults (TTT 3, micro-batches of 8192 tokens, bf16).
 #
 #   scripts/lab/device_bench_online.sh SMOLLM2_DIR [PART ...]
-#     SMOLLM2_DIR  a dense Hugging Face folder of SmolLM2-135M-Instruct (common.verifier.loading.densify_gguf
+#     SMOLLM2_DIR  a dense Hugging Face folder of SmolLM2-135M-Instruct (eagle3_pipeline.verifier.loading.densify_gguf
 #                  writes one from the GGUF of ../shared/tools/device_smollm2.md)
 #     PART         any of smollm2, smollm2_whole, llama8b, states (default: smollm2 llama8b), each a few minutes
 #                  on an H200: SmolLM2 at stage 04's --min-steps (2048 samples: micro-batches of one sequence, as
@@ -15,6 +15,7 @@
 # printed are the tokens/s ratio and both peak memories.
 set -uo pipefail
 cd "$(dirname "$0")/../.."
+export PYTHONPATH="$(pwd)${PYTHONPATH:+:$PYTHONPATH}"  # the repository's packages where it is not pip-installed
 SMOLLM2=$1; shift
 PARTS=${*:-smollm2 llama8b}
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"

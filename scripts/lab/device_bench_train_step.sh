@@ -20,6 +20,7 @@
 # TTT 7, draft vocabulary 32000, batch 1 throughout. scripts/lab/compare_train_step.py $OUT prints the table.
 set -uo pipefail
 cd "$(dirname "$0")/../.."
+export PYTHONPATH="$(pwd)${PYTHONPATH:+:$PYTHONPATH}"  # the repository's packages where it is not pip-installed
 PEER=$1; shift
 PARTS=${*:-ours peer}
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"

@@ -15,6 +15,7 @@
 # leave out. Writes $OUT/sglang_NAME.json (the check's summary) and $OUT/sglang_NAME.log (its output, tail).
 set -uo pipefail
 cd "$(dirname "$0")/../.."
+export PYTHONPATH="$(pwd)${PYTHONPATH:+:$PYTHONPATH}"  # the repository's packages where it is not pip-installed
 TOKENIZER=$1; shift
 PARTS=${*:-llama dsv3}
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"

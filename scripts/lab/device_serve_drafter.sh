@@ -19,6 +19,7 @@
 # logs and each stage-05 report under OUT_DIR/server_T<t>_c<c> and OUT_DIR/offline_T<t>.
 set -uo pipefail
 cd "$(dirname "$0")/../.."
+export PYTHONPATH="$(pwd)${PYTHONPATH:+:$PYTHONPATH}"  # the repository's packages where it is not pip-installed
 VERIFIER=$1; DRAFTER=$2; PROMPTS=$3; OUT_DIR=$4
 RUNS=${RUNS:-"0:1 0:8 1:8 1:1"}; OFFLINE_TEMPS=${OFFLINE_TEMPS:-"0 1"}; NEW_TOKENS=${NEW_TOKENS:-128}
 read -r STEPS TOPK DRAFT_TOKENS <<< "${CHAIN:-3 1 4}"

@@ -20,6 +20,7 @@
 # under OUT_DIR/<name>, and OUT_DIR/metrics_<server>.txt (each vLLM's /metrics at the end).
 set -uo pipefail
 cd "$(dirname "$0")/../.."
+export PYTHONPATH="$(pwd)${PYTHONPATH:+:$PYTHONPATH}"  # the repository's packages where it is not pip-installed
 VERIFIER=$1; DRAFTER=$2; PROMPTS=$3; OUT_DIR=$4; DATA_DIR=${5:-}
 RUNS=${RUNS-"0:8 0:1"}; TRAP_RUNS=${TRAP_RUNS-"0:8"}; OFFLINE_TEMPS=${OFFLINE_TEMPS-"0"}
 NEW_TOKENS=${NEW_TOKENS:-128}; SPEC_TOKENS=${SPEC_TOKENS:-3}; MEM=${MEM:-0.3}; SITE=${VLLM_SITE:-/tmp/site}

@@ -21,6 +21,7 @@
 # `cat drafter.tgz.part-* | tar xz -C WORK_DIR/run`.
 set -uo pipefail
 cd "$(dirname "$0")/../.."
+export PYTHONPATH="$(pwd)${PYTHONPATH:+:$PYTHONPATH}"  # the repository's packages where it is not pip-installed
 VERIFIER=$1; DATA=$2; WORK=$3
 if [ "${4:-}" = pack ]; then
   tar czf "$OUT/session.tgz" --ignore-failed-read --exclude='*.safetensors' --exclude='*.pt' -C "$WORK" session.log train.log \
@@ -46,7 +47,8 @@ HAVE_DRAFTER=0; [ -f "$WORK/run/checkpoints/best/config.json" ] && HAVE_DRAFTER=
 
 say "train: gpu_smollm2.sh STAGES=train$([ $HAVE_DRAFTER = 1 ] && echo ' (skipped: a drafter is there already)')"
 ( if [ $HAVE_DRAFTER = 1 ]; then  # no training; the servers still need the dense verifier
-    [ -f "$DENSE/config.json" ] || python3 -c "from pathlib import Path; from common.verifier.loading import densify_gguf
+    [ -f "$DENSE/config.json" ] || python3 -c "from pathlib import Path
+from eagle3_pipeline.verifier.loading import densify_gguf
 densify_gguf(Path('$VERIFIER'), Path('$DENSE'))"
     exit 0
   fi

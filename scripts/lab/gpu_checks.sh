@@ -25,6 +25,7 @@
 # Progress: OUT_DIR/checks.log; each step's own log beside it.
 set -euo pipefail
 cd "$(dirname "$0")/../.."
+export PYTHONPATH="$(pwd)${PYTHONPATH:+:$PYTHONPATH}"  # the repository's packages where it is not pip-installed
 VERIFIER=$1; DATA=$2; RUN=$3; DRAFTER=$4; OUT=$5
 PHASES=${PHASES:-"regen profile lossless"}; DECODE_WORKERS=${DECODE_WORKERS:-4}; PROFILE_STEPS=${PROFILE_STEPS:-20}
 WAIT_S=${WAIT_S:-1200}; REGEN_ARGS=${REGEN_ARGS:-}; PY=${PYTHON:-python3}; PROFILE_PADS=${PROFILE_PADS:-"1 64"}

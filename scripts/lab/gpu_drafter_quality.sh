@@ -10,7 +10,7 @@
 #   3. lanes    side by side, each lane a training on RUN followed by its benchmarks (acceptance only, no timing);
 #               LANES picks them (unset: "default epochs2 ttt7"). scripts/lab/run_lanes.py runs each into
 #               RUN/lanes/<lane> with its lane.json, skipping what is complete; what a name means is declared
-#               once, in common/lab/lanes.py (docs/lab.md), read against this script's recipe and knobs. At
+#               once, in eagle3_pipeline/lab/lanes.py (docs/lab.md), read against this script's recipe and knobs. At
 #               4,096-token steps and TTT 7 a lane trains about 10 minutes beside one to three others on an H200;
 #               six side by side share the GPU
 #               at about 75K tokens/s in all (3 steps/s each), so plan three or four lanes a session.
@@ -150,6 +150,7 @@
 # docs/results/2026-12-03-h200-lk-init-aux.md.
 set -euo pipefail
 cd "$(dirname "$0")/../.."
+export PYTHONPATH="$(pwd)${PYTHONPATH:+:$PYTHONPATH}"  # the repository's packages where it is not pip-installed
 VERIFIER=$1; DATA=$2; RUN=$3; SMALL_RUN=$RUN-small
 SAMPLES=${SAMPLES:-10000}; SMALL=${SMALL:-800}; EPOCHS=${EPOCHS:-4}; LR=${LR:-1e-3}; DATA_SAMPLES=${DATA_SAMPLES:-17000}; DATA_EPOCHS=${DATA_EPOCHS:-2}; DATA_EXTRA=${DATA_EXTRA:-}; DATA_TURNS=${DATA_TURNS:-2}; SMALL_STEP_TOKENS=${SMALL_STEP_TOKENS:-2048}
 SMALL_EVAL_RATIO=${SMALL_EVAL_RATIO:-0.1}; SMALL_CANDIDATE_FLAGS=${SMALL_CANDIDATE_FLAGS:-}

@@ -6,7 +6,7 @@
 # scripts/lab/storage_formats_table.py: bytes per token (written and on disk), stage 02 tokens/s and its ratio to the
 # forward pass alone, stage 04 tokens/s, chain tau and the teacher-forced agreement.
 # The four formats are the storage-format lanes bf16final (the base run's own extraction), fp8final, bf16topk and
-# fp8topk (common/lab/lanes.py, docs/lab.md; bf16_final and the like are their old spellings), run by
+# fp8topk (eagle3_pipeline/lab/lanes.py, docs/lab.md; bf16_final and the like are their old spellings), run by
 # scripts/lab/run_lanes.py into RUN_ROOT/<lane> with their lane.json; every lane trains with this script's
 # STEP_TOKENS. Extractions and trainings run alone on the GPU, one after another (their rates are compared); the
 # benchmarks (acceptance only, no timing) run side by side at the end.
@@ -27,6 +27,7 @@
 # without REGEN_CACHE stage 01 regenerates (~3 more minutes).
 set -euo pipefail
 cd "$(dirname "$0")/../.."
+export PYTHONPATH="$(pwd)${PYTHONPATH:+:$PYTHONPATH}"  # the repository's packages where it is not pip-installed
 VERIFIER=$1; DATA=$2; ROOT=$3; OUT=$4
 SAMPLES=${SAMPLES:-4000}; EPOCHS=${EPOCHS:-2}; TOPK=${TOPK:-64}; STEP_TOKENS=${STEP_TOKENS:-16384}
 NEW_TOKENS=${NEW_TOKENS:-128}; PHASES=${PHASES:-"data extract rate train bench table"}

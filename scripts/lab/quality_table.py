@@ -15,12 +15,10 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
-
-from common.figures import fmt as report_fmt  # noqa: E402
-from common.bench.report import read_reports, window_name  # noqa: E402
-from common.formats.files import read_json  # noqa: E402
-from common.lab.plan import LANE_FILE  # noqa: E402
+from eagle3_pipeline.figures import fmt as report_fmt
+from eagle3_pipeline.bench.report import read_reports, window_name
+from eagle3_pipeline.formats.files import read_json
+from eagle3_pipeline.lab.plan import LANE_FILE
 
 
 def fmt(value, digits: int = 2) -> str:

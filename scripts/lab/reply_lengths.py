@@ -21,19 +21,15 @@ import json
 import sys
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[2]
-if str(REPO) not in sys.path:
-    sys.path.insert(0, str(REPO))
+import torch
 
-import torch  # noqa: E402
-
-from common.bench.decoding import GenerationStats, hf_generate  # noqa: E402
-from common.bench.metrics import repetition_share  # noqa: E402
-from common.bench.prompts import has_chat_template, load_prompts, render_conversation  # noqa: E402
-from common.bench.report import markdown_table  # noqa: E402
-from common.data.chat_tokenizer import end_of_turn_ids  # noqa: E402
-from common.formats.files import write_json_atomic  # noqa: E402
-from common.verifier.loading import load_tokenizer, load_verifier_model  # noqa: E402
+from eagle3_pipeline.bench.decoding import GenerationStats, hf_generate
+from eagle3_pipeline.bench.metrics import repetition_share
+from eagle3_pipeline.bench.prompts import has_chat_template, load_prompts, render_conversation
+from eagle3_pipeline.bench.report import markdown_table
+from eagle3_pipeline.data.chat_tokenizer import end_of_turn_ids
+from eagle3_pipeline.formats.files import write_json_atomic
+from eagle3_pipeline.verifier.loading import load_tokenizer, load_verifier_model
 
 EARLY_WINDOW = 128  # the budget of the GPU runs before 2026-12-03
 

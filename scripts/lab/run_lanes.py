@@ -21,16 +21,14 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
-
-from common.errors import USAGE_ERROR, UsageError  # noqa: E402
-from common.cli.parser import StageArgumentParser  # noqa: E402
-from common.cli.pipeline import STAGES, split_shared_flags, stage_command, stage_named  # noqa: E402
-from common.lab.argv import check_known  # noqa: E402
-from common.lab.benchmarks import BENCHMARKS, BenchSettings, check_names  # noqa: E402
-from common.lab.lanes import PREPARE, SPECFORGE, Base, Knobs, describe_parts, lane_named  # noqa: E402
-from common.lab.plan import LanePlan, in_order, plan_lane, reruns  # noqa: E402
-from common.lab.run import PARTS, parse_step, run_lane  # noqa: E402
+from eagle3_pipeline.errors import USAGE_ERROR, UsageError
+from eagle3_pipeline.cli.parser import StageArgumentParser
+from eagle3_pipeline.cli.pipeline import STAGES, split_shared_flags, stage_command, stage_named
+from eagle3_pipeline.lab.argv import check_known
+from eagle3_pipeline.lab.benchmarks import BENCHMARKS, BenchSettings, check_names
+from eagle3_pipeline.lab.lanes import PREPARE, SPECFORGE, Base, Knobs, describe_parts, lane_named
+from eagle3_pipeline.lab.plan import LanePlan, in_order, plan_lane, reruns
+from eagle3_pipeline.lab.run import PARTS, parse_step, run_lane
 
 
 def runner_parser() -> StageArgumentParser:

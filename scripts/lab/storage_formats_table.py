@@ -4,9 +4,9 @@ the format, written by stage 02, and on disk from the sample records), stage 02 
 extraction against the forward pass alone (scripts/lab/bench_extraction.py's LANE/bench_extraction.json, where it ran),
 the chain tau of stage 05 --tau-only, the teacher-forced agreement, and the top-k targets' missing mass.
 
-Each storage format is a lane (bf16final, fp8final, bf16topk, fp8topk: common/lab/lanes.py); its lane.json names
-it and says where its hidden states, drafter and benchmarks are. A folder without one (a rate-only run) gives a row
-named "-" whose format column comes from bench_extraction.json. Ratios are to the first lane given.
+Each storage format is a lane (bf16final, fp8final, bf16topk, fp8topk: eagle3_pipeline/lab/lanes.py); its lane.json
+names it and says where its hidden states, drafter and benchmarks are. A folder without one (a rate-only run) gives a
+row named "-" whose format column comes from bench_extraction.json. Ratios are to the first lane given.
 
   python3 scripts/lab/storage_formats_table.py OUT LANE_DIR...   (writes OUT/storage_formats.{json,md})
 """
@@ -16,11 +16,9 @@ import json
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
-
-from common.bench.report import latest_report  # noqa: E402
-from common.formats.storage import format_of_manifest  # noqa: E402
-from common.lab.plan import LANE_FILE  # noqa: E402
+from eagle3_pipeline.bench.report import latest_report
+from eagle3_pipeline.formats.storage import format_of_manifest
+from eagle3_pipeline.lab.plan import LANE_FILE
 
 
 def read(path: Path) -> dict:

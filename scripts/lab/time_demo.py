@@ -19,9 +19,9 @@ import threading
 import time
 from pathlib import Path
 
+from eagle3_pipeline.formats.files import write_json_atomic, write_text_atomic
+
 REPO = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(REPO))
-from common.formats.files import write_json_atomic, write_text_atomic  # noqa: E402
 
 STAGES = ("01_prepare_data", "02_extract_hidden_states", "03_build_vocab_mapping", "04_train", "05_benchmark")
 FINISHED = re.compile(r"(\d\d_\w+) finished in ([\d.]+) s")

@@ -25,9 +25,6 @@ import argparse
 import sys
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[2]
-if str(REPO) not in sys.path:
-    sys.path.insert(0, str(REPO))
 
 STAGE = "specforge_recipe"
 
@@ -58,13 +55,13 @@ def parse(argv=None) -> argparse.Namespace:
 
 
 def work(args, log) -> None:
-    from common.peer.specforge_run import run_recipe
+    from eagle3_pipeline.peer.specforge_run import run_recipe
 
     run_recipe(args, log)
 
 
 def main(argv=None) -> int:
-    from common.cli.stage import run_stage
+    from eagle3_pipeline.cli.stage import run_stage
 
     return run_stage(STAGE, parse, work, argv)
 

@@ -16,7 +16,7 @@ SIGNAL_ENV = "EAGLE3_TEST_SIGNAL_AFTER_STEP"
 
 
 def _crash_after_samples(count: int) -> None:
-    from common.extract.extractor import Extractor
+    from eagle3_pipeline.extract.extractor import Extractor
 
     record = Extractor._samples_written
 
@@ -28,7 +28,7 @@ def _crash_after_samples(count: int) -> None:
 
 
 def _signal_after_step(step: int, rank: int) -> None:
-    from common.train.trainer import Trainer
+    from eagle3_pipeline.train.trainer import Trainer
 
     if int(os.environ.get("RANK", "0")) != rank:
         return

@@ -1,0 +1,130 @@
+"""The "loop" regeneration engine: a minimal decoding loop over a StaticCache and the model's forward.
+
+`generate` spends most of a small verifier's decoding step outside the model: per-step input preparation
+and mask building in eager mode, logits processors, stopping criteria, and a host sync every step to ask
+whether all rows are done. This loop does only what stage 01's replies need:
+
+1. prefill: one eager forward over the left-padded prompts, filling the cache;
+2. decoding: one token per row per step, the forward compiled once per model with CUDA graphs on a GPU
+   (eager on a CPU); positions advance on the device, the attention mask is one fixed buffer for the batch;
+3. stopping: rows that hit a stop id keep producing pad, and the host asks whether every row is done only
+   every CHECK_EVERY steps.
+
+Greedy picks the first index of the largest float32 logit, as `generate` does; sampling draws from
+softmax(logits / temperature) with torch's global RNG (no top-k; top-p only for --synthesize's user turns), as
+stage 01's --temperature does.
+The StaticCache keeps its own fill counter on the device (transformers 5.x), so no cache positions are
+passed: a reset cache starts at 0 and each forward advances it by its query length.
+"""
+from __future__ import annotations
+
+from eagle3_pipeline.data.static_cache import forward_cache_keyword
+from eagle3_pipeline.top_p import top_p_probabilities
+
+# Steps between the host's checks that every row has stopped: each check waits for the device, so a
+# batch that is done runs at most this many steps too many (producing pads).
+CHECK_EVERY = 16
+# Dynamo compiles the decoding step once per (rows, cache width) and per pooled cache: more than its
+# default limit (8) in a run of several prompt widths, after which it would run the step eagerly.
+RECOMPILE_LIMIT = 64
+# How the decoding step is compiled on a GPU: CUDA graphs ("reduce-overhead"), static shapes (each batch
+# shape its own graph, as transformers compiles generate's step).
+COMPILE_OPTIONS = {"mode": "reduce-overhead", "dynamic": False}
+
+
+def decode(model, cache, input_ids, prompt_mask, cache_width: int, max_new_tokens: int, stop_ids, pad_id: int,
+           temperature: float, top_p: float = 1.0, on_check=None) -> list[list[int]]:
+    """Generated token rows (each `max_new_tokens` long at most, pads after its stop id) for `input_ids`, a
+    [rows, width] batch left-padded as `prompt_mask` (1 = token, 0 = pad) says, decoding into `cache`, an
+    empty StaticCache of `cache_width` >= width + max_new_tokens positions. `on_check(steps, tokens)` is told
+    the steps run and the tokens generated (up to each stop id) every CHECK_EVERY steps, when the host waits
+    for the device anyway."""
+    import torch
+
+    rows, width = input_ids.shape
+    device = input_ids.device
+    # One mask for the whole batch: pads 0, all else 1. Positions not yet written are hidden by causality
+    # (a query attends only to positions up to its own), so the buffer never changes.
+    mask = torch.ones(rows, cache_width, dtype=prompt_mask.dtype, device=device)
+    mask[:, :width] = prompt_mask
+    # Left pads get position 0 (their cumsum is 0, minus 1), as generate gives them; they are masked anyway.
+    positions = (prompt_mask.long().cumsum(-1) - 1).clamp(min=0)
+    stops = torch.tensor(sorted(stop_ids), dtype=torch.long, device=device)
+    out = torch.full((rows, max_new_tokens), pad_id, dtype=torch.long, device=device)
+    finished = torch.zeros(rows, dtype=torch.bool, device=device)
+    generated = torch.zeros((), dtype=torch.long, device=device)  # counted on the device: read only at checks
+    given = {forward_cache_keyword(type(model)): cache, "attention_mask": mask, "use_cache": True, "logits_to_keep": 1}
+
+    logits = model(input_ids=input_ids, position_ids=positions, **given).logits
+    step_forward = decoding_forward(model)
+    position = positions[:, -1:]
+    for step in range(max_new_tokens):
+        token = next_token(logits[:, -1], temperature, top_p).masked_fill(finished, pad_id)
+        out[:, step] = token
+        if on_check is not None:
+            generated += (~finished).sum()
+        finished |= torch.isin(token, stops)
+        if step + 1 == max_new_tokens or all_finished(finished, step + 1):
+            break
+        if on_check is not None and (step + 1) % CHECK_EVERY == 0:
+            on_check(step + 1, int(generated))
+        position = position + 1
+        mark_step(device)
+        logits = step_forward(input_ids=token[:, None], position_ids=position, **given).logits
+    return out[:, :step + 1].tolist()
+
+
+def all_finished(finished, steps: int) -> bool:
+    """Whether every row has stopped, asked only every CHECK_EVERY steps (the answer waits for the device)."""
+    return steps % CHECK_EVERY == 0 and bool(finished.all())
+
+
+def next_token(logits, temperature: float, top_p: float = 1.0):
+    """One token per row: greedy (the first index of the largest logit) at temperature 0, else a sample (from
+    the smallest set of most likely tokens holding `top_p` of the probability, when below 1)."""
+    import torch
+
+    scores = logits.float()
+    if temperature <= 0:
+        return scores.argmax(dim=-1)
+    probabilities = top_p_probabilities(torch.softmax(scores / temperature, dim=-1), top_p)
+    return torch.multinomial(probabilities, num_samples=1).squeeze(1)
+
+
+def decoding_forward(model):
+    """The callable for decoding steps: on a GPU, the model's forward compiled with COMPILE_OPTIONS; on a
+    CPU, the model. Prefill stays eager: it runs once a batch, at a shape of its own."""
+    if next(model.parameters()).device.type != "cuda":
+        return model
+    return compiled_forward(model, COMPILE_OPTIONS)
+
+
+def compiled_forward(model, options: dict):
+    """The model's forward compiled with these torch.compile options, once per model (kept on it)."""
+    compiled = model.__dict__.get("_decode_loop_forward")
+    if compiled is None:
+        import torch
+
+        raise_recompile_limit(RECOMPILE_LIMIT)
+        compiled = torch.compile(model.forward, **options)
+        model.__dict__["_decode_loop_forward"] = compiled  # a plain attribute, not a registered submodule
+    return compiled
+
+
+def raise_recompile_limit(limit: int) -> None:
+    """Let dynamo keep `limit` compiled versions of one function (`recompile_limit`, formerly
+    `cache_size_limit`): beyond the limit it runs the function eagerly, without graphs."""
+    import torch._dynamo
+
+    config = torch._dynamo.config
+    name = "recompile_limit" if hasattr(config, "recompile_limit") else "cache_size_limit"
+    setattr(config, name, max(getattr(config, name), limit))
+
+
+def mark_step(device) -> None:
+    """On a GPU, tell CUDA graphs a new step begins: the previous step's outputs (already read) may be
+    overwritten."""
+    if device.type == "cuda":
+        import torch
+
+        torch.compiler.cudagraph_mark_step_begin()

@@ -1,0 +1,152 @@
+"""Stage 01's processing of records in rounds: (regenerate,) tokenize, drop repeated samples, count bad records."""
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import replace
+from collections import Counter
+from itertools import count, islice
+from typing import TYPE_CHECKING, Callable, Iterator
+
+from eagle3_pipeline.errors import UsageError
+from eagle3_pipeline.progress import Progress
+from eagle3_pipeline.log import get_logger
+from eagle3_pipeline.data.chat_tokenizer import ChatTokenizer, Sample
+from eagle3_pipeline.data.records import BadRecordError, BadRecords, Record
+
+if TYPE_CHECKING:
+    from eagle3_pipeline.data.regenerate import Regenerator
+
+PREFLIGHT_RECORDS = 200      # conversations rendered before the verifier is loaded for --regenerate
+CHUNK_RECORDS = 2048         # records processed (regenerated, tokenized) per round
+REGEN_SORT_BATCHES = 8       # with --regenerate a round holds at least this many batches, sorted by length
+
+
+# --- before the verifier loads ------------------------------------------------------------------------
+
+def preflight(chat: ChatTokenizer, records: list[Record], limit: float, log) -> None:
+    """Render a sample of conversations before the verifier is loaded, so template problems stop early.
+
+    Only template failures count here: missing replies or lengths change once the verifier has replied.
+    """
+    placeholder = {"role": "assistant", "content": "(reply)"}
+    sample = [r for r in islice((r for r in records if r.is_chat), PREFLIGHT_RECORDS)]
+    failures = BadRecords()
+    for record in sample:
+        messages = record.messages if record.messages[-1]["role"] == "assistant" else record.messages + [placeholder]
+        try:
+            chat.conversation(record.id, messages)
+        except BadRecordError as err:
+            if err.reason.startswith("template"):
+                failures.add(err.reason, record.source, record.line, err.detail, record.id)
+    if sample and failures.total / len(sample) > limit:
+        failures.log(log, "preflight")
+        raise UsageError(f"{failures.total} of the first {len(sample)} conversations cannot be rendered and "
+                         f"masked with the chat template ({dict(failures.counts)}), above --max-bad-fraction "
+                         f"{limit}; fix the template (--chat-template) or the data before regenerating")
+
+
+# --- processing: (regenerate,) tokenize, deduplicate --------------------------------------------------
+
+class Processor:
+    """Turns a chunk of records into accepted (record, samples) pairs; the rest are counted."""
+
+    def __init__(self, chat: ChatTokenizer, bad: BadRecords, regenerate: Regenerator | None = None):
+        self.chat, self.bad, self.regenerate = chat, bad, regenerate
+        # A batch pads to its longest prompt and the regenerator sorts only within a round, so a round of
+        # two large batches puts every long prompt of the round into the second one.
+        batch = regenerate.batch_size if regenerate is not None else 0
+        self.chunk_records = max(CHUNK_RECORDS, REGEN_SORT_BATCHES * batch)
+        self.processed = 0
+        self.duplicate_samples = 0
+        self._seen: set[bytes] = set()
+
+    def __call__(self, chunk: list[Record], replies: int = 1,
+                 desc: str = "regenerate") -> list[tuple[Record, list[Sample]]]:
+        """With a regenerator and `replies` > 1, each conversation gets that many regenerated replies, each
+        its own sample (id from reply_id); a reply that fails is counted bad on its own. `desc` names the
+        regeneration's progress lines."""
+        generated = self.regenerate([r for r in chunk if r.is_chat], replies, desc) if self.regenerate else {}
+        accepted = []
+        for record in chunk:
+            variants = [record]
+            if record.is_chat and self.regenerate:
+                from eagle3_pipeline.data.regenerate import reply_id
+
+                variants = [replace(record, id=reply_id(record.id, k)) for k in range(replies)]
+            samples = [s for variant in variants for s in self._samples(variant, generated)]
+            if samples:
+                accepted.append((record, samples))
+        return accepted
+
+    def _samples(self, record: Record, generated: dict[str, dict]) -> list[Sample]:
+        """The new samples of one record (or one reply to it); a bad one is counted and gives none."""
+        self.processed += 1
+        to_tokenize = record
+        if record.id in generated:
+            entry = generated[record.id]
+            if "bad" in entry:
+                self.bad.add(entry["bad"], record.source, record.line, entry.get("detail", ""), record.id)
+                return []
+            to_tokenize = replace(record, messages=entry["messages"])
+        try:
+            samples = self.chat.record(to_tokenize)
+        except BadRecordError as err:
+            self.bad.add(err.reason, record.source, record.line, err.detail, record.id)
+            return []
+        return [s for s in samples if self._first_time(s)]
+
+    def _first_time(self, sample: Sample) -> bool:
+        """Identical token sequences (e.g. the same prompts regenerated greedily) are kept once."""
+        digest = hashlib.sha256(json.dumps(sample.input_ids).encode()).digest()
+        if digest in self._seen:
+            self.duplicate_samples += 1
+            return False
+        self._seen.add(digest)
+        return True
+
+
+def fill(candidates: Iterator[Record], need: int | None, process: Processor,
+         sink: Callable[[Record, list[Sample]], None], desc: str, replies: int = 1) -> int:
+    """Process candidates in order until `need` conversations are accepted (None: all of them), each with
+    `replies` regenerated replies."""
+    accepted = 0
+    log = get_logger()
+    log.info("%s: taking %s conversations, in rounds of up to %d records (%s)", desc,
+             need if need is not None else "all remaining", process.chunk_records,
+             "regenerate the replies, then tokenize" if process.regenerate else "tokenize")
+    with Progress(total=need, desc=desc, unit="conv") as progress:
+        for round_ in count(1):
+            if need is not None and accepted >= need:
+                break
+            room = process.chunk_records if need is None else min(process.chunk_records, need - accepted)
+            chunk = list(islice(candidates, room))
+            if not chunk:
+                break
+            if round_ > 1 and need is not None:
+                log.info("%s, round %d: %d more conversation(s), in place of those round %d dropped (%s)", desc,
+                         round_, len(chunk), round_ - 1, dropped.reasons())
+            dropped = _Dropped(process)
+            done = process(chunk, replies, f"regenerate {desc}, round {round_}")
+            for record, samples in done:
+                sink(record, samples)
+            accepted += len(done)
+            progress.update(len(done))  # once a round: a report after the round's first record said "ETA 400 h"
+    return accepted
+
+
+class _Dropped:
+    """What the processor drops from here on (a round): bad records by reason, and repeated samples."""
+
+    def __init__(self, process: Processor):
+        self.process = process
+        self.bad_before = Counter(process.bad.counts)
+        self.duplicates_before = process.duplicate_samples
+
+    def reasons(self) -> str:
+        counts = Counter(self.process.bad.counts)
+        counts.subtract(self.bad_before)
+        duplicates = self.process.duplicate_samples - self.duplicates_before
+        if duplicates:
+            counts["repeated sample"] = duplicates
+        return ", ".join(f"{reason}: {n}" for reason, n in counts.most_common() if n > 0) or "none counted"
