@@ -278,12 +278,15 @@ def extract_hidden_states(config: ExtractionConfig, inputs: ExtractionInputs, ra
 
     if rank.distributed:  # once every rank has reported, all their samples are on disk
         summary = merge_rank_stats(distributed.all_gather_object(summary))
-        if not rank.is_main:
-            distributed.shutdown()
-            return
-        log.info("all %d ranks: %d samples (%d tokens) in %.1f s: %.0f tokens/s", rank.world_size,
-                 summary["samples_written"], summary["tokens_written"], summary["elapsed_s"],
-                 summary["tokens_per_s"])
+        if rank.is_main:
+            log.info("all %d ranks: %d samples (%d tokens) in %.1f s: %.0f tokens/s", rank.world_size,
+                     summary["samples_written"], summary["tokens_written"], summary["elapsed_s"],
+                     summary["tokens_per_s"])
+            finish_output(output_dir, samples, manifest, summary, log)
+        # Every rank leaves the group together: a rank that left while rank 0 still wrote once aborted at exit
+        # under load ("terminate called without an active exception").
+        distributed.barrier()
+        distributed.shutdown()
+        return
 
     finish_output(output_dir, samples, manifest, summary, log)
-    distributed.shutdown()

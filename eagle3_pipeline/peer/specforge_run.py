@@ -195,14 +195,10 @@ def drafter_config_for(plan: RunPlan, checkpoints_dir: Path, info):
 
 def run_recipe(args, log):
     """scripts/lab/train_specforge_recipe.py's work: plan, train, export, results. Returns (recipe, results)."""
-    import sys
-
     from eagle3_pipeline.peer import specforge, specforge_export
     from eagle3_pipeline.verifier.loading import pick_device, read_embedding_tensors, read_verifier_info
 
-    if args.specforge_path:
-        sys.path.insert(0, args.specforge_path)
-    if not specforge.specforge_importable():
+    if not specforge.specforge_importable():  # (--specforge-path is on PYTHONPATH: the script saw to it)
         raise UsageError(f"cannot import specforge; install it: {specforge.INSTALL_HINT}")
     run_dir, output_dir = Path(args.run_dir), Path(args.output_dir)
     checkpoints = Path(args.checkpoints_dir) if args.checkpoints_dir else run_dir / "checkpoints"

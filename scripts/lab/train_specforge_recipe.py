@@ -22,6 +22,7 @@ Exit codes: 0 done, 2 bad input (nothing heavy started), 1 failure. Details: doc
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from pathlib import Path
 
@@ -60,8 +61,21 @@ def work(args, log) -> None:
     run_recipe(args, log)
 
 
+def with_specforge_on_pythonpath(argv) -> None:
+    """--specforge-path: run this script again with that folder first on PYTHONPATH (the import path is the
+    environment's to set, not the library's to edit); returns when it already is, or when no folder is given."""
+    args = parse(argv)
+    paths = os.environ.get("PYTHONPATH", "").split(os.pathsep)
+    if args.specforge_path and os.path.abspath(args.specforge_path) not in paths:
+        env = dict(os.environ, PYTHONPATH=os.pathsep.join([os.path.abspath(args.specforge_path), *filter(None, paths)]))
+        os.execve(sys.executable, [sys.executable, os.path.abspath(__file__), *(sys.argv[1:] if argv is None else argv)],
+                  env)
+
+
 def main(argv=None) -> int:
     from eagle3_pipeline.cli.stage import run_stage
+
+    with_specforge_on_pythonpath(argv)
 
     return run_stage(STAGE, parse, work, argv)
 
