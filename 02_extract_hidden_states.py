@@ -84,7 +84,8 @@ def work(args, log) -> None:
              f"{args.dtype} (aux {args.aux_dtype}, targets {args.targets})", compute_dtype, device)
 
     # 2. The prepared data.
-    samples, _ = check_prepared_data(args, info, log)
+    samples, _ = check_prepared_data(config.output.prepared_data, config.verifier.model_path,
+                                     config.batches.max_seq_len, info, log)
 
     # 3.-6. The output folder, the plan, the run on either backend, the index and manifest.
     extract_hidden_states(config, ExtractionInputs(info, aux_layers, device, compute_dtype, samples), rank, log)

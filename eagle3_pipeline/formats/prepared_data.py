@@ -102,17 +102,19 @@ def read_prepared_data(path: str | os.PathLike, vocab_size: int,
     return samples, counts
 
 
-def check_prepared_data(args, info, log) -> tuple[list[Sample], dict]:
+def check_prepared_data(prepared_data: str | Path, model_path: str, max_seq_len: int, info,
+                        log) -> tuple[list[Sample], dict]:
     """(samples cut to --max-seq-len, stage 01's manifest) of --prepared-data: it exists, is finished, comes from
-    this verifier (`info`), and parses and matches its counts. Stage 02 and stage 04 --online read it so."""
-    data_file = Path(args.prepared_data)
+    the verifier at --model-path (`info`), and parses and matches its counts. Stage 02 and stage 04 --online read it
+    so."""
+    data_file = Path(prepared_data)
     if not data_file.is_file():
         raise UsageError(f"--prepared-data {data_file}: no such file; run {STAGE}.py first (or point "
                          f"--prepared-data at its tokenized_data.jsonl)")
     upstream = load_manifest(data_file.parent, STAGE, "--prepared-data")
     check_verifier_matches(upstream, str(data_file.parent / MANIFEST), info.identity(),
-                           f"--model-path {args.model_path}")
-    samples, found = read_prepared_data(data_file, info.vocab_size, args.max_seq_len)
+                           f"--model-path {model_path}")
+    samples, found = read_prepared_data(data_file, info.vocab_size, max_seq_len)
     expected = upstream.get("counts") or {}
     for key in ("samples", "tokens", "loss_tokens"):
         if key in expected and int(expected[key]) != found[key]:
@@ -121,5 +123,5 @@ def check_prepared_data(args, info, log) -> tuple[list[Sample], dict]:
     truncated = sum(s.truncated for s in samples)
     if truncated:
         log.warning("%d of %d samples are longer than --max-seq-len %d and are truncated", truncated,
-                    len(samples), args.max_seq_len)
+                    len(samples), max_seq_len)
     return samples, upstream

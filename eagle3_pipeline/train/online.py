@@ -203,7 +203,7 @@ def check_online_source(args, log) -> tuple[dict, list[dict], list[Sample], str]
     layers = list(args.aux_layers) if args.aux_layers else default_aux_layers(info.num_layers)
     aux_layers = check_aux_layers(layers, info.num_layers)
     storage = format_of_flags(args.dtype, args.aux_dtype, args.targets, args.target_topk, info.vocab_size)
-    samples, _ = check_prepared_data(args, info, log)
+    samples, _ = check_prepared_data(args.prepared_data, args.model_path, args.max_seq_len, info, log)
     entries = [entry for entry in prepared_entries(samples) if entry["loss_tokens"] > 0]
     if not entries:
         raise UsageError(f"--prepared-data {args.prepared_data}: no sample has loss tokens; rerun 01_prepare_data.py "
