@@ -269,6 +269,32 @@ def test_loop_decoding_step_compiles_to_one_graph_per_batch_shape(stories260k, m
     assert len(graphs) == 2  # batches of 4 and 2 rows
 
 
+def test_filled_batches_compile_one_step_for_every_call_and_change_no_reply(stories260k, monkeypatch):
+    """With full rows (the default on a GPU), each batch of a width is filled to that width's row count: calls
+    of 6, 3 and 5 prompts (stage 01's rounds, splits and --synthesize turns end in short batches of any size)
+    share one compiled decoding step, where each short batch was a shape of its own before; the filler rows
+    change no reply (greedy, equal to `generate`'s), and none is returned."""
+    from eagle3_pipeline.data.responders import HFResponder
+    from eagle3_pipeline.verifier.loading import load_tokenizer, load_verifier_model
+
+    graphs = record_compiled_decoding_steps(monkeypatch)
+    tokenizer = load_tokenizer(str(stories260k))
+    tokenizer.chat_template = STORIES_TEMPLATE
+    model = load_verifier_model(str(stories260k), "cpu", "float32")
+    reference = HFResponder(lambda _device: model, tokenizer, {tokenizer.eos_token_id}, 12, 0.0, 4, 512,
+                            engine="generate")
+    filled = HFResponder(lambda _device: model, tokenizer, {tokenizer.eos_token_id}, 12, 0.0, 4, 512, engine="loop")
+    filled.full_rows = True
+    for count in (6, 3, 5):
+        conversations = [[{"role": "user", "content": text}] for text in PROMPTS[:count]]
+        assert filled(conversations) == reference(conversations)
+    assert len(graphs) == 1  # every batch 4 rows (the width's full count), against 4, 2, 3, 4, 1 unfilled
+    assert [batch["rows"] for batch in filled.batch_log] == [4, 2, 3, 4, 1]  # the prompts each batch answered
+    assert filled.loop_rows(3, 128, model.device) == 4
+    filled.full_rows = None  # the default: filled only where the step is compiled, on a GPU
+    assert filled.loop_rows(3, 128, model.device) == 3
+
+
 # --- stage 01: several replies per prompt, resume after a kill ---------------------------------------
 
 STARTS = ["Lily found a", "Tom saw a big", "The cat and the dog", "One sunny day", "A little bird", "Sue had a red",

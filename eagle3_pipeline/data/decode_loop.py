@@ -33,15 +33,17 @@ COMPILE_OPTIONS = {"mode": "reduce-overhead", "dynamic": False}
 
 
 def decode(model, cache, input_ids, prompt_mask, cache_width: int, max_new_tokens: int, stop_ids, pad_id: int,
-           temperature: float, top_p: float = 1.0, on_check=None) -> list[list[int]]:
+           temperature: float, top_p: float = 1.0, on_check=None, live_rows: int | None = None) -> list[list[int]]:
     """Generated token rows (each `max_new_tokens` long at most, pads after its stop id) for `input_ids`, a
     [rows, width] batch left-padded as `prompt_mask` (1 = token, 0 = pad) says, decoding into `cache`, an
     empty StaticCache of `cache_width` >= width + max_new_tokens positions. `on_check(steps, tokens)` is told
     the steps run and the tokens generated (up to each stop id) every CHECK_EVERY steps, when the host waits
-    for the device anyway."""
+    for the device anyway. With `live_rows`, only the first rows are wanted: the others fill the batch to a
+    shape already compiled, count as stopped from the start and are not returned."""
     import torch
 
     rows, width = input_ids.shape
+    live_rows = rows if live_rows is None else live_rows
     device = input_ids.device
     # One mask for the whole batch: pads 0, all else 1. Positions not yet written are hidden by causality
     # (a query attends only to positions up to its own), so the buffer never changes.
@@ -52,6 +54,7 @@ def decode(model, cache, input_ids, prompt_mask, cache_width: int, max_new_token
     stops = torch.tensor(sorted(stop_ids), dtype=torch.long, device=device)
     out = torch.full((rows, max_new_tokens), pad_id, dtype=torch.long, device=device)
     finished = torch.zeros(rows, dtype=torch.bool, device=device)
+    finished[live_rows:] = True  # filler rows: they never stop the batch, nor count as generated
     generated = torch.zeros((), dtype=torch.long, device=device)  # counted on the device: read only at checks
     given = {forward_cache_keyword(type(model)): cache, "attention_mask": mask, "use_cache": True, "logits_to_keep": 1}
 
@@ -71,7 +74,7 @@ def decode(model, cache, input_ids, prompt_mask, cache_width: int, max_new_token
         position = position + 1
         mark_step(device)
         logits = step_forward(input_ids=token[:, None], position_ids=position, **given).logits
-    return out[:, :step + 1].tolist()
+    return out[:live_rows, :step + 1].tolist()
 
 
 def all_finished(finished, steps: int) -> bool:

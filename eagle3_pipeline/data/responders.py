@@ -19,7 +19,8 @@ from eagle3_pipeline.errors import UsageError
 from eagle3_pipeline.log import get_logger
 from eagle3_pipeline.data.regen_progress import StepListener, StepTally
 from eagle3_pipeline.data.regenerate import ENDPOINT_FAILED
-from eagle3_pipeline.data.static_cache import StaticCachePool, generate_cache_keyword, static_batches, static_width
+from eagle3_pipeline.data.static_cache import (StaticCachePool, generate_cache_keyword, static_batches, static_rows,
+                                               static_width)
 from eagle3_pipeline.model.kernels import sdpa_without_cudnn
 
 
@@ -94,6 +95,7 @@ class HFResponder:
         self.generated_tokens = 0  # up to each reply's stop token, for rates
         self.batch_log: list[dict] = []
         self.caches = StaticCachePool()
+        self.full_rows: bool | None = None  # loop_rows: None fills a batch's rows where the step is compiled
         self.on_step: StepListener | None = None  # told each batch's decoding steps as they run (listen)
         # Any id works for padding (padded positions are masked out); left padding is done by hand.
         self.pad_id = next(i for i in (tokenizer.pad_token_id, tokenizer.eos_token_id, min(stop_ids, default=0))
@@ -199,6 +201,13 @@ class HFResponder:
                                 top_p=self.top_p if sampling else None, top_k=0 if sampling else None,
                                 eos_token_id=sorted(self.stop_ids), pad_token_id=self.pad_id)
 
+    def batch_totals(self) -> dict:
+        """The batches run so far (replies and --synthesize's user turns): how many, the seconds inside them and
+        the tokens they generated (up to each stop id). A run's wall time beyond these seconds is its fixed
+        costs: loading, reading, tokenizing, filtering, writing."""
+        return {"batches": len(self.batch_log), "seconds": round(sum(b["seconds"] for b in self.batch_log), 2),
+                "tokens": sum(b.get("tokens", 0) for b in self.batch_log)}
+
     def listen(self, on_step: StepListener | None) -> None:
         """Tell `on_step(token_steps, tokens)` how each batch's decoding advances (None: stop telling)."""
         self.on_step = on_step
@@ -213,7 +222,7 @@ class HFResponder:
         tally.finish(rows)
         self.batch_log.append({"engine": self.engine, "rows": len(prompts), "width": width,
                                "cache_width": cache_width, "seconds": synchronized_clock(device) - started,
-                               "steps": max(len(row) for row in rows)})
+                               "steps": max(len(row) for row in rows), "tokens": tally.tokens})
         return rows
 
     def _widths(self, prompts: list[list[int]]) -> tuple[int, int | None]:
@@ -273,10 +282,21 @@ class HFResponder:
         `cache_width` positions."""
         from eagle3_pipeline.data.decode_loop import decode
 
-        input_ids, attention = self._left_padded(prompts, device, width)
-        with self.caches.lend(model, device, len(prompts), cache_width) as cache:
+        rows = self.loop_rows(len(prompts), width, device)
+        filled = prompts + [prompts[0]] * (rows - len(prompts))
+        input_ids, attention = self._left_padded(filled, device, width)
+        with self.caches.lend(model, device, rows, cache_width) as cache:
             return decode(model, cache, input_ids, attention, cache_width, self.max_new_tokens, self.stop_ids,
-                          self.pad_id, self.temperature, self.top_p, on_check=tally.at)
+                          self.pad_id, self.temperature, self.top_p, on_check=tally.at, live_rows=len(prompts))
+
+    def loop_rows(self, prompts: int, width: int, device) -> int:
+        """Rows the "loop" engine decodes a batch of `prompts` prompts padded to `width` with. Where its step is
+        compiled (a GPU), every batch of a width gets that width's full row count (static_rows), filler rows
+        after the prompts: a call's last, short batch would otherwise be a shape of its own, compiled again in
+        every call (every round, split and --synthesize turn) until dynamo's recompile limit turns the step
+        eager. `full_rows` (None: on a GPU) says whether to fill."""
+        fill = device.type == "cuda" if self.full_rows is None else self.full_rows
+        return max(prompts, static_rows(width, self.batch_size, self.max_new_tokens)) if fill else prompts
 
     def _left_padded(self, prompts: list[list[int]], device, width: int):
         """The prompts left-padded to `width` with the pad id, and their attention mask (0 on pads)."""
