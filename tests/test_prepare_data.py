@@ -560,7 +560,7 @@ def test_regeneration_driver_turn_by_turn_and_resume(tmp_path):
 
 
 def test_large_regeneration_batches_are_sorted_over_several_batches(tmp_path, stories260k):
-    """With --batch-size 1024 a round holds 8 batches, so length-sorted batches pad little: over 5000
+    """With --batch-size 1024 a round holds 32 batches, so length-sorted batches pad little: over 5000
     conversations the prompts reach the responder in one non-decreasing length order, and only the last
     batch holds the longest ones (a round of 2048 put the longest of every round into its second batch)."""
     from eagle3_pipeline.data.records import Record
@@ -639,6 +639,10 @@ def test_regenerate_with_stories260k_and_resume(stage, tmp_path, stories260k, st
         assert all(span.endswith("</s>") for span in spans)
     manifest = json.loads((out / "manifest.json").read_text())
     assert manifest["regeneration"]["generated"] == 4 and manifest["regeneration"]["reused"] == 0
+    engine = manifest["regeneration"]["engine_batches"]  # where the time went: batches against the stage's wall
+    assert engine["batches"] >= 1 and engine["seconds"] > 0
+    replies = sum(m["role"] == "assistant" for e in cache.values() for m in e["messages"])
+    assert replies <= engine["tokens"] <= replies * 6  # at least a token a reply, at most --max-new-tokens each
 
     # Resume after an interruption: one conversation pre-seeded in the cache, one missing.
     entries = read_jsonl(out / CACHE_FILE)

@@ -205,10 +205,10 @@ def prepare_data(config: PrepareConfig, inputs: Inputs, log) -> dict:
     if not manifest.path.exists():  # an earlier run's manifest stays until its output is replaced
         manifest.write()
 
-    process = Processor(chat, BadRecords(), regenerator)
-    written = write_splits(inputs, records, process, reading_bad, records_read, n_train, n_eval, log,
-                           replies_per_prompt=regeneration.replies_per_prompt,
-                           max_bad_fraction=data.max_bad_fraction, before_replacing=manifest.write)
+    with Processor(chat, BadRecords(), regenerator) as process:  # stops its tokenizing processes, also on errors
+        written = write_splits(inputs, records, process, reading_bad, records_read, n_train, n_eval, log,
+                               replies_per_prompt=regeneration.replies_per_prompt,
+                               max_bad_fraction=data.max_bad_fraction, before_replacing=manifest.write)
     warn_of_fewer_samples(data.num_samples, written, records_read, log)
 
     train, held_out = written.train.summary(), written.eval.summary()
@@ -248,6 +248,8 @@ def prepare_data(config: PrepareConfig, inputs: Inputs, log) -> dict:
         if regeneration.endpoint:  # requests that failed after retries (their conversations are bad records)
             manifest.data["regeneration"].update(failures=regenerator.respond.failures,
                                                  failure_examples=regenerator.respond.errors)
+        else:  # where the run's time went: inside the verifier's batches, against the stage's wall time
+            manifest.data["regeneration"]["engine_batches"] = regenerator.respond.batch_totals()
     if synthesis is not None:
         manifest.data["synthesis"] = synthesis
     if mixing is not None:

@@ -12,6 +12,7 @@ from eagle3_pipeline.errors import UsageError
 from eagle3_pipeline.progress import Progress
 from eagle3_pipeline.log import get_logger
 from eagle3_pipeline.data.chat_tokenizer import ChatTokenizer, Sample
+from eagle3_pipeline.data.parallel_tokenize import ParallelTokenizer, Result
 from eagle3_pipeline.data.records import BadRecordError, BadRecords, Record
 
 if TYPE_CHECKING:
@@ -19,7 +20,8 @@ if TYPE_CHECKING:
 
 PREFLIGHT_RECORDS = 200      # conversations rendered before the verifier is loaded for --regenerate
 CHUNK_RECORDS = 2048         # records processed (regenerated, tokenized) per round
-REGEN_SORT_BATCHES = 8       # with --regenerate a round holds at least this many batches, sorted by length
+REGEN_SORT_BATCHES = 32      # with --regenerate a round holds at least this many batches, sorted by length
+# (a round is only the unit of sorting and tokenizing: replies are cached per batch, so resuming is unaffected)
 
 
 # --- before the verifier loads ------------------------------------------------------------------------
@@ -49,7 +51,9 @@ def preflight(chat: ChatTokenizer, records: list[Record], limit: float, log) -> 
 # --- processing: (regenerate,) tokenize, deduplicate --------------------------------------------------
 
 class Processor:
-    """Turns a chunk of records into accepted (record, samples) pairs; the rest are counted."""
+    """Turns a chunk of records into accepted (record, samples) pairs; the rest are counted.
+
+    Tokenizing may start worker processes (parallel_tokenize.py): close() it, or use it as a context manager."""
 
     def __init__(self, chat: ChatTokenizer, bad: BadRecords, regenerate: Regenerator | None = None):
         self.chat, self.bad, self.regenerate = chat, bad, regenerate
@@ -60,6 +64,16 @@ class Processor:
         self.processed = 0
         self.duplicate_samples = 0
         self._seen: set[bytes] = set()
+        self.tokenize = ParallelTokenizer(chat)
+
+    def close(self) -> None:
+        self.tokenize.close()
+
+    def __enter__(self) -> Processor:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
 
     def __call__(self, chunk: list[Record], replies: int = 1,
                  desc: str = "regenerate") -> list[tuple[Record, list[Sample]]]:
@@ -67,34 +81,48 @@ class Processor:
         its own sample (id from reply_id); a reply that fails is counted bad on its own. `desc` names the
         regeneration's progress lines."""
         generated = self.regenerate([r for r in chunk if r.is_chat], replies, desc) if self.regenerate else {}
+        per_record = [(record, self._variants(record, replies)) for record in chunk]
+        # The whole round is tokenized at once (in worker processes where that pays), then counted variant by
+        # variant in order, so bad records, repeated samples and ids come out as if tokenized one by one.
+        inputs = [self._input(variant, generated) for _, variants in per_record for variant in variants]
+        results = iter(self.tokenize([item for item in inputs if isinstance(item, Record)]))
+        inputs_left = iter(inputs)
         accepted = []
-        for record in chunk:
-            variants = [record]
-            if record.is_chat and self.regenerate:
-                from eagle3_pipeline.data.regenerate import reply_id
-
-                variants = [replace(record, id=reply_id(record.id, k)) for k in range(replies)]
-            samples = [s for variant in variants for s in self._samples(variant, generated)]
+        for record, variants in per_record:
+            samples = []
+            for variant in variants:
+                item = next(inputs_left)
+                samples += self._samples(variant, next(results) if isinstance(item, Record) else item)
             if samples:
                 accepted.append((record, samples))
         return accepted
 
-    def _samples(self, record: Record, generated: dict[str, dict]) -> list[Sample]:
+    def _variants(self, record: Record, replies: int) -> list[Record]:
+        if record.is_chat and self.regenerate:
+            from eagle3_pipeline.data.regenerate import reply_id
+
+            return [replace(record, id=reply_id(record.id, k)) for k in range(replies)]
+        return [record]
+
+    @staticmethod
+    def _input(record: Record, generated: dict[str, dict]) -> Record | tuple[str, str]:
+        """What a record (or one reply to it) tokenizes: itself, its regenerated conversation, or, when its
+        regeneration failed, that failure's (reason, detail)."""
+        entry = generated.get(record.id)
+        if entry is None:
+            return record
+        if "bad" in entry:
+            return entry["bad"], entry.get("detail", "")
+        return replace(record, messages=entry["messages"])
+
+    def _samples(self, record: Record, result: Result) -> list[Sample]:
         """The new samples of one record (or one reply to it); a bad one is counted and gives none."""
         self.processed += 1
-        to_tokenize = record
-        if record.id in generated:
-            entry = generated[record.id]
-            if "bad" in entry:
-                self.bad.add(entry["bad"], record.source, record.line, entry.get("detail", ""), record.id)
-                return []
-            to_tokenize = replace(record, messages=entry["messages"])
-        try:
-            samples = self.chat.record(to_tokenize)
-        except BadRecordError as err:
-            self.bad.add(err.reason, record.source, record.line, err.detail, record.id)
+        if isinstance(result, tuple):
+            reason, detail = result
+            self.bad.add(reason, record.source, record.line, detail, record.id)
             return []
-        return [s for s in samples if self._first_time(s)]
+        return [s for s in result if self._first_time(s)]
 
     def _first_time(self, sample: Sample) -> bool:
         """Identical token sequences (e.g. the same prompts regenerated greedily) are kept once."""
