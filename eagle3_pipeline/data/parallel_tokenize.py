@@ -4,13 +4,17 @@ Stage 01 tokenizes each round between two regenerations, so the GPU waits on it:
 100K-conversation run spent 100-200 s in one core. A persistent pool of spawned workers (never forked: the parent
 holds CUDA and compile threads) each receive the ChatTokenizer once; records go out in slices and come back in
 order as plain data, together with the tokenizer's counters, which the parent adds to its own.
+
+submit() hands a round to the pool and returns at once, so the stage can regenerate the next round meanwhile;
+collect() waits for it. warm() starts the workers ahead of the first round (they take ~30 s to import and load).
 """
 from __future__ import annotations
 
 import math
 import multiprocessing
 import os
-from concurrent.futures import ProcessPoolExecutor
+from concurrent.futures import Future, ProcessPoolExecutor
+from threading import BrokenBarrierError
 from typing import Union
 
 from eagle3_pipeline.errors import UsageError
@@ -27,6 +31,9 @@ SLICES_PER_WORKER = 4        # smaller slices where a round allows, so no worker
 # One record's result: its samples, or (reason, detail) of the BadRecordError it raised. Plain data, since a
 # custom exception does not cross a process boundary intact (BadRecordError unpickles with its message as reason).
 Result = Union[list[Sample], tuple[str, str]]
+# A submitted round: one future per slice, each giving (results, split_turn_samples added, dropped_turns added).
+Tokenizing = list[Future]
+WARM_TIMEOUT_S = 300         # a warming task waits this long for the other workers to start
 
 
 def tokenize_workers() -> tuple[int, bool]:
@@ -55,13 +62,23 @@ def tokenize_one(chat: ChatTokenizer, record: Record) -> Result:
 # --- in a worker process ------------------------------------------------------------------------------
 
 _chat: ChatTokenizer | None = None  # the worker's copy, set once by the pool's initializer
+_started_together = None            # a barrier of all the pool's workers, for warm()
 
 
-def _start_worker(chat: ChatTokenizer) -> None:
-    global _chat
+def _start_worker(chat: ChatTokenizer, barrier) -> None:
+    global _chat, _started_together
     # One tokenizer thread per worker: the workers are the parallelism, Rayon's threads would oversubscribe.
     os.environ["TOKENIZERS_PARALLELISM"] = "false"
-    _chat = chat
+    _chat, _started_together = chat, barrier
+
+
+def _worker_ready() -> int:
+    """warm()'s task: returns once every worker runs one (so each ran its initializer), with this one's pid."""
+    try:
+        _started_together.wait(WARM_TIMEOUT_S)
+    except BrokenBarrierError:  # a worker that never came: the pool reports it on the round's own tasks
+        pass
+    return os.getpid()
 
 
 def _tokenize_slice(records: list[Record]) -> tuple[list[Result], int, int]:
@@ -87,22 +104,45 @@ class ParallelTokenizer:
         return self.workers > 1 and records >= max(2, self.min_records)
 
     def __call__(self, records: list[Record]) -> list[Result]:
+        return self.collect(self.submit(records))
+
+    def submit(self, records: list[Record]) -> Tokenizing:
+        """Hands the records to the pool without waiting; where the pool does not pay, tokenizes them now."""
         if not self.pays(len(records)):
-            return [tokenize_one(self.chat, record) for record in records]
+            done: Future = Future()
+            # tokenize_one counts into self.chat directly: nothing to add on collect
+            done.set_result(([tokenize_one(self.chat, record) for record in records], 0, 0))
+            return [done]
         size = max(1, min(MAX_SLICE_RECORDS, math.ceil(len(records) / (SLICES_PER_WORKER * self.workers))))
-        slices = [records[start:start + size] for start in range(0, len(records), size)]
+        pool = self._started()
+        return [pool.submit(_tokenize_slice, records[start:start + size]) for start in range(0, len(records), size)]
+
+    def collect(self, tokenizing: Tokenizing) -> list[Result]:
+        """The submitted records' results in order; their counters are added to the parent's tokenizer here."""
         results: list[Result] = []
-        for part, split, dropped in self._started().map(_tokenize_slice, slices):  # map keeps the input order
+        for future in tokenizing:
+            part, split, dropped = future.result()
             results += part
             self.chat.split_turn_samples += split
             self.chat.dropped_turns += dropped
         return results
 
+    def warm(self) -> Tokenizing | None:
+        """Starts the pool's workers now, without waiting for them; None where there is no pool (workers <= 1).
+        The returned futures give each worker's pid, once every worker has run its initializer."""
+        if self.workers <= 1:
+            return None
+        pool = self._started()
+        # one task per worker: each submit spawns a worker while none is idle, and the barrier holds every task
+        # until all are running, so each lands on its own worker
+        return [pool.submit(_worker_ready) for _ in range(self.workers)]
+
     def _started(self) -> ProcessPoolExecutor:
         if self._pool is None:
             get_logger().info("tokenizing in %d worker processes (%s)", self.workers, WORKERS_ENV)
-            self._pool = ProcessPoolExecutor(self.workers, mp_context=multiprocessing.get_context("spawn"),
-                                             initializer=_start_worker, initargs=(self.chat,))
+            context = multiprocessing.get_context("spawn")
+            self._pool = ProcessPoolExecutor(self.workers, mp_context=context, initializer=_start_worker,
+                                             initargs=(self.chat, context.Barrier(self.workers)))
         return self._pool
 
     def close(self) -> None:

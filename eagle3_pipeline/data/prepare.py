@@ -1,6 +1,7 @@
 """Stage 01 after its input checks: read the data, regenerate if asked, write the splits and the manifest."""
 from __future__ import annotations
 
+import math
 import random
 from dataclasses import replace
 
@@ -161,24 +162,10 @@ def take_per_source(config: PrepareConfig, records: list[Record], log) -> tuple[
 
 # --- the stage's work ---------------------------------------------------------------------------------
 
-def prepare_data(config: PrepareConfig, inputs: Inputs, log) -> dict:
-    """Everything stage 01 does once its inputs are checked; returns the completed manifest's data."""
-    from eagle3_pipeline.verifier.loading import resolve_model_path
-
-    data, regeneration = config.data, config.regeneration
-    cache = regeneration_cache(config, inputs, log)
-    records, reading_bad, described, records_read = read_data(config, inputs, log) if data.datasets \
-        else ([], BadRecords(), [], 0)
-    stop_ids = end_of_turn_ids(inputs.tokenizer, resolve_model_path(config.verifier.model_path)[0])
-    chat = ChatTokenizer(inputs.tokenizer, stop_ids, data.max_seq_len)
-    regenerator = make_regenerator(config, inputs, stop_ids, cache, records, log) if regeneration.enabled else None
-    discard_outdated_cache(config.outputs.overwrite, cache, log)  # the new data passed its checks (and the preflight)
-    synthesis = None
-    if config.synthesis.count:
-        made, synthesis = synthesize(config, inputs, regenerator, cache, stop_ids, log)
-        described.insert(0, {"dataset": SOURCE, "format": "synthesize", "records": len(made), "bad_records": 0})
-        records, records_read = made + records, records_read + len(made)
-
+def choose_records(config: PrepareConfig, inputs: Inputs, records: list[Record], log):
+    """The records the splits draw from, in their shuffled order, with what was dropped on the way and the
+    split sizes: (records, duplicates, excluded, mixing, n_train, n_eval); n_train None takes every remaining."""
+    data = config.data
     records, duplicates = remove_duplicates(records)
     records, excluded = drop_prompts(records, inputs.excluded_prompts)
     if data.exclude_prompts:
@@ -192,10 +179,10 @@ def prepare_data(config: PrepareConfig, inputs: Inputs, log) -> dict:
     n_train = total - n_eval if data.num_samples else None  # None: every remaining record
     log.info("%d usable record(s) after removing %d exact duplicate(s); taking %s for training and %d for "
              "evaluation", len(records), duplicates, n_train if n_train is not None else "the rest", n_eval)
+    return records, duplicates, excluded, mixing, n_train, n_eval
 
-    if regenerator is not None:
-        warn_of_merged_prompts(records, log)
 
+def start_manifest(config: PrepareConfig, inputs: Inputs, described: list[dict]) -> Manifest:
     manifest = Manifest(inputs.out, STAGE, config.flags)
     manifest.data.update(fingerprint=inputs.fingerprint, verifier=inputs.verifier_identity,
                          chat_template_sha256=inputs.template_sha, sources=described,
@@ -204,8 +191,38 @@ def prepare_data(config: PrepareConfig, inputs: Inputs, log) -> dict:
         manifest.add_input("chat_template", config.verifier.chat_template)
     if not manifest.path.exists():  # an earlier run's manifest stays until its output is replaced
         manifest.write()
+    return manifest
+
+
+def prepare_data(config: PrepareConfig, inputs: Inputs, log) -> dict:
+    """Everything stage 01 does once its inputs are checked; returns the completed manifest's data."""
+    from eagle3_pipeline.verifier.loading import resolve_model_path
+
+    data, regeneration = config.data, config.regeneration
+    cache = regeneration_cache(config, inputs, log)
+    records, reading_bad, described, records_read = read_data(config, inputs, log) if data.datasets \
+        else ([], BadRecords(), [], 0)
+    stop_ids = end_of_turn_ids(inputs.tokenizer, resolve_model_path(config.verifier.model_path)[0])
+    chat = ChatTokenizer(inputs.tokenizer, stop_ids, data.max_seq_len)
+    regenerator = make_regenerator(config, inputs, stop_ids, cache, records, log) if regeneration.enabled else None
+    discard_outdated_cache(config.outputs.overwrite, cache, log)  # the new data passed its checks (and the preflight)
 
     with Processor(chat, BadRecords(), regenerator) as process:  # stops its tokenizing processes, also on errors
+        # Records (or replies) enough for the pool: its workers start while synthesis and the first round run on
+        # the GPU, not once the first round waits for them
+        expected = min(data.num_samples or math.inf, len(records) + (config.synthesis.count or 0))
+        if regenerator is not None and process.tokenize.pays(expected * regeneration.replies_per_prompt):
+            process.tokenize.warm()
+        synthesis = None
+        if config.synthesis.count:
+            made, synthesis = synthesize(config, inputs, regenerator, cache, stop_ids, log)
+            described.insert(0, {"dataset": SOURCE, "format": "synthesize", "records": len(made), "bad_records": 0})
+            records, records_read = made + records, records_read + len(made)
+
+        records, duplicates, excluded, mixing, n_train, n_eval = choose_records(config, inputs, records, log)
+        if regenerator is not None:
+            warn_of_merged_prompts(records, log)
+        manifest = start_manifest(config, inputs, described)
         written = write_splits(inputs, records, process, reading_bad, records_read, n_train, n_eval, log,
                                replies_per_prompt=regeneration.replies_per_prompt,
                                max_bad_fraction=data.max_bad_fraction, before_replacing=manifest.write)

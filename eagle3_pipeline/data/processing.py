@@ -3,8 +3,8 @@ from __future__ import annotations
 
 import hashlib
 import json
-from dataclasses import replace
 from collections import Counter
+from dataclasses import dataclass, replace
 from itertools import count, islice
 from typing import TYPE_CHECKING, Callable, Iterator
 
@@ -12,7 +12,7 @@ from eagle3_pipeline.errors import UsageError
 from eagle3_pipeline.progress import Progress
 from eagle3_pipeline.log import get_logger
 from eagle3_pipeline.data.chat_tokenizer import ChatTokenizer, Sample
-from eagle3_pipeline.data.parallel_tokenize import ParallelTokenizer, Result
+from eagle3_pipeline.data.parallel_tokenize import ParallelTokenizer, Result, Tokenizing
 from eagle3_pipeline.data.records import BadRecordError, BadRecords, Record
 
 if TYPE_CHECKING:
@@ -50,6 +50,14 @@ def preflight(chat: ChatTokenizer, records: list[Record], limit: float, log) -> 
 
 # --- processing: (regenerate,) tokenize, deduplicate --------------------------------------------------
 
+@dataclass
+class Pending:
+    """A round regenerated and handed to the tokenizer, not yet counted (Processor.start, Processor.finish)."""
+    per_record: list[tuple[Record, list[Record]]]  # each record of the chunk with its variants (one per reply)
+    inputs: list  # per variant: what it tokenizes (a Record), or its regeneration's failure (reason, detail)
+    tokenizing: Tokenizing
+
+
 class Processor:
     """Turns a chunk of records into accepted (record, samples) pairs; the rest are counted.
 
@@ -80,15 +88,24 @@ class Processor:
         """With a regenerator and `replies` > 1, each conversation gets that many regenerated replies, each
         its own sample (id from reply_id); a reply that fails is counted bad on its own. `desc` names the
         regeneration's progress lines."""
+        return self.finish(self.start(chunk, replies, desc))
+
+    def start(self, chunk: list[Record], replies: int = 1, desc: str = "regenerate") -> Pending:
+        """Regenerates the chunk (blocking) and hands its tokenizing to the workers without waiting for it."""
         generated = self.regenerate([r for r in chunk if r.is_chat], replies, desc) if self.regenerate else {}
         per_record = [(record, self._variants(record, replies)) for record in chunk]
-        # The whole round is tokenized at once (in worker processes where that pays), then counted variant by
-        # variant in order, so bad records, repeated samples and ids come out as if tokenized one by one.
+        # The whole round is tokenized at once (in worker processes where that pays); finish() counts it
         inputs = [self._input(variant, generated) for _, variants in per_record for variant in variants]
-        results = iter(self.tokenize([item for item in inputs if isinstance(item, Record)]))
-        inputs_left = iter(inputs)
+        tokenizing = self.tokenize.submit([item for item in inputs if isinstance(item, Record)])
+        return Pending(per_record, inputs, tokenizing)
+
+    def finish(self, pending: Pending) -> list[tuple[Record, list[Sample]]]:
+        """The round's accepted (record, samples), counted variant by variant in order, so bad records, repeated
+        samples and ids come out as if tokenized one by one. Rounds must be finished in the order started."""
+        results = iter(self.tokenize.collect(pending.tokenizing))
+        inputs_left = iter(pending.inputs)
         accepted = []
-        for record, variants in per_record:
+        for record, variants in pending.per_record:
             samples = []
             for variant in variants:
                 item = next(inputs_left)
@@ -137,13 +154,27 @@ class Processor:
 def fill(candidates: Iterator[Record], need: int | None, process: Processor,
          sink: Callable[[Record, list[Sample]], None], desc: str, replies: int = 1) -> int:
     """Process candidates in order until `need` conversations are accepted (None: all of them), each with
-    `replies` regenerated replies."""
+    `replies` regenerated replies.
+
+    Taking all of them while regenerating, a round's tokenizing overlaps the next round's regeneration (the
+    GPU does not wait on it); with a number, the next round's size depends on what this one accepted."""
     accepted = 0
     log = get_logger()
+    overlap = need is None and process.regenerate is not None
+    how = "tokenize"
+    if process.regenerate:
+        how = "regenerate the replies, then tokenize" + (", each round while the next regenerates" if overlap else "")
     log.info("%s: taking %s conversations, in rounds of up to %d records (%s)", desc,
-             need if need is not None else "all remaining", process.chunk_records,
-             "regenerate the replies, then tokenize" if process.regenerate else "tokenize")
+             need if need is not None else "all remaining", process.chunk_records, how)
     with Progress(total=need, desc=desc, unit="conv") as progress:
+        def count_round(pending: Pending) -> int:
+            done = process.finish(pending)
+            for record, samples in done:
+                sink(record, samples)
+            progress.update(len(done))  # once a round: a report after the round's first record said "ETA 400 h"
+            return len(done)
+
+        previous = None  # with overlap: the round started last, counted once the next one has regenerated
         for round_ in count(1):
             if need is not None and accepted >= need:
                 break
@@ -155,11 +186,15 @@ def fill(candidates: Iterator[Record], need: int | None, process: Processor,
                 log.info("%s, round %d: %d more conversation(s), in place of those round %d dropped (%s)", desc,
                          round_, len(chunk), round_ - 1, dropped.reasons())
             dropped = _Dropped(process)
-            done = process(chunk, replies, f"regenerate {desc}, round {round_}")
-            for record, samples in done:
-                sink(record, samples)
-            accepted += len(done)
-            progress.update(len(done))  # once a round: a report after the round's first record said "ETA 400 h"
+            pending = process.start(chunk, replies, f"regenerate {desc}, round {round_}")
+            if not overlap:
+                accepted += count_round(pending)
+                continue
+            if previous is not None:
+                accepted += count_round(previous)
+            previous = pending
+        if previous is not None:
+            accepted += count_round(previous)
     return accepted
 
 
