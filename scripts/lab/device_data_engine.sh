@@ -13,11 +13,16 @@
 #   scripts/lab/device_data_engine.sh VERIFIER DATA_DIR WORK_DIR [PART ...]     (default: all four, in order)
 #   scripts/lab/device_data_engine.sh VERIFIER DATA_DIR WORK_DIR pack           ($OUT/engine.tgz: logs, manifests,
 #                                                                                reports, no weights)
+#   scripts/lab/device_data_engine.sh VERIFIER DATA_DIR WORK_DIR pack-cache     (stage 01's generated replies and made
+#                                                                                turns, in 15 MiB pieces $OUT/cache.tgz.part-*)
 #     VERIFIER  SmolLM2's .gguf (converted once to a dense folder beside it) or its dense folder
 #     DATA_DIR  scripts/prepare_device_data.py DATA_DIR --turns 2 --prompts-only --heldout 300
 #     WORK_DIR  the run in WORK_DIR/run, the bench in WORK_DIR/bench, progress in WORK_DIR/engine.log
-# Environment (defaults): SYNTH 80000, TURNS 1, BATCH 1280, REGEN_TOKENS 256, BENCH_PROMPTS 4000, EPOCHS 1,
-# NEW_TOKENS 128, TIME_LIMIT (seconds) for stage 04, which stops cleanly and resumes on the same command.
+# Environment (defaults): SYNTH 80000 (0: no made conversations), DATASETS "sharegpt gsm8k" (DATA_DIR's sharegpt.json
+# and gsm8k_train.jsonl), TURNS 1, BATCH 1280, REGEN_TOKENS 256, BENCH_PROMPTS 4000, EPOCHS 1, NEW_TOKENS 128,
+# TIME_LIMIT (seconds) for stage 04, which stops cleanly and resumes on the same command, CACHE_IN (a folder of
+# cache.tgz.part-* pieces packed by an earlier machine: stage 01 reuses every reply and made turn made with the same
+# settings, so a point's data can be made on one machine and trained on the next).
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 export PYTHONPATH="$(pwd)${PYTHONPATH:+:$PYTHONPATH}"  # the repository's packages where it is not pip-installed
@@ -28,8 +33,13 @@ if [ "${1:-}" = pack ]; then
     run/data/synthesis_samples.md run/checkpoints/metrics.jsonl run/checkpoints/best.json run/bench_* 2>/dev/null
   exit 0
 fi
+if [ "${1:-}" = pack-cache ]; then
+  tar czf - -C "$RUN/data" --ignore-failed-read regenerated.jsonl regenerated.settings.json synthesized.jsonl \
+    synthesized.settings.json 2>/dev/null | split -b 15M - "$OUT/cache.tgz.part-"
+  exit 0
+fi
 PARTS=${*:-bench data train eval}
-SYNTH=${SYNTH:-80000}; TURNS=${TURNS:-1}; BATCH=${BATCH:-1280}; REGEN_TOKENS=${REGEN_TOKENS:-256}
+SYNTH=${SYNTH:-80000}; DATASETS=${DATASETS:-sharegpt gsm8k}; TURNS=${TURNS:-1}; BATCH=${BATCH:-1280}; REGEN_TOKENS=${REGEN_TOKENS:-256}
 BENCH_PROMPTS=${BENCH_PROMPTS:-4000}; EPOCHS=${EPOCHS:-1}; NEW_TOKENS=${NEW_TOKENS:-128}
 export PYTHONUNBUFFERED=1
 mkdir -p "$WORK"
@@ -49,6 +59,18 @@ densify_gguf(Path('$VERIFIER'), Path('$DENSE'))"
 fi
 EXCLUDE=(--exclude-prompts "$DATA/mt_bench.jsonl" --exclude-prompts "$DATA/spec_bench.jsonl"
          --exclude-prompts "$DATA/heldout.jsonl")
+SOURCES=()
+for name in $DATASETS; do
+  case $name in
+    sharegpt) SOURCES+=(--dataset "$DATA/sharegpt.json") ;;
+    gsm8k) SOURCES+=(--dataset "$DATA/gsm8k_train.jsonl") ;;
+    *) echo "DATASETS: unknown $name (sharegpt, gsm8k)" >&2; exit 2 ;;
+  esac
+done
+[ "$SYNTH" -gt 0 ] && SOURCES+=(--synthesize "$SYNTH" --synthesize-turns "$TURNS")
+if [ -n "${CACHE_IN:-}" ] && [ ! -f "$RUN/data/regenerated.jsonl" ]; then
+  mkdir -p "$RUN/data" && cat "$CACHE_IN"/cache.tgz.part-* | tar xz -C "$RUN/data"
+fi
 
 for part in $PARTS; do
   case $part in
@@ -58,12 +80,11 @@ for part in $PARTS; do
         --out "$WORK/bench" --engines loop --static-only --num-prompts "$BENCH_PROMPTS" --batch-size "$BATCH" \
         --max-new-tokens "$REGEN_TOKENS" > "$WORK/bench.log" 2>&1 ;;
     data)
-      say "data: stage 01, ShareGPT + GSM8K + $SYNTH made conversations, $TURNS user turn(s)"
+      say "data: stage 01, $DATASETS + $SYNTH made conversations, $TURNS user turn(s)"
       start=$SECONDS
-      timed data python3 01_prepare_data.py --run-dir "$RUN" --model-path "$DENSE" --dataset "$DATA/sharegpt.json" \
-        --dataset "$DATA/gsm8k_train.jsonl" --max-turns "$TURNS" --regenerate --regenerate-engine loop \
-        --batch-size "$BATCH" --max-new-tokens "$REGEN_TOKENS" --synthesize "$SYNTH" --synthesize-turns "$TURNS" \
-        --max-seq-len 2048 --eval-ratio 0.01 "${EXCLUDE[@]}" > "$WORK/data.log" 2>&1
+      timed data python3 01_prepare_data.py --run-dir "$RUN" --model-path "$DENSE" "${SOURCES[@]}" \
+        --max-turns "$TURNS" --regenerate --regenerate-engine loop --batch-size "$BATCH" \
+        --max-new-tokens "$REGEN_TOKENS" --max-seq-len 2048 --eval-ratio 0.01 "${EXCLUDE[@]}" > "$WORK/data.log" 2>&1
       python3 - "$RUN/data/manifest.json" "$WORK/bench/bench_regenerate.json" $((SECONDS - start)) <<'EOF' \
         | tee -a "$WORK/engine.log"
 import json, sys
