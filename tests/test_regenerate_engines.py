@@ -295,6 +295,47 @@ def test_filled_batches_compile_one_step_for_every_call_and_change_no_reply(stor
     assert filled.loop_rows(3, 128, model.device) == 3
 
 
+def test_dynamic_decode_compile_serves_every_batch_shape_with_one_graph(stories260k, monkeypatch):
+    """EAGLE3_DECODE_COMPILE=dynamic: the loop's step compiled with symbolic shapes (as on a GPU, with a recording
+    backend) serves batches of 4, 2, 3 and 1 rows with at most two graphs (dynamo's first, static, then one
+    dynamic), where static compiling makes one per shape (four); the replies stay generate's either way. A wrong
+    value is refused."""
+    from eagle3_pipeline.data import decode_loop
+    from eagle3_pipeline.data.responders import HFResponder
+    from eagle3_pipeline.errors import UsageError
+    from eagle3_pipeline.verifier.loading import load_tokenizer, load_verifier_model
+
+    tokenizer = load_tokenizer(str(stories260k))
+    tokenizer.chat_template = STORIES_TEMPLATE
+    stop_ids = {tokenizer.eos_token_id}
+
+    def graphs_compiled(way: str) -> int:
+        graphs = []
+
+        def recording_backend(graph, _inputs):
+            graphs.append(graph)
+            return graph.forward
+
+        monkeypatch.setenv("EAGLE3_DECODE_COMPILE", way)
+        options = {key: value for key, value in decode_loop.compile_options().items() if key != "mode"}
+        options.update(backend=recording_backend, fullgraph=True)
+        monkeypatch.setattr(decode_loop, "decoding_forward",
+                            lambda model: decode_loop.compiled_forward(model, options))
+        model = load_verifier_model(str(stories260k), "cpu", "float32")  # a fresh model: its own compiled step
+        loop = HFResponder(lambda _device: model, tokenizer, stop_ids, 12, 0.0, 4, 512, engine="loop")
+        reference = HFResponder(lambda _device: model, tokenizer, stop_ids, 12, 0.0, 4, 512, engine="generate")
+        for count in (6, 3, 1):  # batches of 4 and 2, then 3, then 1 rows
+            conversations = [[{"role": "user", "content": text}] for text in PROMPTS[:count]]
+            assert loop(conversations) == reference(conversations)
+        return len(graphs)
+
+    assert graphs_compiled("static") == 4
+    assert 1 <= graphs_compiled("dynamic") <= 2
+    monkeypatch.setenv("EAGLE3_DECODE_COMPILE", "fast")
+    with pytest.raises(UsageError, match="EAGLE3_DECODE_COMPILE"):
+        decode_loop.compile_options()
+
+
 # --- stage 01: several replies per prompt, resume after a kill ---------------------------------------
 
 STARTS = ["Lily found a", "Tom saw a big", "The cat and the dog", "One sunny day", "A little bird", "Sue had a red",

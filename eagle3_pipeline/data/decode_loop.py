@@ -18,6 +18,9 @@ passed: a reset cache starts at 0 and each forward advances it by its query leng
 """
 from __future__ import annotations
 
+import os
+
+from eagle3_pipeline.errors import UsageError
 from eagle3_pipeline.data.static_cache import forward_cache_keyword
 from eagle3_pipeline.top_p import top_p_probabilities
 
@@ -28,8 +31,11 @@ CHECK_EVERY = 16
 # default limit (8) in a run of several prompt widths, after which it would run the step eagerly.
 RECOMPILE_LIMIT = 64
 # How the decoding step is compiled on a GPU: CUDA graphs ("reduce-overhead"), static shapes (each batch
-# shape its own graph, as transformers compiles generate's step).
+# shape its own graph, as transformers compiles generate's step). EAGLE3_DECODE_COMPILE=dynamic compiles it
+# once for every shape instead (rows and widths symbolic; CUDA graphs still recorded per shape): a stage-01 run
+# compiled about 16 shapes, 68 s of SmolLM2's cold call on an H100 (docs/results/2026-12-07-h100-data-engine.md).
 COMPILE_OPTIONS = {"mode": "reduce-overhead", "dynamic": False}
+COMPILE_ENV = "EAGLE3_DECODE_COMPILE"
 
 
 def decode(model, cache, input_ids, prompt_mask, cache_width: int, max_new_tokens: int, stop_ids, pad_id: int,
@@ -99,7 +105,16 @@ def decoding_forward(model):
     CPU, the model. Prefill stays eager: it runs once a batch, at a shape of its own."""
     if next(model.parameters()).device.type != "cuda":
         return model
-    return compiled_forward(model, COMPILE_OPTIONS)
+    return compiled_forward(model, compile_options())
+
+
+def compile_options() -> dict:
+    """COMPILE_OPTIONS, with symbolic shapes when EAGLE3_DECODE_COMPILE=dynamic (static: the default)."""
+    way = os.environ.get(COMPILE_ENV) or "static"
+    if way not in ("static", "dynamic"):
+        raise UsageError(f"{COMPILE_ENV}={way!r}: give static (one compiled step per batch shape, the default) or "
+                         "dynamic (one for every shape)")
+    return {**COMPILE_OPTIONS, "dynamic": way == "dynamic"}
 
 
 def compiled_forward(model, options: dict):

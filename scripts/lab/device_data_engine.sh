@@ -17,19 +17,21 @@
 #                                                                                turns, in 15 MiB pieces $OUT/cache.tgz.part-*)
 #     VERIFIER  SmolLM2's .gguf (converted once to a dense folder beside it) or its dense folder
 #     DATA_DIR  scripts/prepare_device_data.py DATA_DIR --turns 2 --prompts-only --heldout 300
-#     WORK_DIR  the run in WORK_DIR/run, the bench in WORK_DIR/bench, progress in WORK_DIR/engine.log
+#     WORK_DIR  the run in WORK_DIR/run, the bench in WORK_DIR/bench_WAY, progress in WORK_DIR/engine.log
 # Environment (defaults): SYNTH 80000 (0: no made conversations), DATASETS "sharegpt gsm8k" (DATA_DIR's sharegpt.json
-# and gsm8k_train.jsonl), TURNS 1, BATCH 1280, REGEN_TOKENS 256, BENCH_PROMPTS 4000, EPOCHS 1, NEW_TOKENS 128,
-# TIME_LIMIT (seconds) for stage 04, which stops cleanly and resumes on the same command, CACHE_IN (a folder of
-# cache.tgz.part-* pieces packed by an earlier machine: stage 01 reuses every reply and made turn made with the same
-# settings, so a point's data can be made on one machine and trained on the next).
+# and gsm8k_train.jsonl), TURNS 1, BATCH 1280, REGEN_TOKENS 256, BENCH_PROMPTS 4000, EPOCHS 1, NEW_TOKENS 128;
+# EAGLE3_DECODE_COMPILE (static: stage 01's decoding step compiled per batch shape; dynamic: once) and BENCH_COMPILE
+# (the ways the bench runs, each into WORK_DIR/bench_WAY; default the one stage 01 uses); TIME_LIMIT (seconds) for
+# stage 04, which stops cleanly and resumes on the same command; CACHE_IN (a folder of cache.tgz.part-* pieces packed
+# by an earlier machine: stage 01 reuses every reply and made turn made with the same settings, so a point's data can
+# be made on one machine and trained on the next).
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 export PYTHONPATH="$(pwd)${PYTHONPATH:+:$PYTHONPATH}"  # the repository's packages where it is not pip-installed
 VERIFIER=$1; DATA=$2; WORK=$3; shift 3
 RUN=$WORK/run
 if [ "${1:-}" = pack ]; then
-  tar czf "$OUT/engine.tgz" --ignore-failed-read -C "$WORK" engine.log bench run/logs run/data/manifest.json \
+  tar czf "$OUT/engine.tgz" --ignore-failed-read -C "$WORK" engine.log bench_* run/logs run/data/manifest.json \
     run/data/synthesis_samples.md run/checkpoints/metrics.jsonl run/checkpoints/best.json run/bench_* 2>/dev/null
   exit 0
 fi
@@ -39,7 +41,8 @@ if [ "${1:-}" = pack-cache ]; then
   exit 0
 fi
 PARTS=${*:-bench data train eval}
-SYNTH=${SYNTH:-80000}; DATASETS=${DATASETS:-sharegpt gsm8k}; TURNS=${TURNS:-1}; BATCH=${BATCH:-1280}; REGEN_TOKENS=${REGEN_TOKENS:-256}
+SYNTH=${SYNTH:-80000}; DATASETS=${DATASETS:-sharegpt gsm8k}
+COMPILE=${EAGLE3_DECODE_COMPILE:-static}; BENCH_COMPILE=${BENCH_COMPILE:-$COMPILE}; TURNS=${TURNS:-1}; BATCH=${BATCH:-1280}; REGEN_TOKENS=${REGEN_TOKENS:-256}
 BENCH_PROMPTS=${BENCH_PROMPTS:-4000}; EPOCHS=${EPOCHS:-1}; NEW_TOKENS=${NEW_TOKENS:-128}
 export PYTHONUNBUFFERED=1
 mkdir -p "$WORK"
@@ -75,17 +78,20 @@ fi
 for part in $PARTS; do
   case $part in
     bench)
-      say "bench: the loop engine alone, $BENCH_PROMPTS prompts, batch $BATCH, $REGEN_TOKENS new tokens"
-      timed bench python3 scripts/lab/bench_regenerate.py --model-path "$DENSE" --data "$DATA/sharegpt.json" \
-        --out "$WORK/bench" --engines loop --static-only --num-prompts "$BENCH_PROMPTS" --batch-size "$BATCH" \
-        --max-new-tokens "$REGEN_TOKENS" > "$WORK/bench.log" 2>&1 ;;
+      for way in $BENCH_COMPILE; do
+        say "bench: the loop engine alone, $BENCH_PROMPTS prompts, batch $BATCH, $REGEN_TOKENS new tokens, $way compile"
+        EAGLE3_DECODE_COMPILE=$way timed "bench $way" python3 scripts/lab/bench_regenerate.py --model-path "$DENSE" \
+          --data "$DATA/sharegpt.json" --out "$WORK/bench_$way" --engines loop --static-only \
+          --num-prompts "$BENCH_PROMPTS" --batch-size "$BATCH" --max-new-tokens "$REGEN_TOKENS" \
+          > "$WORK/bench_$way.log" 2>&1
+      done ;;
     data)
       say "data: stage 01, $DATASETS + $SYNTH made conversations, $TURNS user turn(s)"
       start=$SECONDS
       timed data python3 01_prepare_data.py --run-dir "$RUN" --model-path "$DENSE" "${SOURCES[@]}" \
         --max-turns "$TURNS" --regenerate --regenerate-engine loop --batch-size "$BATCH" \
         --max-new-tokens "$REGEN_TOKENS" --max-seq-len 2048 --eval-ratio 0.01 "${EXCLUDE[@]}" > "$WORK/data.log" 2>&1
-      python3 - "$RUN/data/manifest.json" "$WORK/bench/bench_regenerate.json" $((SECONDS - start)) <<'EOF' \
+      python3 - "$RUN/data/manifest.json" "$WORK/bench_$COMPILE/bench_regenerate.json" $((SECONDS - start)) <<'EOF' \
         | tee -a "$WORK/engine.log"
 import json, sys
 from pathlib import Path
