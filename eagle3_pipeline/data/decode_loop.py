@@ -32,8 +32,9 @@ CHECK_EVERY = 16
 RECOMPILE_LIMIT = 64
 # How the decoding step is compiled on a GPU: CUDA graphs ("reduce-overhead"), static shapes (each batch
 # shape its own graph, as transformers compiles generate's step). EAGLE3_DECODE_COMPILE=dynamic compiles it
-# once for every shape instead (rows and widths symbolic; CUDA graphs still recorded per shape): a stage-01 run
-# compiled about 16 shapes, 68 s of SmolLM2's cold call on an H100 (docs/results/2026-12-07-h100-data-engine.md).
+# once for every shape instead (rows and widths symbolic; CUDA graphs still recorded per shape): prompt widths step
+# by 128, so a run compiles up to 16 shapes per reply length, and SmolLM2's cold bench call on an H100 spent 68 s
+# more than its warm one (docs/results/2026-12-07-h100-data-engine.md).
 COMPILE_OPTIONS = {"mode": "reduce-overhead", "dynamic": False}
 COMPILE_ENV = "EAGLE3_DECODE_COMPILE"
 
