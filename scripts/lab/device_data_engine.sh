@@ -31,8 +31,8 @@ export PYTHONPATH="$(pwd)${PYTHONPATH:+:$PYTHONPATH}"  # the repository's packag
 VERIFIER=$1; DATA=$2; WORK=$3; shift 3
 RUN=$WORK/run
 if [ "${1:-}" = pack ]; then
-  tar czf "$OUT/engine.tgz" --ignore-failed-read -C "$WORK" engine.log bench_* run/logs run/data/manifest.json \
-    run/data/synthesis_samples.md run/checkpoints/metrics.jsonl run/checkpoints/best.json run/bench_* 2>/dev/null
+  (cd "$WORK" && tar czf "$OUT/engine.tgz" --ignore-failed-read engine.log bench_* run/logs run/data/manifest.json \
+    run/data/synthesis_samples.md run/checkpoints/metrics.jsonl run/checkpoints/best.json run/bench_* 2>/dev/null)
   exit 0
 fi
 if [ "${1:-}" = pack-cache ]; then
