@@ -54,13 +54,7 @@ if [ -n "${REGEN_CACHE:-}" ] && [ ! -f "$RUN/data/regenerated.jsonl" ]; then
   mkdir -p "$RUN/data" && tar xzf "$REGEN_CACHE" -C "$RUN/data"
   echo "stage 01 reuses the replies in $REGEN_CACHE made with the same settings"
 fi
-if [[ "$VERIFIER" == *.gguf ]]; then
-  DENSE=$(dirname "$VERIFIER")/smollm2-dense
-  [ -f "$DENSE/config.json" ] || python3 -c "from pathlib import Path
-from eagle3_pipeline.verifier.loading import densify_gguf
-densify_gguf(Path('$VERIFIER'), Path('$DENSE'))"
-  VERIFIER=$DENSE
-fi
+VERIFIER=$(scripts/dense_verifier.sh "$VERIFIER")
 LIMIT_S=${TIME_LIMIT:-}; LIMIT_S=${LIMIT_S%s}
 if [ -n "$LIMIT_S" ] && ! [[ "$LIMIT_S" =~ ^[0-9]+$ ]]; then
   echo "TIME_LIMIT=$TIME_LIMIT: give the command's budget in seconds, e.g. 540s" >&2; exit 2

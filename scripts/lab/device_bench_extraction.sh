@@ -9,10 +9,7 @@ GGUF=$1
 DENSE=${DENSE:-$(dirname "$GGUF")/smollm2-dense}
 WORK=${WORK:-$(dirname "$GGUF")/bench_work}
 export PYTHONUNBUFFERED=1
-[ -f "$DENSE/config.json" ] || python3 -c "
-from pathlib import Path
-from eagle3_pipeline.verifier.loading import densify_gguf
-densify_gguf(Path('$GGUF'), Path('$DENSE'))"
+[ -f "$DENSE/config.json" ] || DENSE=$(scripts/dense_verifier.sh "$GGUF")
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT/smol" "$OUT/llama8b" "$WORK"

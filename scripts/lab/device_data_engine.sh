@@ -53,13 +53,7 @@ timed() {  # run "$@", then log its exit code and seconds under the name $1
   say "$name: exit $code after $((SECONDS - start)) s"
   return $code
 }
-DENSE=$VERIFIER
-if [[ "$VERIFIER" == *.gguf ]]; then
-  DENSE=$(dirname "$VERIFIER")/smollm2-dense
-  [ -f "$DENSE/config.json" ] || python3 -c "from pathlib import Path
-from eagle3_pipeline.verifier.loading import densify_gguf
-densify_gguf(Path('$VERIFIER'), Path('$DENSE'))"
-fi
+DENSE=$(scripts/dense_verifier.sh "$VERIFIER") || exit 1
 EXCLUDE=(--exclude-prompts "$DATA/mt_bench.jsonl" --exclude-prompts "$DATA/spec_bench.jsonl"
          --exclude-prompts "$DATA/heldout.jsonl")
 SOURCES=()

@@ -47,10 +47,8 @@ HAVE_DRAFTER=0; [ -f "$WORK/run/checkpoints/best/config.json" ] && HAVE_DRAFTER=
 
 say "train: gpu_smollm2.sh STAGES=train$([ $HAVE_DRAFTER = 1 ] && echo ' (skipped: a drafter is there already)')"
 ( if [ $HAVE_DRAFTER = 1 ]; then  # no training; the servers still need the dense verifier
-    [ -f "$DENSE/config.json" ] || python3 -c "from pathlib import Path
-from eagle3_pipeline.verifier.loading import densify_gguf
-densify_gguf(Path('$VERIFIER'), Path('$DENSE'))"
-    exit 0
+    scripts/dense_verifier.sh "$VERIFIER" > /dev/null
+    exit $?
   fi
   [ -f "$CACHE" ] && export REGEN_CACHE=$CACHE; unset OUT
   STAGES=train scripts/gpu_smollm2.sh "$VERIFIER" "$DATA" "$WORK/run" > "$WORK/train.log" 2>&1
