@@ -20,8 +20,9 @@
 #     WORK_DIR  the run in WORK_DIR/run, the bench in WORK_DIR/bench_WAY, progress in WORK_DIR/engine.log
 # Environment (defaults): SYNTH 80000 (0: no made conversations), DATASETS "sharegpt gsm8k" (DATA_DIR's sharegpt.json
 # and gsm8k_train.jsonl), TURNS 1, BATCH 1280, REGEN_TOKENS 256, BENCH_PROMPTS 4000, EPOCHS 1, NEW_TOKENS 128;
-# EAGLE3_DECODE_COMPILE (static: stage 01's decoding step compiled per batch shape; dynamic: once) and BENCH_COMPILE
-# (the ways the bench runs, each into WORK_DIR/bench_WAY; default the one stage 01 uses); TIME_LIMIT (seconds) for
+# EAGLE3_DECODE_COMPILE (static: stage 01's decoding step compiled per batch shape; dynamic: once; auto: the bench
+# runs both and stage 01 takes the one the bench says is faster for a run of this size) and BENCH_COMPILE (the ways
+# the bench runs, each into WORK_DIR/bench_WAY; default the one stage 01 uses, both for auto); TIME_LIMIT (seconds) for
 # stage 04, which stops cleanly and resumes on the same command; CACHE_IN (a folder of cache.tgz.part-* pieces packed
 # by an earlier machine: stage 01 reuses every reply and made turn made with the same settings, so a point's data can
 # be made on one machine and trained on the next).
@@ -41,8 +42,8 @@ if [ "${1:-}" = pack-cache ]; then
   exit 0
 fi
 PARTS=${*:-bench data train eval}
-SYNTH=${SYNTH:-80000}; DATASETS=${DATASETS:-sharegpt gsm8k}
-COMPILE=${EAGLE3_DECODE_COMPILE:-static}; BENCH_COMPILE=${BENCH_COMPILE:-$COMPILE}; TURNS=${TURNS:-1}; BATCH=${BATCH:-1280}; REGEN_TOKENS=${REGEN_TOKENS:-256}
+SYNTH=${SYNTH:-80000}; DATASETS=${DATASETS-sharegpt gsm8k}
+COMPILE=${EAGLE3_DECODE_COMPILE:-static}; BENCH_COMPILE=${BENCH_COMPILE:-${COMPILE/auto/static dynamic}}; TURNS=${TURNS:-1}; BATCH=${BATCH:-1280}; REGEN_TOKENS=${REGEN_TOKENS:-256}
 BENCH_PROMPTS=${BENCH_PROMPTS:-4000}; EPOCHS=${EPOCHS:-1}; NEW_TOKENS=${NEW_TOKENS:-128}
 export PYTHONUNBUFFERED=1
 mkdir -p "$WORK"
@@ -52,6 +53,24 @@ timed() {  # run "$@", then log its exit code and seconds under the name $1
   "$@"; local code=$?
   say "$name: exit $code after $((SECONDS - start)) s"
   return $code
+}
+faster_compile() {  # the bench's faster way for a run of this size: its compiling (cold - warm) plus the run's
+  # tokens (about 260 a conversation's turn: a reply and a user turn) at its warm rate
+  python3 - "$WORK" $(( (SYNTH + 25000) * TURNS * 260 )) <<'EOF'
+import json, sys
+from pathlib import Path
+work, tokens = Path(sys.argv[1]), int(sys.argv[2])
+guesses = {}
+for way in ("static", "dynamic"):
+    found = work / f"bench_{way}" / "bench_regenerate.json"
+    if found.exists():
+        runs = json.loads(found.read_text())["verifier"]
+        if runs.get("loop", {}).get("generated_tokens_per_s") and "loop_cold" in runs:
+            compiling = runs["loop_cold"]["elapsed_s"] - runs["loop"]["elapsed_s"]
+            guesses[way] = round(compiling + tokens / runs["loop"]["generated_tokens_per_s"])
+print(min(guesses, key=guesses.get) if guesses else "static")
+print(f"compile: estimated seconds for {tokens} tokens {guesses}", file=sys.stderr)
+EOF
 }
 DENSE=$(scripts/dense_verifier.sh "$VERIFIER") || exit 1
 EXCLUDE=(--exclude-prompts "$DATA/mt_bench.jsonl" --exclude-prompts "$DATA/spec_bench.jsonl"
@@ -80,29 +99,32 @@ for part in $PARTS; do
           > "$WORK/bench_$way.log" 2>&1
       done ;;
     data)
-      say "data: stage 01, $DATASETS + $SYNTH made conversations, $TURNS user turn(s)"
+      [ "$COMPILE" = auto ] && COMPILE=$(faster_compile 2>> "$WORK/engine.log")
+      say "data: stage 01, $DATASETS + $SYNTH made conversations, $TURNS user turn(s), $COMPILE compile"
       start=$SECONDS
-      timed data python3 01_prepare_data.py --run-dir "$RUN" --model-path "$DENSE" "${SOURCES[@]}" \
+      EAGLE3_DECODE_COMPILE=$COMPILE timed data python3 01_prepare_data.py --run-dir "$RUN" --model-path "$DENSE" "${SOURCES[@]}" \
         --max-turns "$TURNS" --regenerate --regenerate-engine loop --batch-size "$BATCH" \
-        --max-new-tokens "$REGEN_TOKENS" --max-seq-len 2048 --eval-ratio 0.01 "${EXCLUDE[@]}" > "$WORK/data.log" 2>&1
-      python3 - "$RUN/data/manifest.json" "$WORK/bench_$COMPILE/bench_regenerate.json" $((SECONDS - start)) <<'EOF' \
+        --max-new-tokens "$REGEN_TOKENS" --max-seq-len 2048 --eval-ratio 0.01 "${EXCLUDE[@]}" > "$WORK/data.log" 2>&1 \
+        || exit 1
+      python3 - "$RUN/data/manifest.json" $((SECONDS - start)) "$WORK"/bench_*/bench_regenerate.json <<'EOF' \
         | tee -a "$WORK/engine.log"
 import json, sys
 from pathlib import Path
 manifest = json.loads(Path(sys.argv[1]).read_text())
 counts, regen = manifest["counts"], manifest["regeneration"]
-wall, engine = float(sys.argv[3]), regen.get("engine_batches", {})  # the whole stage: synthesis included
+wall, engine = float(sys.argv[2]), regen.get("engine_batches", {})  # the whole stage: synthesis included
 conversations = counts["conversations"] + counts["eval_conversations"]
 print(f"stage 01: {conversations} conversations in {wall:.0f} s = {conversations / wall:.1f}/s; "
       f"{engine.get('tokens', 0)} tokens generated = {engine.get('tokens', 0) / wall:.0f} tokens/s; "
       f"{engine.get('seconds', 0):.0f} s inside {engine.get('batches', 0)} batches "
       f"({engine.get('tokens', 0) / max(engine.get('seconds', 1), 1e-9):.0f} tokens/s there)")
-bench = Path(sys.argv[2])
-if bench.exists():
+for bench in map(Path, sys.argv[3:]):
+    if not bench.exists():
+        continue  # the glob matched nothing
     loop = json.loads(bench.read_text())["verifier"]["loop"]
-    print(f"bench loop (warm): {loop['conversations_per_s']}/s, {loop['generated_tokens_per_s']} tokens/s; "
-          f"stage 01 end to end / bench: {engine.get('tokens', 0) / wall / loop['generated_tokens_per_s']:.2f}x "
-          f"in tokens/s")
+    print(f"{bench.parent.name} loop (warm): {loop['conversations_per_s']}/s, {loop['generated_tokens_per_s']} "
+          f"tokens/s; stage 01 end to end / bench: "
+          f"{engine.get('tokens', 0) / wall / loop['generated_tokens_per_s']:.2f}x in tokens/s")
 EOF
       ;;
     train)
@@ -114,16 +136,19 @@ EOF
       timed train "${limit[@]}" python3 04_train.py --run-dir "$RUN" --model-path "$DENSE" --online \
         --epochs "$EPOCHS" --ttt-steps 3 --max-tokens-per-batch 4096 --num-workers 8 --lr 1e-3 --eval-interval 500 \
         --save-interval 1000 "${resume[@]}" > "$WORK/train.log" 2>&1 ;;
-    eval)
+    eval)  # the four at once: each leaves the GPU mostly idle (a small verifier, one prompt at a time)
+      say "eval: MT-bench T=0 and T=1, held-out 60, Spec-Bench 120, side by side"
       for spec in "mtbench 0 $DATA/mt_bench.jsonl all" "mtbench_t1 1 $DATA/mt_bench.jsonl all" \
                   "heldout 0 $DATA/heldout.jsonl 60" "specbench 0 $DATA/spec_bench.jsonl 120"; do
         read -r name temperature prompts count <<< "$spec"
         number=(); [ "$count" != all ] && number=(--num-prompts "$count")
-        timed "eval $name" python3 05_benchmark.py --run-dir "$RUN" --model-path "$DENSE" --tau-only \
+        (timed "eval $name" python3 05_benchmark.py --run-dir "$RUN" --model-path "$DENSE" --tau-only \
           --num-steps 3 --topk 1 --num-draft-tokens 4 --temperature "$temperature" --prompts "$prompts" \
-          "${number[@]}" --max-new-tokens "$NEW_TOKENS" --decode-workers 8 --output-dir "$RUN/bench_$name" \
-          2>&1 | grep -E "SUMMARY|ERROR" | sed "s|^|$name: |" | tee -a "$WORK/engine.log"
-      done ;;
+          "${number[@]}" --max-new-tokens "$NEW_TOKENS" --decode-workers 4 --output-dir "$RUN/bench_$name" \
+          > "$WORK/eval_$name.log" 2>&1
+         grep -E "SUMMARY|ERROR" "$WORK/eval_$name.log" | sed "s|^|$name: |" | tee -a "$WORK/engine.log") &
+      done
+      wait ;;
     *) echo "unknown part $part: bench, data, train, eval or pack" >&2; exit 2 ;;
   esac
 done
