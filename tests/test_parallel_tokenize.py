@@ -208,8 +208,10 @@ def test_warm_starts_every_worker_before_a_round_is_submitted(monkeypatch, stori
     try:
         warming = tokenize.warm()
         assert warming is not None and tokenize._pool is not None
+        # warm() returned before its workers started: each imports transformers first, which takes seconds
+        assert not warming.done()
         # each warming task ran on its own worker, after that worker's initializer, with no round submitted
-        pids = {future.result(timeout=300) for future in warming}
+        pids = set(warming.result(timeout=300))
         assert len(pids) == 2 and pids <= {child.pid for child in multiprocessing.active_children()}
         handle = tokenize.submit(records)
         assert len(handle) > 1 and tokenize.collect(handle) == serial

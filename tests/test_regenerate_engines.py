@@ -297,9 +297,9 @@ def test_filled_batches_compile_one_step_for_every_call_and_change_no_reply(stor
 
 def test_dynamic_decode_compile_serves_every_batch_shape_with_one_graph(stories260k, monkeypatch):
     """EAGLE3_DECODE_COMPILE=dynamic: the loop's step compiled with symbolic shapes (as on a GPU, with a recording
-    backend) serves batches of 4, 2, 3 and 1 rows with at most two graphs (dynamo's first, static, then one
-    dynamic), where static compiling makes one per shape (four); the replies stay generate's either way. A wrong
-    value is refused."""
+    backend) serves batches of 4, 2, 3 and 1 rows and one of a wider cache with at most two graphs (dynamo's first,
+    static, then one dynamic), where static compiling makes one per shape (five); the replies stay generate's
+    either way. A wrong value is refused."""
     from eagle3_pipeline.data import decode_loop
     from eagle3_pipeline.data.responders import HFResponder
     from eagle3_pipeline.errors import UsageError
@@ -317,23 +317,26 @@ def test_dynamic_decode_compile_serves_every_batch_shape_with_one_graph(stories2
             return graph.forward
 
         monkeypatch.setenv("EAGLE3_DECODE_COMPILE", way)
-        options = {key: value for key, value in decode_loop.compile_options().items() if key != "mode"}
+        options = {"static": decode_loop.COMPILE_OPTIONS, "dynamic": decode_loop.DYNAMIC_OPTIONS}[
+            decode_loop.compile_way()]
+        options = {key: value for key, value in options.items() if key != "mode"}
         options.update(backend=recording_backend, fullgraph=True)
         monkeypatch.setattr(decode_loop, "decoding_forward",
                             lambda model: decode_loop.compiled_forward(model, options))
         model = load_verifier_model(str(stories260k), "cpu", "float32")  # a fresh model: its own compiled step
         loop = HFResponder(lambda _device: model, tokenizer, stop_ids, 12, 0.0, 4, 512, engine="loop")
         reference = HFResponder(lambda _device: model, tokenizer, stop_ids, 12, 0.0, 4, 512, engine="generate")
-        for count in (6, 3, 1):  # batches of 4 and 2, then 3, then 1 rows
-            conversations = [[{"role": "user", "content": text}] for text in PROMPTS[:count]]
+        long = " ".join(["Lily and Tom went to the park and saw a big dog."] * 14)  # a wider cache: 253 tokens
+        for texts in (PROMPTS[:6], PROMPTS[:3], PROMPTS[:1], [long, PROMPTS[0]]):  # 4 and 2, 3, 1, 2 wide rows
+            conversations = [[{"role": "user", "content": text}] for text in texts]
             assert loop(conversations) == reference(conversations)
         return len(graphs)
 
-    assert graphs_compiled("static") == 4
+    assert graphs_compiled("static") == 5
     assert 1 <= graphs_compiled("dynamic") <= 2
     monkeypatch.setenv("EAGLE3_DECODE_COMPILE", "fast")
     with pytest.raises(UsageError, match="EAGLE3_DECODE_COMPILE"):
-        decode_loop.compile_options()
+        decode_loop.compile_way()
 
 
 # --- stage 01: several replies per prompt, resume after a kill ---------------------------------------
@@ -675,3 +678,30 @@ def test_auto_engine_is_static_on_a_gpu_and_generate_on_a_cpu():
     assert resolve_engine("auto", ["cuda:0", "cuda:1"]) == "static"
     assert resolve_engine("static", ["cpu"]) == "static"
     assert resolve_engine("continuous", ["cuda:0"]) == "continuous"
+
+
+def test_fill_counters_are_the_static_cache_layers_device_counters(stories260k):
+    """cuda_graphs.fill_counters: one counter per layer of a transformers StaticCache, advanced in place by a
+    forward (the capture puts them back after its warm-up step); a cache without them is refused, naming the
+    fallback. (The capture itself needs CUDA: scripts/lab/bench_regenerate.py measures it on a GPU.)"""
+    import torch
+    from transformers import DynamicCache, StaticCache
+
+    from eagle3_pipeline.data.cuda_graphs import fill_counters
+    from eagle3_pipeline.data.static_cache import forward_cache_keyword
+    from eagle3_pipeline.verifier.loading import load_verifier_model
+
+    model = load_verifier_model(str(stories260k), "cpu", "float32")
+    cache = StaticCache(config=model.config, max_cache_len=32)
+    given = {forward_cache_keyword(type(model)): cache, "use_cache": True}
+    with torch.inference_mode():
+        model(input_ids=torch.tensor([[1, 2, 3, 4, 5]]), **given)
+    counters = fill_counters(cache)
+    assert len(counters) == model.config.num_hidden_layers and [int(c) for c in counters] == [5] * len(counters)
+    before = [c.data_ptr() for c in counters]
+    with torch.inference_mode():
+        model(input_ids=torch.tensor([[6]]), position_ids=torch.tensor([[5]]), **given)
+    assert [int(c) for c in fill_counters(cache)] == [6] * len(counters)
+    assert [c.data_ptr() for c in fill_counters(cache)] == before  # in place: a captured graph keeps its address
+    with pytest.raises(RuntimeError, match="EAGLE3_DECODE_COMPILE=static"):
+        fill_counters(DynamicCache())

@@ -30,12 +30,15 @@ CHECK_EVERY = 16
 # Dynamo compiles the decoding step once per (rows, cache width) and per pooled cache: more than its
 # default limit (8) in a run of several prompt widths, after which it would run the step eagerly.
 RECOMPILE_LIMIT = 64
-# How the decoding step is compiled on a GPU: CUDA graphs ("reduce-overhead"), static shapes (each batch
-# shape its own graph, as transformers compiles generate's step). EAGLE3_DECODE_COMPILE=dynamic compiles it
-# once for every shape instead (rows and widths symbolic; CUDA graphs still recorded per shape): prompt widths step
-# by 128, so a run compiles up to 16 shapes per reply length, and SmolLM2's cold bench call on an H100 spent 68 s
-# more than its warm one (docs/results/2026-12-07-h100-data-engine.md).
+# How the decoding step runs on a GPU, by EAGLE3_DECODE_COMPILE (docs/conventions.md):
+#   static   torch.compile with CUDA graphs ("reduce-overhead") and static shapes, as transformers compiles
+#            generate's step: each batch shape compiled apart. Prompt widths step by 128, so a run compiles up to
+#            16 shapes per reply length; SmolLM2's cold bench call on an H100 spent 67 s more than its warm one.
+#   dynamic  torch.compile once for every shape (no CUDA graphs of its own), captured per cache by cuda_graphs.py
+#   eager    the model's forward uncompiled, captured per cache by cuda_graphs.py
+COMPILE_WAYS = ("static", "dynamic", "eager")
 COMPILE_OPTIONS = {"mode": "reduce-overhead", "dynamic": False}
+DYNAMIC_OPTIONS = {"dynamic": True}
 COMPILE_ENV = "EAGLE3_DECODE_COMPILE"
 
 
@@ -102,32 +105,39 @@ def next_token(logits, temperature: float, top_p: float = 1.0):
 
 
 def decoding_forward(model):
-    """The callable for decoding steps: on a GPU, the model's forward compiled with COMPILE_OPTIONS; on a
-    CPU, the model. Prefill stays eager: it runs once a batch, at a shape of its own."""
+    """The callable for decoding steps: on a GPU, as EAGLE3_DECODE_COMPILE says (compile_way); on a CPU, the
+    model. Prefill stays eager: it runs once a batch, at a shape of its own."""
     if next(model.parameters()).device.type != "cuda":
         return model
-    return compiled_forward(model, compile_options())
+    way = compile_way()
+    if way == "static":
+        return compiled_forward(model, COMPILE_OPTIONS)
+    from eagle3_pipeline.data.cuda_graphs import GraphedStep
+
+    forward = model if way == "eager" else compiled_forward(model, DYNAMIC_OPTIONS)
+    return GraphedStep(forward, forward_cache_keyword(type(model)))
 
 
-def compile_options() -> dict:
-    """COMPILE_OPTIONS, with symbolic shapes when EAGLE3_DECODE_COMPILE=dynamic (static: the default)."""
+def compile_way() -> str:
+    """EAGLE3_DECODE_COMPILE's way of running the decoding step (COMPILE_WAYS; static when unset)."""
     way = os.environ.get(COMPILE_ENV) or "static"
-    if way not in ("static", "dynamic"):
-        raise UsageError(f"{COMPILE_ENV}={way!r}: give static (one compiled step per batch shape, the default) or "
-                         "dynamic (one for every shape)")
-    return {**COMPILE_OPTIONS, "dynamic": way == "dynamic"}
+    if way not in COMPILE_WAYS:
+        raise UsageError(f"{COMPILE_ENV}={way!r}: give static (one compiled step per batch shape, the default), "
+                         "dynamic (one compiled step for every shape, CUDA graphs captured per cache) or eager "
+                         "(uncompiled, CUDA graphs captured per cache)")
+    return way
 
 
 def compiled_forward(model, options: dict):
-    """The model's forward compiled with these torch.compile options, once per model (kept on it)."""
-    compiled = model.__dict__.get("_decode_loop_forward")
-    if compiled is None:
+    """The model's forward compiled with these torch.compile options, once per model and options (kept on it)."""
+    compiled = model.__dict__.setdefault("_decode_loop_forwards", {})  # a plain attribute, not a submodule
+    key = tuple(sorted(options.items()))
+    if key not in compiled:
         import torch
 
         raise_recompile_limit(RECOMPILE_LIMIT)
-        compiled = torch.compile(model.forward, **options)
-        model.__dict__["_decode_loop_forward"] = compiled  # a plain attribute, not a registered submodule
-    return compiled
+        compiled[key] = torch.compile(model.forward, **options)
+    return compiled[key]
 
 
 def raise_recompile_limit(limit: int) -> None:

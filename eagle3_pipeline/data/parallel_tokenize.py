@@ -6,13 +6,16 @@ holds CUDA and compile threads) each receive the ChatTokenizer once; records go 
 order as plain data, together with the tokenizer's counters, which the parent adds to its own.
 
 submit() hands a round to the pool and returns at once, so the stage can regenerate the next round meanwhile;
-collect() waits for it. warm() starts the workers ahead of the first round (they take ~30 s to import and load).
+collect() waits for it. warm() starts the workers ahead of the first round, from a thread of its own: each
+spawned worker imports transformers before it takes its tokenizer, and the parent waits on each in turn (8 took
+38 s on the GPU machine), time the stage spends loading the verifier and synthesizing instead.
 """
 from __future__ import annotations
 
 import math
 import multiprocessing
 import os
+import threading
 from concurrent.futures import Future, ProcessPoolExecutor
 from threading import BrokenBarrierError
 from typing import Union
@@ -90,6 +93,17 @@ def _tokenize_slice(records: list[Record]) -> tuple[list[Result], int, int]:
 
 # --- in the stage's process ---------------------------------------------------------------------------
 
+def _start_every_worker(pool: ProcessPoolExecutor, workers: int, started: Future) -> None:
+    """warm()'s thread: one task per worker, since each submit spawns a worker while none is idle (a spawn
+    waits for the new process to read its tokenizer) and the barrier holds every task until all run, so each
+    lands on its own worker. `started` gets their pids, or the error (a pool shut down meanwhile)."""
+    try:
+        ready = [pool.submit(_worker_ready) for _ in range(workers)]
+        started.set_result([future.result() for future in ready])
+    except BaseException as error:  # noqa: BLE001 - handed to whoever waits on `started`
+        started.set_exception(error)
+
+
 class ParallelTokenizer:
     """Tokenizes a list of records (ChatTokenizer.record each), in worker processes where that pays."""
 
@@ -127,15 +141,15 @@ class ParallelTokenizer:
             self.chat.dropped_turns += dropped
         return results
 
-    def warm(self) -> Tokenizing | None:
-        """Starts the pool's workers now, without waiting for them; None where there is no pool (workers <= 1).
-        The returned futures give each worker's pid, once every worker has run its initializer."""
+    def warm(self) -> Future | None:
+        """Starts the pool's workers in a thread and returns at once; None where there is no pool (workers <= 1).
+        The returned future gives the workers' pids, once every worker has run its initializer."""
         if self.workers <= 1:
             return None
-        pool = self._started()
-        # one task per worker: each submit spawns a worker while none is idle, and the barrier holds every task
-        # until all are running, so each lands on its own worker
-        return [pool.submit(_worker_ready) for _ in range(self.workers)]
+        pool, started = self._started(), Future()
+        threading.Thread(target=_start_every_worker, args=(pool, self.workers, started), daemon=True,
+                         name="tokenize-warm").start()
+        return started
 
     def _started(self) -> ProcessPoolExecutor:
         if self._pool is None:

@@ -20,9 +20,9 @@
 #     WORK_DIR  the run in WORK_DIR/run, the bench in WORK_DIR/bench_WAY, progress in WORK_DIR/engine.log
 # Environment (defaults): SYNTH 80000 (0: no made conversations), DATASETS "sharegpt gsm8k" (DATA_DIR's sharegpt.json
 # and gsm8k_train.jsonl), TURNS 1, BATCH 1280, REGEN_TOKENS 256, BENCH_PROMPTS 4000, EPOCHS 1, NEW_TOKENS 128;
-# EAGLE3_DECODE_COMPILE (static: stage 01's decoding step compiled per batch shape; dynamic: once; auto: the bench
-# runs both and stage 01 takes the one the bench says is faster for a run of this size) and BENCH_COMPILE (the ways
-# the bench runs, each into WORK_DIR/bench_WAY; default the one stage 01 uses, both for auto); TIME_LIMIT (seconds) for
+# EAGLE3_DECODE_COMPILE (static: stage 01's decoding step compiled per batch shape; dynamic: once; eager: not; auto:
+# the bench runs all three and stage 01 takes the one the bench says is faster for a run of this size) and BENCH_COMPILE (the ways
+# the bench runs, each into WORK_DIR/bench_WAY; default the one stage 01 uses, all for auto); TIME_LIMIT (seconds) for
 # stage 04, which stops cleanly and resumes on the same command; CACHE_IN (a folder of cache.tgz.part-* pieces packed
 # by an earlier machine: stage 01 reuses every reply and made turn made with the same settings, so a point's data can
 # be made on one machine and trained on the next).
@@ -43,7 +43,7 @@ if [ "${1:-}" = pack-cache ]; then
 fi
 PARTS=${*:-bench data train eval}
 SYNTH=${SYNTH:-80000}; DATASETS=${DATASETS-sharegpt gsm8k}
-COMPILE=${EAGLE3_DECODE_COMPILE:-static}; BENCH_COMPILE=${BENCH_COMPILE:-${COMPILE/auto/static dynamic}}; TURNS=${TURNS:-1}; BATCH=${BATCH:-1280}; REGEN_TOKENS=${REGEN_TOKENS:-256}
+COMPILE=${EAGLE3_DECODE_COMPILE:-static}; BENCH_COMPILE=${BENCH_COMPILE:-${COMPILE/auto/static dynamic eager}}; TURNS=${TURNS:-1}; BATCH=${BATCH:-1280}; REGEN_TOKENS=${REGEN_TOKENS:-256}
 BENCH_PROMPTS=${BENCH_PROMPTS:-4000}; EPOCHS=${EPOCHS:-1}; NEW_TOKENS=${NEW_TOKENS:-128}
 export PYTHONUNBUFFERED=1
 mkdir -p "$WORK"
@@ -61,7 +61,7 @@ import json, sys
 from pathlib import Path
 work, tokens = Path(sys.argv[1]), int(sys.argv[2])
 guesses = {}
-for way in ("static", "dynamic"):
+for way in ("static", "dynamic", "eager"):
     found = work / f"bench_{way}" / "bench_regenerate.json"
     if found.exists():
         runs = json.loads(found.read_text())["verifier"]
