@@ -30,13 +30,15 @@ CHECK_EVERY = 16
 # Dynamo compiles the decoding step once per (rows, cache width) and per pooled cache: more than its
 # default limit (8) in a run of several prompt widths, after which it would run the step eagerly.
 RECOMPILE_LIMIT = 64
-# How the decoding step runs on a GPU, by EAGLE3_DECODE_COMPILE (docs/conventions.md):
+# How the decoding step runs on a GPU, by EAGLE3_DECODE_COMPILE (docs/conventions.md; measured on an H100 in
+# docs/results/2026-12-07-h100-data-engine.md):
+#   dynamic  the default: torch.compile once for every shape (no CUDA graphs of its own), captured per cache by
+#            cuda_graphs.py. Per step as fast as static, or 1-2 % faster.
 #   static   torch.compile with CUDA graphs ("reduce-overhead") and static shapes, as transformers compiles
-#            generate's step: each batch shape compiled apart. Prompt widths step by 128, so a run compiles up to
-#            16 shapes per reply length; SmolLM2's cold bench call on an H100 spent 67 s more than its warm one.
-#   dynamic  torch.compile once for every shape (no CUDA graphs of its own), captured per cache by cuda_graphs.py
-#   eager    the model's forward uncompiled, captured per cache by cuda_graphs.py
-COMPILE_WAYS = ("static", "dynamic", "eager")
+#            generate's step: each batch shape compiled apart, about 22 s each. Prompt widths step by 128, so a run
+#            compiles up to 16 shapes per reply length.
+#   eager    the model's forward uncompiled, captured per cache by cuda_graphs.py: no compiling, 0.78x per step
+COMPILE_WAYS = ("dynamic", "static", "eager")
 COMPILE_OPTIONS = {"mode": "reduce-overhead", "dynamic": False}
 DYNAMIC_OPTIONS = {"dynamic": True}
 COMPILE_ENV = "EAGLE3_DECODE_COMPILE"
@@ -119,11 +121,11 @@ def decoding_forward(model):
 
 
 def compile_way() -> str:
-    """EAGLE3_DECODE_COMPILE's way of running the decoding step (COMPILE_WAYS; static when unset)."""
-    way = os.environ.get(COMPILE_ENV) or "static"
+    """EAGLE3_DECODE_COMPILE's way of running the decoding step (COMPILE_WAYS; dynamic when unset)."""
+    way = os.environ.get(COMPILE_ENV) or COMPILE_WAYS[0]
     if way not in COMPILE_WAYS:
-        raise UsageError(f"{COMPILE_ENV}={way!r}: give static (one compiled step per batch shape, the default), "
-                         "dynamic (one compiled step for every shape, CUDA graphs captured per cache) or eager "
+        raise UsageError(f"{COMPILE_ENV}={way!r}: give dynamic (one compiled step for every shape, CUDA graphs "
+                         "captured per cache; the default), static (one compiled step per batch shape) or eager "
                          "(uncompiled, CUDA graphs captured per cache)")
     return way
 

@@ -20,7 +20,7 @@
 #     WORK_DIR  the run in WORK_DIR/run, the bench in WORK_DIR/bench_WAY, progress in WORK_DIR/engine.log
 # Environment (defaults): SYNTH 80000 (0: no made conversations), DATASETS "sharegpt gsm8k" (DATA_DIR's sharegpt.json
 # and gsm8k_train.jsonl), TURNS 1, BATCH 1280, REGEN_TOKENS 256, BENCH_PROMPTS 4000, EPOCHS 1, NEW_TOKENS 128;
-# EAGLE3_DECODE_COMPILE (static: stage 01's decoding step compiled per batch shape; dynamic: once; eager: not; auto:
+# EAGLE3_DECODE_COMPILE (dynamic: stage 01's decoding step compiled once; static: per batch shape; eager: not; auto:
 # the bench runs all three and stage 01 takes the one the bench says is faster for a run of this size) and BENCH_COMPILE (the ways
 # the bench runs, each into WORK_DIR/bench_WAY; default the one stage 01 uses, all for auto); TIME_LIMIT (seconds) for
 # stage 04, which stops cleanly and resumes on the same command; CACHE_IN (a folder of cache.tgz.part-* pieces packed
@@ -43,7 +43,7 @@ if [ "${1:-}" = pack-cache ]; then
 fi
 PARTS=${*:-bench data train eval}
 SYNTH=${SYNTH:-80000}; DATASETS=${DATASETS-sharegpt gsm8k}
-COMPILE=${EAGLE3_DECODE_COMPILE:-static}; BENCH_COMPILE=${BENCH_COMPILE:-${COMPILE/auto/static dynamic eager}}; TURNS=${TURNS:-1}; BATCH=${BATCH:-1280}; REGEN_TOKENS=${REGEN_TOKENS:-256}
+COMPILE=${EAGLE3_DECODE_COMPILE:-dynamic}; BENCH_COMPILE=${BENCH_COMPILE:-${COMPILE/auto/static dynamic eager}}; TURNS=${TURNS:-1}; BATCH=${BATCH:-1280}; REGEN_TOKENS=${REGEN_TOKENS:-256}
 BENCH_PROMPTS=${BENCH_PROMPTS:-4000}; EPOCHS=${EPOCHS:-1}; NEW_TOKENS=${NEW_TOKENS:-128}
 export PYTHONUNBUFFERED=1
 mkdir -p "$WORK"
@@ -68,7 +68,7 @@ for way in ("static", "dynamic", "eager"):
         if runs.get("loop", {}).get("generated_tokens_per_s") and "loop_cold" in runs:
             compiling = runs["loop_cold"]["elapsed_s"] - runs["loop"]["elapsed_s"]
             guesses[way] = round(compiling + tokens / runs["loop"]["generated_tokens_per_s"])
-print(min(guesses, key=guesses.get) if guesses else "static")
+print(min(guesses, key=guesses.get) if guesses else "dynamic")
 print(f"compile: estimated seconds for {tokens} tokens {guesses}", file=sys.stderr)
 EOF
 }
