@@ -24,8 +24,9 @@
 # the bench runs all three and stage 01 takes the one the bench says is faster for a run of this size) and BENCH_COMPILE (the ways
 # the bench runs, each into WORK_DIR/bench_WAY; default the one stage 01 uses, all for auto); TIME_LIMIT (seconds) for
 # stage 04, which stops cleanly and resumes on the same command; CACHE_IN (a folder of cache.tgz.part-* pieces packed
-# by an earlier machine: stage 01 reuses every reply and made turn made with the same settings, so a point's data can
-# be made on one machine and trained on the next).
+# by an earlier machine, or another run's data folder on this one: stage 01 reuses every reply and made turn made with
+# the same settings, so a point's data can be made on one machine and trained on the next, and a smaller point takes
+# its replies from a larger one's).
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 export PYTHONPATH="$(pwd)${PYTHONPATH:+:$PYTHONPATH}"  # the repository's packages where it is not pip-installed
@@ -85,7 +86,12 @@ for name in $DATASETS; do
 done
 [ "$SYNTH" -gt 0 ] && SOURCES+=(--synthesize "$SYNTH" --synthesize-turns "$TURNS")
 if [ -n "${CACHE_IN:-}" ] && [ ! -f "$RUN/data/regenerated.jsonl" ]; then
-  mkdir -p "$RUN/data" && cat "$CACHE_IN"/cache.tgz.part-* | tar xz -C "$RUN/data"
+  mkdir -p "$RUN/data"
+  if [ -f "$CACHE_IN/regenerated.jsonl" ]; then  # another run's data folder on this machine
+    cp "$CACHE_IN"/regenerated.* "$RUN/data/" && cp "$CACHE_IN"/synthesized.* "$RUN/data/" 2>/dev/null
+  else
+    cat "$CACHE_IN"/cache.tgz.part-* | tar xz -C "$RUN/data"
+  fi
 fi
 
 for part in $PARTS; do
