@@ -27,8 +27,8 @@ from eagle3_pipeline.top_p import top_p_probabilities
 # Steps between the host's checks that every row has stopped: each check waits for the device, so a
 # batch that is done runs at most this many steps too many (producing pads).
 CHECK_EVERY = 16
-# Dynamo compiles the decoding step once per (rows, cache width) and per pooled cache: more than its
-# default limit (8) in a run of several prompt widths, after which it would run the step eagerly.
+# With static shapes, dynamo compiles the decoding step once per (rows, cache width) and per pooled cache: more
+# than its default limit (8) in a run of several prompt widths, after which it would run the step eagerly.
 RECOMPILE_LIMIT = 64
 # How the decoding step runs on a GPU, by EAGLE3_DECODE_COMPILE (docs/conventions.md; measured on an H100 in
 # docs/results/2026-12-07-h100-data-engine.md):
@@ -37,7 +37,7 @@ RECOMPILE_LIMIT = 64
 #   static   torch.compile with CUDA graphs ("reduce-overhead") and static shapes, as transformers compiles
 #            generate's step: each batch shape compiled apart, about 22 s each. Prompt widths step by 128, so a run
 #            compiles up to 16 shapes per reply length.
-#   eager    the model's forward uncompiled, captured per cache by cuda_graphs.py: no compiling, 0.78x per step
+#   eager    the model's forward uncompiled, captured per cache by cuda_graphs.py: no compiling, 0.79x per step
 COMPILE_WAYS = ("dynamic", "static", "eager")
 COMPILE_OPTIONS = {"mode": "reduce-overhead", "dynamic": False}
 DYNAMIC_OPTIONS = {"dynamic": True}
