@@ -26,8 +26,8 @@ _PACKAGES = ("torch", "transformers", "safetensors", "tokenizers", "datasets", "
 # lists what each does); every manifest records their values, unset ones as null. tests/test_flags.py fails on an
 # EAGLE3_ variable read anywhere in the library that is neither here nor one a stage sets for its own children.
 BEHAVIOUR_SWITCHES = ("EAGLE3_CACHE", "EAGLE3_COMPILE", "EAGLE3_CUDNN_ATTENTION", "EAGLE3_DECODE_ATTENTION",
-                      "EAGLE3_DECODE_COMPILE", "EAGLE3_FUSE_ELEMENTWISE", "EAGLE3_PROGRESS_INTERVAL", "EAGLE3_TOKENIZE_WORKERS",
-                      "EAGLE3_TTT_ATTENTION")
+                      "EAGLE3_DECODE_COMPILE", "EAGLE3_FUSE_ELEMENTWISE", "EAGLE3_PROGRESS_INTERVAL",
+                      "EAGLE3_TOKENIZE_WORKERS", "EAGLE3_TTT_ATTENTION")
 
 
 def resolved_config(args) -> dict:

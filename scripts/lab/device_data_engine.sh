@@ -14,19 +14,20 @@
 #   scripts/lab/device_data_engine.sh VERIFIER DATA_DIR WORK_DIR pack           ($OUT/engine.tgz: logs, manifests,
 #                                                                                reports, no weights)
 #   scripts/lab/device_data_engine.sh VERIFIER DATA_DIR WORK_DIR pack-cache     (stage 01's generated replies and made
-#                                                                                turns, in 15 MiB pieces $OUT/cache.tgz.part-*)
+#                                                                                turns, in 15 MiB pieces:
+#                                                                                $OUT/cache.tgz.part-*)
 #     VERIFIER  SmolLM2's .gguf (converted once to a dense folder beside it) or its dense folder
 #     DATA_DIR  scripts/prepare_device_data.py DATA_DIR --turns 2 --prompts-only --heldout 300
 #     WORK_DIR  the run in WORK_DIR/run, the bench in WORK_DIR/bench_WAY, progress in WORK_DIR/engine.log
 # Environment (defaults): SYNTH 80000 (0: no made conversations), DATASETS "sharegpt gsm8k" (DATA_DIR's sharegpt.json
 # and gsm8k_train.jsonl), TURNS 1, BATCH 1280, REGEN_TOKENS 256, BENCH_PROMPTS 4000, EPOCHS 1, NEW_TOKENS 128;
 # EAGLE3_DECODE_COMPILE (dynamic: stage 01's decoding step compiled once; static: per batch shape; eager: not; auto:
-# the bench runs all three and stage 01 takes the one the bench says is faster for a run of this size) and BENCH_COMPILE (the ways
-# the bench runs, each into WORK_DIR/bench_WAY; default the one stage 01 uses, all for auto); TIME_LIMIT (seconds) for
-# stage 04, which stops cleanly and resumes on the same command; CACHE_IN (a folder of cache.tgz.part-* pieces packed
-# by an earlier machine, or another run's data folder on this one: stage 01 reuses every reply and made turn made with
-# the same settings, so a point's data can be made on one machine and trained on the next, and a smaller point takes
-# its replies from a larger one's).
+# the bench runs all three and stage 01 takes the one the bench says is faster for a run of this size) and
+# BENCH_COMPILE (the ways the bench runs, each into WORK_DIR/bench_WAY; default the one stage 01 uses, all for auto);
+# TIME_LIMIT (seconds) for stage 04, which stops cleanly and resumes on the same command; CACHE_IN (a folder of
+# cache.tgz.part-* pieces packed by an earlier machine, or another run's data folder on this one: stage 01 reuses
+# every reply and made turn made with the same settings, so a point's data can be made on one machine and trained on
+# the next, and a smaller point takes its replies from a larger one's).
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 export PYTHONPATH="$(pwd)${PYTHONPATH:+:$PYTHONPATH}"  # the repository's packages where it is not pip-installed
@@ -44,7 +45,8 @@ if [ "${1:-}" = pack-cache ]; then
 fi
 PARTS=${*:-bench data train eval}
 SYNTH=${SYNTH:-80000}; DATASETS=${DATASETS-sharegpt gsm8k}
-COMPILE=${EAGLE3_DECODE_COMPILE:-dynamic}; BENCH_COMPILE=${BENCH_COMPILE:-${COMPILE/auto/static dynamic eager}}; TURNS=${TURNS:-1}; BATCH=${BATCH:-1280}; REGEN_TOKENS=${REGEN_TOKENS:-256}
+COMPILE=${EAGLE3_DECODE_COMPILE:-dynamic}; BENCH_COMPILE=${BENCH_COMPILE:-${COMPILE/auto/static dynamic eager}}
+TURNS=${TURNS:-1}; BATCH=${BATCH:-1280}; REGEN_TOKENS=${REGEN_TOKENS:-256}
 BENCH_PROMPTS=${BENCH_PROMPTS:-4000}; EPOCHS=${EPOCHS:-1}; NEW_TOKENS=${NEW_TOKENS:-128}
 export PYTHONUNBUFFERED=1
 mkdir -p "$WORK"
@@ -108,8 +110,8 @@ for part in $PARTS; do
       [ "$COMPILE" = auto ] && COMPILE=$(faster_compile 2>> "$WORK/engine.log")
       say "data: stage 01, $DATASETS + $SYNTH made conversations, $TURNS user turn(s), $COMPILE compile"
       start=$SECONDS
-      EAGLE3_DECODE_COMPILE=$COMPILE timed data python3 01_prepare_data.py --run-dir "$RUN" --model-path "$DENSE" "${SOURCES[@]}" \
-        --max-turns "$TURNS" --regenerate --regenerate-engine loop --batch-size "$BATCH" \
+      EAGLE3_DECODE_COMPILE=$COMPILE timed data python3 01_prepare_data.py --run-dir "$RUN" --model-path "$DENSE" \
+        "${SOURCES[@]}" --max-turns "$TURNS" --regenerate --regenerate-engine loop --batch-size "$BATCH" \
         --max-new-tokens "$REGEN_TOKENS" --max-seq-len 2048 --eval-ratio 0.01 "${EXCLUDE[@]}" > "$WORK/data.log" 2>&1 \
         || exit 1
       python3 - "$RUN/data/manifest.json" $((SECONDS - start)) "$WORK"/bench_*/bench_regenerate.json <<'EOF' \
@@ -125,9 +127,9 @@ print(f"stage 01: {conversations} conversations in {wall:.0f} s = {conversations
       f"{engine.get('seconds', 0):.0f} s inside {engine.get('batches', 0)} batches "
       f"({engine.get('tokens', 0) / max(engine.get('seconds', 1), 1e-9):.0f} tokens/s there)")
 for bench in map(Path, sys.argv[3:]):
-    if not bench.exists():
-        continue  # the glob matched nothing
-    loop = json.loads(bench.read_text())["verifier"]["loop"]
+    loop = json.loads(bench.read_text())["verifier"].get("loop") if bench.exists() else None
+    if not loop:
+        continue  # the glob matched nothing, or that way's bench stopped before its warm call
     print(f"{bench.parent.name} loop (warm): {loop['conversations_per_s']}/s, {loop['generated_tokens_per_s']} "
           f"tokens/s; stage 01 end to end / bench: "
           f"{engine.get('tokens', 0) / wall / loop['generated_tokens_per_s']:.2f}x in tokens/s")
