@@ -16,6 +16,10 @@
 #   scripts/lab/device_data_engine.sh VERIFIER DATA_DIR WORK_DIR pack-cache     (stage 01's generated replies and made
 #                                                                                turns, in 15 MiB pieces:
 #                                                                                $OUT/cache.tgz.part-*)
+#   scripts/lab/device_data_engine.sh VERIFIER DATA_DIR WORK_DIR pack-drafter   (the trained drafter and the manifests
+#                                                                                `eval` follows, in 15 MiB pieces:
+#                                                                                $OUT/drafter.tgz.part-*; unpack them
+#                                                                                into a later machine's WORK_DIR)
 #     VERIFIER  SmolLM2's .gguf (converted once to a dense folder beside it) or its dense folder
 #     DATA_DIR  scripts/prepare_device_data.py DATA_DIR --turns 2 --prompts-only --heldout 300
 #     WORK_DIR  the run in WORK_DIR/run, the bench in WORK_DIR/bench_WAY, progress in WORK_DIR/engine.log
@@ -36,6 +40,12 @@ RUN=$WORK/run
 if [ "${1:-}" = pack ]; then
   (cd "$WORK" && tar czf "$OUT/engine.tgz" --ignore-failed-read engine.log bench_* run/logs run/data/manifest.json \
     run/data/synthesis_samples.md run/checkpoints/metrics.jsonl run/checkpoints/best.json run/bench_* 2>/dev/null)
+  exit 0
+fi
+if [ "${1:-}" = pack-drafter ]; then  # what `eval` needs on a later machine: the drafter and its lineage
+  (cd "$WORK" && tar czf - --ignore-failed-read run/checkpoints/best run/checkpoints/best.json run/*/manifest.json \
+    run/checkpoints/metrics.jsonl run/data/train_prompt_hashes.txt run/logs 2>/dev/null) \
+    | split -b 15M - "$OUT/drafter.tgz.part-"
   exit 0
 fi
 if [ "${1:-}" = pack-cache ]; then
