@@ -43,7 +43,9 @@ if [ "${1:-}" = pack ]; then
   exit 0
 fi
 if [ "${1:-}" = pack-drafter ]; then  # what `eval` needs on a later machine: the drafter and its lineage
-  (cd "$WORK" && tar czf - --ignore-failed-read run/checkpoints/best run/checkpoints/best.json run/*/manifest.json \
+  # best links to the best step's folder: its files (tar -h), not the optimizer state (training_state.pt, ~280 MB)
+  (cd "$WORK" && tar czhf - --ignore-failed-read --exclude=training_state.pt run/checkpoints/best \
+    run/checkpoints/best.json run/*/manifest.json \
     run/checkpoints/metrics.jsonl run/data/train_prompt_hashes.txt run/logs 2>/dev/null) \
     | split -b 15M - "$OUT/drafter.tgz.part-"
   exit 0
