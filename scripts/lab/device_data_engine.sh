@@ -8,7 +8,9 @@
 #   train  stage 03, then stage 04 --online (no stage 02: the verifier's states are computed in training), the
 #          default recipe's flags except EPOCHS
 #   eval   stage 05 --tau-only, chain 3-1-4, NEW_TOKENS a turn: MT-bench (all 80, both turns) at T=0 and T=1, 60 of
-#          the held-out prompts (a seeded spread) and 120 of Spec-Bench (spread over its categories) at T=0
+#          the held-out prompts (a seeded spread) and 120 of Spec-Bench (spread over its categories) at T=0; on a GPU
+#          in bfloat16, side by side; on a machine without one in float32, one after another (a drafter carried back
+#          with pack-drafter, unpacked into WORK_DIR, is evaluated there without training again)
 #
 #   scripts/lab/device_data_engine.sh VERIFIER DATA_DIR WORK_DIR [PART ...]     (default: all four, in order)
 #   scripts/lab/device_data_engine.sh VERIFIER DATA_DIR WORK_DIR pack           ($OUT/engine.tgz: logs, manifests,
@@ -156,17 +158,23 @@ EOF
       timed train "${limit[@]}" python3 04_train.py --run-dir "$RUN" --model-path "$DENSE" --online \
         --epochs "$EPOCHS" --ttt-steps 3 --max-tokens-per-batch 4096 --num-workers 8 --lr 1e-3 --eval-interval 500 \
         --save-interval 1000 "${resume[@]}" > "$WORK/train.log" 2>&1 ;;
-    eval)  # the four at once: each leaves the GPU mostly idle (a small verifier, one prompt at a time)
-      say "eval: MT-bench T=0 and T=1, held-out 60, Spec-Bench 120, side by side"
+    eval)  # on a GPU the four at once: each leaves it mostly idle (a small verifier, one prompt at a time); on a
+      # CPU (float32) one after another, each with the whole machine
+      workers=4; together=1
+      python3 -c "import sys, torch; sys.exit(not torch.cuda.is_available())" || { workers=1; together=0; }
+      say "eval: MT-bench T=0 and T=1, held-out 60, Spec-Bench 120$([ $together = 1 ] && echo ', side by side')"
       for spec in "mtbench 0 $DATA/mt_bench.jsonl all" "mtbench_t1 1 $DATA/mt_bench.jsonl all" \
                   "heldout 0 $DATA/heldout.jsonl 60" "specbench 0 $DATA/spec_bench.jsonl 120"; do
         read -r name temperature prompts count <<< "$spec"
         number=(); [ "$count" != all ] && number=(--num-prompts "$count")
-        (timed "eval $name" python3 05_benchmark.py --run-dir "$RUN" --model-path "$DENSE" --tau-only \
-          --num-steps 3 --topk 1 --num-draft-tokens 4 --temperature "$temperature" --prompts "$prompts" \
-          "${number[@]}" --max-new-tokens "$NEW_TOKENS" --decode-workers 4 --output-dir "$RUN/bench_$name" \
-          > "$WORK/eval_$name.log" 2>&1
-         grep -E "SUMMARY|ERROR" "$WORK/eval_$name.log" | sed "s|^|$name: |" | tee -a "$WORK/engine.log") &
+        one_eval() {
+          timed "eval $name" python3 05_benchmark.py --run-dir "$RUN" --model-path "$DENSE" --tau-only \
+            --num-steps 3 --topk 1 --num-draft-tokens 4 --temperature "$temperature" --prompts "$prompts" \
+            "${number[@]}" --max-new-tokens "$NEW_TOKENS" --decode-workers $workers --output-dir "$RUN/bench_$name" \
+            > "$WORK/eval_$name.log" 2>&1
+          grep -E "SUMMARY|ERROR" "$WORK/eval_$name.log" | sed "s|^|$name: |" | tee -a "$WORK/engine.log"
+        }
+        if [ $together = 1 ]; then one_eval & else one_eval; fi
       done
       wait ;;
     *) echo "unknown part $part: bench, data, train, eval or pack" >&2; exit 2 ;;
