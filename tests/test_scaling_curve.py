@@ -121,7 +121,8 @@ def test_the_table_plot_and_json_of_two_points(points, curve_module, tmp_path):
     report = expected[0]["benches"]["mtbench_t1"]
     assert (f"MT-bench T=1: chain 3-1-4, T=1, 16 new tokens a turn, {report['prompt_selection']['chosen']} of "
             f"{report['prompt_selection']['available']} prompts ({report['overall']['turns']} turns) of "
-            f"{TWO_TURN_PROMPTS.name}") in page
+            f"{TWO_TURN_PROMPTS.name}, on {report['settings']['device']} in {report['settings']['compute_dtype']}") \
+        in page
     assert "held-out: no report; Spec-Bench: no report" in page
 
     curve = json.loads((out / "scaling_curve.json").read_text())

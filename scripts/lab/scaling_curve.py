@@ -118,7 +118,8 @@ def training_figures(metrics_path: Path, best: dict | None, warnings: list[str])
 
 def describe_bench(report: dict) -> str:
     """What a report measured: "chain 3-1-4, T=0, 128 new tokens a turn, 80 of 80 prompts (160 turns) of
-    mt_bench.jsonl"."""
+    mt_bench.jsonl, on cpu in float32" (the verifier's numbers differ by machine and precision: compare like with
+    like)."""
     settings, overall = report.get("settings") or {}, report.get("overall") or {}
     chosen = report.get("prompt_selection") or {}
     count = chosen.get("chosen", settings.get("prompt_count"))
@@ -126,7 +127,9 @@ def describe_bench(report: dict) -> str:
     parts = [f"chain {settings.get('num_steps')}-{settings.get('topk')}-{settings.get('num_draft_tokens')}",
              f"T={settings.get('temperature'):g}" if _number(settings.get("temperature")) is not None else None,
              f"{settings.get('max_new_tokens')} new tokens a turn",
-             f"{prompts} prompts ({overall.get('turns', '?')} turns) of {Path(str(settings.get('prompts'))).name}"]
+             f"{prompts} prompts ({overall.get('turns', '?')} turns) of {Path(str(settings.get('prompts'))).name}",
+             f"on {settings['device']} in {settings['compute_dtype']}"
+             if settings.get("device") and settings.get("compute_dtype") else None]
     return ", ".join(p for p in parts if p)
 
 
