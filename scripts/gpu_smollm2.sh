@@ -20,6 +20,11 @@
 # outputs are packed either way.
 # Stage 01's regenerated replies (the costliest part on the device) also go to $OUT/regenerated.tgz; give that
 # file back as REGEN_CACHE=FILE on a fresh machine and stage 01 reuses every reply made with the same settings.
+# The data engine (docs/data_engine.md): SYNTH more conversations written by the verifier itself (stage 01
+# --synthesize; 0, the default: none), GSM8K=1 adds DATA_DIR/gsm8k_train.jsonl's prompts, ONLINE=1 trains without
+# stage 02 (stage 04 --online: the verifier's states are computed in training, for data whose states outgrow the
+# disk). With SYNTH, SAMPLES caps the whole (made conversations included): give it 0 for no cap. The evaluation
+# prompts in DATA_DIR (mt_bench.jsonl, spec_bench.jsonl, heldout.jsonl) are kept out of the training data.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 export PYTHONPATH="$(pwd)${PYTHONPATH:+:$PYTHONPATH}"  # the repository's packages where it is not pip-installed
@@ -36,6 +41,7 @@ SAMPLES=${SAMPLES:-17000}; EPOCHS=${EPOCHS:-8}; LR=${LR:-1e-3}; REGEN_TOKENS=${R
 REGEN_BATCH=${REGEN_BATCH:-1280}; PROMPTS=${PROMPTS:-10}; NEW_TOKENS=${NEW_TOKENS:-128}; DTYPE=${DTYPE:-bfloat16}
 KS=${KS:-3}; TTT=${TTT:-3}; TEMPS=${TEMPS:-"0 1"}; SETS=${SETS:-"heldout mt_bench humaneval"}; TOPKS=${TOPKS:-"1 4 8"}
 STAGES=${STAGES:-all}  # "train": stages 01-04 only; "bench": stage 05 only (on an existing RUN_DIR)
+SYNTH=${SYNTH:-0}; GSM8K=${GSM8K:-0}; ONLINE=${ONLINE:-0}
 # NPROC GPUs run stages 02 and 04 under torchrun; each rank takes its share of the same STEP_TOKENS-token step.
 # 4096, not 16384: four times the optimizer steps raised chain tau 12 % on MT-bench (docs/results/2026-12-01-*).
 NPROC=${NPROC:-1}; STEP_TOKENS=${STEP_TOKENS:-4096}
@@ -66,8 +72,16 @@ limited() {  # run "$@" within what is left of TIME_LIMIT, stopped with SIGINT (
   timeout --signal=INT --kill-after=120 "$left" "$@"
 }
 if [ "$STAGES" != bench ]; then
-limited python3 run_pipeline.py --run-dir "$RUN" --model-path "$VERIFIER" --dataset "$DATA/sharegpt.json" \
-  --regenerate --max-turns 1 --num-samples "$SAMPLES" --eval-ratio 0.02 --max-seq-len 2048 \
+data=(--dataset "$DATA/sharegpt.json")
+[ "$GSM8K" = 1 ] && data+=(--dataset "$DATA/gsm8k_train.jsonl")
+[ "$SYNTH" -gt 0 ] && data+=(--synthesize "$SYNTH")
+[ "$SAMPLES" -gt 0 ] && data+=(--num-samples "$SAMPLES")
+for bench in mt_bench spec_bench heldout; do
+  [ -f "$DATA/$bench.jsonl" ] && data+=(--exclude-prompts "$DATA/$bench.jsonl")
+done
+[ "$ONLINE" = 1 ] && data+=(--online)
+limited python3 run_pipeline.py --run-dir "$RUN" --model-path "$VERIFIER" "${data[@]}" \
+  --regenerate --max-turns 1 --eval-ratio 0.02 --max-seq-len 2048 \
   --draft-vocab-size 32000 --epochs "$EPOCHS" --skip 05 \
   --stage-args 01 "--batch-size $REGEN_BATCH --max-new-tokens $REGEN_TOKENS" \
   --stage-args 02 "--batch-size 64 --num-workers 8" \
