@@ -10,7 +10,7 @@
 #   eval   stage 05 --tau-only, chain 3-1-4, NEW_TOKENS a turn: MT-bench (all 80, both turns) at T=0 and T=1, 60 of
 #          the held-out prompts (a seeded spread) and 120 of Spec-Bench (spread over its categories) at T=0; on a GPU
 #          in bfloat16, side by side; on a machine without one in float32, one after another (a drafter carried back
-#          with pack-drafter, unpacked into WORK_DIR, is evaluated there without training again)
+#          with pack-drafter, unpacked into WORK_DIR/run, is evaluated there without training again)
 #
 #   scripts/lab/device_data_engine.sh VERIFIER DATA_DIR WORK_DIR [PART ...]     (default: all four, in order)
 #   scripts/lab/device_data_engine.sh VERIFIER DATA_DIR WORK_DIR pack           ($OUT/engine.tgz: logs, manifests,
@@ -20,8 +20,9 @@
 #                                                                                $OUT/cache.tgz.part-*)
 #   scripts/lab/device_data_engine.sh VERIFIER DATA_DIR WORK_DIR pack-drafter   (the trained drafter and the manifests
 #                                                                                `eval` follows, in 15 MiB pieces:
-#                                                                                $OUT/drafter.tgz.part-*; unpack them
-#                                                                                into a later machine's WORK_DIR)
+#                                                                                scripts/lab/pack_drafter.sh; unpack
+#                                                                                them into a later machine's
+#                                                                                WORK_DIR/run)
 #     VERIFIER  SmolLM2's .gguf (converted once to a dense folder beside it) or its dense folder
 #     DATA_DIR  scripts/prepare_device_data.py DATA_DIR --turns 2 --prompts-only --heldout 300
 #     WORK_DIR  the run in WORK_DIR/run, the bench in WORK_DIR/bench_WAY, progress in WORK_DIR/engine.log
@@ -45,12 +46,7 @@ if [ "${1:-}" = pack ]; then
   exit 0
 fi
 if [ "${1:-}" = pack-drafter ]; then  # what `eval` needs on a later machine: the drafter and its lineage
-  # best links to the best step's folder: its files (tar -h), not the optimizer state (training_state.pt, ~280 MB)
-  (cd "$WORK" && tar czhf - --ignore-failed-read --exclude=training_state.pt run/checkpoints/best \
-    run/checkpoints/best.json run/*/manifest.json \
-    run/checkpoints/metrics.jsonl run/data/train_prompt_hashes.txt run/logs 2>/dev/null) \
-    | split -b 15M - "$OUT/drafter.tgz.part-"
-  exit 0
+  exec scripts/lab/pack_drafter.sh "$RUN"
 fi
 if [ "${1:-}" = pack-cache ]; then
   tar czf - -C "$RUN/data" --ignore-failed-read regenerated.jsonl regenerated.settings.json synthesized.jsonl \
@@ -163,17 +159,17 @@ EOF
       workers=4; together=1
       python3 -c "import sys, torch; sys.exit(not torch.cuda.is_available())" || { workers=1; together=0; }
       say "eval: MT-bench T=0 and T=1, held-out 60, Spec-Bench 120$([ $together = 1 ] && echo ', side by side')"
+      one_eval() {  # the benchmark the loop below has read into name, temperature, prompts, number
+        timed "eval $name" python3 05_benchmark.py --run-dir "$RUN" --model-path "$DENSE" --tau-only \
+          --num-steps 3 --topk 1 --num-draft-tokens 4 --temperature "$temperature" --prompts "$prompts" \
+          "${number[@]}" --max-new-tokens "$NEW_TOKENS" --decode-workers $workers --output-dir "$RUN/bench_$name" \
+          > "$WORK/eval_$name.log" 2>&1
+        grep -E "SUMMARY|ERROR" "$WORK/eval_$name.log" | sed "s|^|$name: |" | tee -a "$WORK/engine.log"
+      }
       for spec in "mtbench 0 $DATA/mt_bench.jsonl all" "mtbench_t1 1 $DATA/mt_bench.jsonl all" \
                   "heldout 0 $DATA/heldout.jsonl 60" "specbench 0 $DATA/spec_bench.jsonl 120"; do
         read -r name temperature prompts count <<< "$spec"
         number=(); [ "$count" != all ] && number=(--num-prompts "$count")
-        one_eval() {
-          timed "eval $name" python3 05_benchmark.py --run-dir "$RUN" --model-path "$DENSE" --tau-only \
-            --num-steps 3 --topk 1 --num-draft-tokens 4 --temperature "$temperature" --prompts "$prompts" \
-            "${number[@]}" --max-new-tokens "$NEW_TOKENS" --decode-workers $workers --output-dir "$RUN/bench_$name" \
-            > "$WORK/eval_$name.log" 2>&1
-          grep -E "SUMMARY|ERROR" "$WORK/eval_$name.log" | sed "s|^|$name: |" | tee -a "$WORK/engine.log"
-        }
         if [ $together = 1 ]; then one_eval & else one_eval; fi
       done
       wait ;;

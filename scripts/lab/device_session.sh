@@ -16,8 +16,8 @@
 #     WORK_DIR  run in WORK_DIR/run, check in WORK_DIR/check, serving in WORK_DIR/serve; progress in WORK_DIR/session.log
 # Environment: SERVER [sglang] or vllm; the rest passes through to the scripts (RUNS, NEW_TOKENS, CUDA_GRAPH, ...);
 # CHECK=0 leaves out step 2. With "pack" it only packs what exists so far (logs, reports, no weights) into
-# $OUT/session.tgz: run it in every polling call. With "drafter" it packs the trained drafter (and the stage-02
-# manifest check_drafter.py reads) into $OUT/drafter.tgz.part-* pieces of 15 MiB, to carry to a later session:
+# $OUT/session.tgz: run it in every polling call. With "drafter" it packs the trained drafter and its manifests
+# (scripts/lab/pack_drafter.sh) into $OUT/drafter.tgz.part-* pieces of 15 MiB, to carry to a later session:
 # `cat drafter.tgz.part-* | tar xz -C WORK_DIR/run`.
 set -uo pipefail
 cd "$(dirname "$0")/../.."
@@ -30,10 +30,7 @@ if [ "${4:-}" = pack ]; then
   exit 0
 fi
 if [ "${4:-}" = drafter ]; then
-  # best is a link to the best epoch's folder: its files, not the optimizer state (training_state.pt, ~280 MB)
-  tar czhf - --ignore-failed-read --exclude=training_state.pt -C "$WORK/run" checkpoints/best checkpoints/best.json \
-    checkpoints/04_train.config.json hidden_states/manifest.json 2>/dev/null | split -b 15M - "$OUT/drafter.tgz.part-"
-  exit 0
+  exec scripts/lab/pack_drafter.sh "$WORK/run"
 fi
 mkdir -p "$WORK"
 say() { echo "$(date +%T) $*" | tee -a "$WORK/session.log"; }
