@@ -28,6 +28,7 @@
 #     WORK_DIR  the run in WORK_DIR/run, the bench in WORK_DIR/bench_WAY, progress in WORK_DIR/engine.log
 # Environment (defaults): SYNTH 80000 (0: no made conversations), DATASETS "sharegpt gsm8k" (DATA_DIR's sharegpt.json
 # and gsm8k_train.jsonl), TURNS 1, BATCH 1280, REGEN_TOKENS 256, BENCH_PROMPTS 4000, EPOCHS 1, NEW_TOKENS 128;
+# for `eval` on a GPU DTYPE (bfloat16; float32 computes as the CPU does) and DECODE_WORKERS (4, a benchmark);
 # EAGLE3_DECODE_COMPILE (dynamic: stage 01's decoding step compiled once; static: per batch shape; eager: not; auto:
 # the bench runs all three and stage 01 takes the one the bench says is faster for a run of this size) and
 # BENCH_COMPILE (the ways the bench runs, each into WORK_DIR/bench_WAY; default the one stage 01 uses, all for auto);
@@ -58,6 +59,7 @@ SYNTH=${SYNTH:-80000}; DATASETS=${DATASETS-sharegpt gsm8k}
 COMPILE=${EAGLE3_DECODE_COMPILE:-dynamic}; BENCH_COMPILE=${BENCH_COMPILE:-${COMPILE/auto/static dynamic eager}}
 TURNS=${TURNS:-1}; BATCH=${BATCH:-1280}; REGEN_TOKENS=${REGEN_TOKENS:-256}
 BENCH_PROMPTS=${BENCH_PROMPTS:-4000}; EPOCHS=${EPOCHS:-1}; NEW_TOKENS=${NEW_TOKENS:-128}
+DTYPE=${DTYPE:-bfloat16}; DECODE_WORKERS=${DECODE_WORKERS:-4}
 export PYTHONUNBUFFERED=1
 mkdir -p "$WORK"
 say() { echo "$(date +%T) $*" | tee -a "$WORK/engine.log"; }
@@ -156,13 +158,13 @@ EOF
         --save-interval 1000 "${resume[@]}" > "$WORK/train.log" 2>&1 ;;
     eval)  # on a GPU the four at once: each leaves it mostly idle (a small verifier, one prompt at a time); on a
       # CPU (float32) one after another, each with the whole machine
-      workers=4; together=1
+      workers=$DECODE_WORKERS; together=1
       python3 -c "import sys, torch; sys.exit(not torch.cuda.is_available())" || { workers=1; together=0; }
-      say "eval: MT-bench T=0 and T=1, held-out 60, Spec-Bench 120$([ $together = 1 ] && echo ', side by side')"
+      say "eval: MT-bench T=0 and T=1, held-out 60, Spec-Bench 120$([ $together = 1 ] && echo ", side by side, $DTYPE")"
       one_eval() {  # the benchmark the loop below has read into name, temperature, prompts, number
         timed "eval $name" python3 05_benchmark.py --run-dir "$RUN" --model-path "$DENSE" --tau-only \
           --num-steps 3 --topk 1 --num-draft-tokens 4 --temperature "$temperature" --prompts "$prompts" \
-          "${number[@]}" --max-new-tokens "$NEW_TOKENS" --decode-workers $workers --output-dir "$RUN/bench_$name" \
+          "${number[@]}" --max-new-tokens "$NEW_TOKENS" --dtype "$DTYPE" --decode-workers $workers --output-dir "$RUN/bench_$name" \
           > "$WORK/eval_$name.log" 2>&1
         grep -E "SUMMARY|ERROR" "$WORK/eval_$name.log" | sed "s|^|$name: |" | tee -a "$WORK/engine.log"
       }
