@@ -164,8 +164,8 @@ EOF
       one_eval() {  # the benchmark the loop below has read into name, temperature, prompts, number
         timed "eval $name" python3 05_benchmark.py --run-dir "$RUN" --model-path "$DENSE" --tau-only \
           --num-steps 3 --topk 1 --num-draft-tokens 4 --temperature "$temperature" --prompts "$prompts" \
-          "${number[@]}" --max-new-tokens "$NEW_TOKENS" --dtype "$DTYPE" --decode-workers $workers --output-dir "$RUN/bench_$name" \
-          > "$WORK/eval_$name.log" 2>&1
+          "${number[@]}" --max-new-tokens "$NEW_TOKENS" --dtype "$DTYPE" --decode-workers $workers \
+          --output-dir "$RUN/bench_$name" > "$WORK/eval_$name.log" 2>&1
         grep -E "SUMMARY|ERROR" "$WORK/eval_$name.log" | sed "s|^|$name: |" | tee -a "$WORK/engine.log"
       }
       for spec in "mtbench 0 $DATA/mt_bench.jsonl all" "mtbench_t1 1 $DATA/mt_bench.jsonl all" \
