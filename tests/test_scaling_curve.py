@@ -164,7 +164,7 @@ def test_a_missing_point_folder_exits_2_naming_it(points, tmp_path):
     assert done.returncode == 2 and done.stderr.strip().count("\n") == 0 and str(missing) in done.stderr
     assert not (tmp_path / "out").exists()
     inner = run_script(SCRIPT, str(small / "run"), "--out", str(tmp_path / "out"))  # WORK/run for WORK
-    assert inner.returncode == 2 and "no run/ folder" in inner.stderr
+    assert inner.returncode == 2 and "no run/ in it" in inner.stderr
     label = run_script(SCRIPT, str(small), "--out", str(tmp_path / "out"), "--label", f"{missing}=x")
     assert label.returncode == 2 and str(missing) in label.stderr
     shown = run_script(SCRIPT, "--help")

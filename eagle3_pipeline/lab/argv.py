@@ -68,6 +68,11 @@ def all_values(argv: list[str], name: str) -> list[str]:
     return [value[0] for flag, value in split_flags(argv) if canonical(flag) == name and value]
 
 
+def has_flag(argv: list[str], name: str) -> bool:
+    """Whether the flag is given at all (a switch such as --online, or a flag with a value)."""
+    return any(canonical(flag) == name for flag, _ in split_flags(argv))
+
+
 def check_known(stage: str, argv: list[str]) -> None:
     """Refuse a flag the stage does not take, before anything runs (a stage outside the schema is not checked)."""
     if stage not in STAGE_FLAGS:

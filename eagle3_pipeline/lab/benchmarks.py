@@ -22,14 +22,17 @@ class Benchmark:
     meaning: str
     sampled: bool = False  # decoded at T > 0: the storage-format lanes, compared at T=0, skip it
     default_only: bool = False  # the lossless checks: once, on the default lane
+    reads_states: bool = False  # reads stage 02's stored states: not for a lane trained --online
 
 
 BENCHMARKS = {b.name: b for b in (
-    Benchmark("eval", "teacher-forced agreement per TTT step on the validation split (--mode eval)"),
+    Benchmark("eval", "teacher-forced agreement per TTT step on the validation split (--mode eval); not for lanes "
+              "trained --online", reads_states=True),
     Benchmark("mtbench", "chain 3/1/4 at T=0 on every MT-bench question, both turns"),
     Benchmark("heldout", "chain 3/1/4 at T=0 on a stratified sample of the base run's held-out prompts"),
     Benchmark("mtbench_t1", "chain 3/1/4 at T=1 on MT-bench", sampled=True),
     Benchmark("heldout_t1", "chain 3/1/4 at T=1 on the held-out sample", sampled=True),
+    Benchmark("specbench", "chain 3/1/4 at T=0 on --spec-bench-prompts of Spec-Bench, spread over its categories"),
     Benchmark("fp32_chain", "chain 3/1/4 in float32 on MT-bench (lossless: every turn checked)", default_only=True),
     Benchmark("fp32_tree", "tree 3 steps x top-8 in float32 on MT-bench", default_only=True),
     Benchmark("fp64_chain", "chain 3/1/4 in float64 on MT-bench (no near tie can flip)", default_only=True),
@@ -46,6 +49,8 @@ class BenchSettings:
     new_tokens: int | None = None  # new tokens a turn of every decoding run (None: stage 05's default)
     field_tokens: int | None = None  # mtbench's at T=0 instead (e.g. 2048, as SpecForge's benchmarks decode)
     eval_steps: int = 7  # TTT steps the teacher-forced run scores
+    spec_bench: str | None = None  # Spec-Bench's questions (spec_bench.jsonl)
+    spec_bench_prompts: int = 120  # of them decoded, spread over its categories by stage 05
 
 
 def check_names(names: list[str]) -> None:
@@ -64,6 +69,11 @@ def benchmark_flags(name: str, settings: BenchSettings, base_run: Path) -> list[
         temperature = "1" if name.endswith("_t1") else "0"
         return CHAIN + ["--temperature", temperature, "--prompts", prompts, "--num-prompts", str(settings.heldout),
                         *tokens]
+    if name == "specbench":
+        if not settings.spec_bench:
+            raise UsageError("the specbench benchmark decodes Spec-Bench: give --spec-bench FILE (spec_bench.jsonl)")
+        return CHAIN + ["--temperature", "0", "--prompts", settings.spec_bench, "--num-prompts",
+                        str(settings.spec_bench_prompts), *tokens]
     if not settings.mt_bench:
         raise UsageError(f"the {name} benchmark decodes MT-bench: give --mt-bench FILE (mt_bench.jsonl)")
     mt_bench = ["--prompts", settings.mt_bench]

@@ -5,6 +5,9 @@ A name joins parts with "_": a data or storage-format part first when there is o
 then recipe parts (changes to stage 04), applied left to right, so a later part's flag replaces an earlier one's:
 sampled_epochs2, lr3_steps2_ttt7. Numbers are read against the base run's own stage-04 flags (lr10: ten times its
 --lr), so a lane is one change from whatever recipe the base trains with. docs/lab.md lists every part.
+
+A base that trains --online (its stage-04 flags say so) has no stage 02: its lanes rerun stages 01 and 03 only, and
+the parts and benchmarks that need stored hidden states are refused or left out.
 """
 from __future__ import annotations
 
@@ -17,7 +20,7 @@ from typing import Sequence
 from eagle3_pipeline.errors import UsageError
 from eagle3_pipeline.formats.run_layout import EVAL_DATA_FILE, RUN_LAYOUT
 from eagle3_pipeline.cli.flags import FLAGS
-from eagle3_pipeline.lab.argv import all_values, last_value, merged
+from eagle3_pipeline.lab.argv import all_values, has_flag, last_value, merged
 from eagle3_pipeline.lab.benchmarks import BENCHMARKS
 
 PREPARE, EXTRACT, VOCAB = "01_prepare_data", "02_extract_hidden_states", "03_build_vocab_mapping"
@@ -36,7 +39,7 @@ class Knobs:
     data_samples: int = 17000  # prompts of the data and all lanes
     data_epochs: int = 2  # epochs of the data and all lanes
     data_turns: int = 2  # user turns a conversation of the all lane keeps
-    data_extra: tuple[str, ...] = ()  # more chat files beside the base's --dataset for the data and all lanes
+    data_extra: tuple[str, ...] = ()  # more chat files beside the base's --dataset for the data, all and made lanes
     long_tokens: int = 1024  # the long lane's longest reply
 
 
@@ -63,6 +66,8 @@ class Lane:
     data: str = ""  # its data or storage-format part when that reruns stages before 04: their shared folder
     trainer: str = TRAIN  # the script that trains it
     after: tuple[str, ...] = field(default=())  # lanes whose drafter it needs first
+    online: bool = False  # stage 04 computes the verifier's states (--online): no stage 02 to rerun or read
+    trains_on_base_heldout: bool = False  # its data may hold the base run's held-out prompts (made lanes)
 
 
 @dataclass(frozen=True)
@@ -78,6 +83,9 @@ DATA_PARTS = (
     Part("turns2", "two user turns a conversation, from sharegpt_turns2.json beside the base's --dataset"),
     Part("data", "--data-samples prompts (and --data-extra files) for --data-epochs epochs"),
     Part("all", "--data-samples conversations of --data-turns turns (and --data-extra) for --data-epochs epochs"),
+    Part("madeN", "N more conversations the verifier makes (stage 01 --synthesize N), beside the base's --dataset "
+                  "files and --data-extra; the base's epochs (made80000_epochs2: twice them); its held-out "
+                  "benchmarks need --heldout-prompts"),
     Part("bf16final", "the base's hidden states, --format-step-tokens tokens a step: the formats' baseline"),
     Part("fp8final", "stage 02 with FP8 aux layers; --format-step-tokens tokens a step"),
     Part("bf16topk", "stage 02 with top-k targets (the base's --target-topk); --format-step-tokens tokens a step"),
@@ -104,6 +112,7 @@ FORMATS = {"bf16final": [], "fp8final": ["--aux-dtype", "float8_e4m3"], "bf16top
 FIXED = {"default": [], "lk": ["--loss", "lk"], "init": ["--init-from-verifier-layer"],
          "fixed": ["--ttt-positions", "fixed"]}
 AUX = re.compile(r"aux(\d+)-(\d+)-(\d+)")
+MADE = re.compile(r"made(\d+)")
 NUMBERED = re.compile(r"(lr|steps|bs|epochs|ttt)(\d+(?:\.\d+)?)")
 
 
@@ -116,7 +125,11 @@ def canonical_name(name: str) -> str:
 
 
 def is_data_part(part: str) -> bool:
-    return part in {p.spelling for p in DATA_PARTS} or AUX.fullmatch(part) is not None
+    return part in {p.spelling for p in DATA_PARTS} or any(rule.fullmatch(part) for rule in (AUX, MADE))
+
+
+def trains_online(base: Base) -> bool:
+    return has_flag(base.flags.get(TRAIN, []), "--online")
 
 
 def unknown_part(name: str, part: str) -> UsageError:
@@ -165,6 +178,20 @@ def dataset_folder(base: Base, name: str) -> Path:
     return Path(datasets[0]).parent
 
 
+def exclusions(base: Base) -> list[str]:
+    """Stage 01's --exclude-prompts for a lane with other prompts than the base's: the base's own (a lane's change
+    replaces every value of a flag) and the base run's held-out prompts, which stay out of its training."""
+    files = all_values(base.flags.get(PREPARE, []), "--exclude-prompts")
+    files.append(str(base.run / RUN_LAYOUT[PREPARE] / EVAL_DATA_FILE))
+    return [token for file in files for token in ("--exclude-prompts", file)]
+
+
+def with_extra_files(base: Base, name: str, files: list[str]) -> list[str]:
+    """--dataset for every file a lane reads: `files` and the --data-extra files beside the base's first one."""
+    files = files + [str(dataset_folder(base, name) / extra) for extra in base.knobs.data_extra]
+    return [token for file in files for token in ("--dataset", file)]
+
+
 # --- the parts --------------------------------------------------------------------------------------
 
 def recipe_flags(part: str, base: Base, name: str) -> list[str]:
@@ -207,8 +234,12 @@ def format_changes(part: str, base: Base) -> dict[str, list[str]]:
 def data_changes(part: str, base: Base, name: str) -> dict[str, list[str]]:
     """A data part: stage 01's flags (and stage 04's epochs for the data and all lanes)."""
     knobs = base.knobs
-    # the base run's held-out prompts stay out of the training of a lane that takes more prompts
-    exclude = ["--exclude-prompts", str(base.run / RUN_LAYOUT[PREPARE] / EVAL_DATA_FILE)]
+    exclude = exclusions(base)
+    made = MADE.fullmatch(part)
+    if made:  # the base's exclusions alone: made turns are cached under them (a larger point's serve a smaller one)
+        keep = all_values(base.flags.get(PREPARE, []), "--exclude-prompts")
+        exclude = [token for file in keep for token in ("--exclude-prompts", file)]
+        return {PREPARE: ["--synthesize", made_count(name, made.group(1)), *made_data(base, name), *exclude]}
     if part == "sampled":
         return {PREPARE: ["--temperature", "0.8"]}
     if part == "mixed":
@@ -224,14 +255,31 @@ def data_changes(part: str, base: Base, name: str) -> dict[str, list[str]]:
     if turns > 1 or knobs.data_extra:  # other files than the base's: every file the lane reads
         files = all_values(base.flags.get(PREPARE, []), "--dataset") if turns == 1 else \
             [str(dataset_folder(base, name) / f"sharegpt_turns{turns}.json")]
-        files += [str(dataset_folder(base, name) / extra) for extra in knobs.data_extra]
-        prepare += [token for file in files for token in ("--dataset", file)]
+        prepare += with_extra_files(base, name, files)
     return {PREPARE: prepare, TRAIN: ["--epochs", str(knobs.data_epochs)]}
+
+
+def made_count(name: str, text: str) -> str:
+    if int(text) < 1:
+        raise UsageError(f"lane {name}: made{text} makes no conversation: give a count from 1, e.g. made35000")
+    return str(int(text))
+
+
+def made_data(base: Base, name: str) -> list[str]:
+    """A made lane's chat files: the base's, and --data-extra beside them; the replies come from the verifier."""
+    prepare = base.flags.get(PREPARE, [])
+    if not has_flag(prepare, "--regenerate"):
+        raise UsageError(f"lane {name}: conversations the verifier makes need its replies: give the base run's "
+                         f"stage 01 --regenerate")
+    return with_extra_files(base, name, all_values(prepare, "--dataset")) if base.knobs.data_extra else []
 
 
 def first_part(part: str, base: Base, name: str) -> tuple[str, dict[str, list[str]]]:
     """A data or storage-format part: (the first stage it reruns, its changes per stage)."""
     aux = AUX.fullmatch(part)
+    if (aux or part in FORMATS) and trains_online(base):
+        raise UsageError(f"lane {name}: {part!r} changes stage 02's stored hidden states, and the base run trains "
+                         f"--online (no stage 02): give a base without --online for the storage-format lanes")
     if aux:
         return EXTRACT, {EXTRACT: ["--aux-layers", ",".join(aux.groups())]}
     if part in FORMATS:
@@ -248,7 +296,11 @@ def lane_named(name: str, base: Base, suite: Sequence[str] = ()) -> Lane:
     parts = canonical.split(JOIN)
     if not all(parts):
         raise UsageError(f"no lane called {name!r}: an empty part (two '_' in a row, or one at an end)")
+    online = trains_online(base)
     if parts == ["specforge"]:  # its own trainer, with SpecForge's own learning rate
+        if online:
+            raise UsageError(f"lane {name}: SpecForge's recipe trains on stage 02's stored states, and the base run "
+                             f"trains --online: give a base without --online for it")
         return Lane(canonical, {SPECFORGE: ["--lr", "1e-4"]}, TRAIN, takes(canonical, True, suite),
                     trainer=SPECFORGE, after=("default",))
     first_stage, changes, data = TRAIN, {}, ""
@@ -264,13 +316,16 @@ def lane_named(name: str, base: Base, suite: Sequence[str] = ()) -> Lane:
         changes[TRAIN] = merged(changes.get(TRAIN, []), recipe_flags(part, base, canonical))
     sampled = parts[0] not in FORMATS  # the storage formats are compared at T=0 only
     return Lane(canonical, {stage: flags for stage, flags in changes.items() if flags}, first_stage,
-                takes(canonical, sampled, suite), data)
+                takes(canonical, sampled, suite, online), data, online=online,
+                trains_on_base_heldout=MADE.fullmatch(parts[0]) is not None)
 
 
-def takes(name: str, sampled: bool, suite: Sequence[str]) -> tuple[str, ...]:
-    """The benchmarks of the suite a lane gets: T>0 runs only if `sampled`, the lossless checks on default only."""
+def takes(name: str, sampled: bool, suite: Sequence[str], online: bool = False) -> tuple[str, ...]:
+    """The benchmarks of the suite a lane gets: T>0 runs only if `sampled`, the lossless checks on default only,
+    none that reads stored states if it trains `online`."""
     return tuple(b for b in suite if (sampled or not BENCHMARKS[b].sampled)
-                 and (name == "default" or not BENCHMARKS[b].default_only))
+                 and (name == "default" or not BENCHMARKS[b].default_only)
+                 and not (online and BENCHMARKS[b].reads_states))
 
 
 def describe_parts() -> str:

@@ -13,6 +13,7 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from eagle3_pipeline.errors import UsageError
 from eagle3_pipeline.formats.run_layout import PREPARED_DATA_FILE, RUN_LAYOUT
 from eagle3_pipeline.lab.argv import merged
 from eagle3_pipeline.lab.benchmarks import BenchSettings, benchmark_flags
@@ -42,15 +43,16 @@ class LanePlan:
     base_run: str
     folder: str  # the lane's own run directory
     data_folder: str  # where its stages before 04 run (its data part's folder), or the base run
-    inputs: dict[str, str]  # prepared_data, vocab, hidden_states: what its training reads
+    inputs: dict[str, str]  # prepared_data, vocab, hidden_states (none online): what its training reads
     drafter: str  # its stage-04 output folder
     steps: list[Step]
 
 
 def reruns(lane: Lane) -> list[str]:
-    """The stages before 04 the lane runs again, in the pipeline's order: its first stage and those that read it."""
+    """The stages before 04 the lane runs again, in the pipeline's order: its first stage and those that read it
+    (never stage 02 for a lane trained --online)."""
     stages: list[str] = []
-    for stage in (PREPARE, EXTRACT, VOCAB):
+    for stage in (PREPARE, VOCAB) if lane.online else (PREPARE, EXTRACT, VOCAB):
         if stage == lane.first_stage or any(read in stages for read in READS.get(stage, ())):
             stages.append(stage)
     return stages
@@ -59,9 +61,12 @@ def reruns(lane: Lane) -> list[str]:
 def input_paths(lane: Lane, base_run: Path, data_folder: Path) -> dict[str, str]:
     again = reruns(lane)
     data_run = data_folder if PREPARE in again else base_run  # stage 01's data, and the vocabulary made from it
-    states_run = data_folder if EXTRACT in again else base_run
-    return {"prepared_data": str(data_run / RUN_LAYOUT[PREPARE] / PREPARED_DATA_FILE),
-            "vocab": str(data_run / RUN_LAYOUT[VOCAB]), "hidden_states": str(states_run / RUN_LAYOUT[EXTRACT])}
+    inputs = {"prepared_data": str(data_run / RUN_LAYOUT[PREPARE] / PREPARED_DATA_FILE),
+              "vocab": str(data_run / RUN_LAYOUT[VOCAB])}
+    if not lane.online:
+        states_run = data_folder if EXTRACT in again else base_run
+        inputs["hidden_states"] = str(states_run / RUN_LAYOUT[EXTRACT])
+    return inputs
 
 
 def log_file(script: str, run_dir: Path | None, output_dir: Path) -> str:
@@ -91,8 +96,9 @@ def train_step(lane: Lane, base: Base, folder: Path, lanes_dir: Path, data_folde
                  "--checkpoints-dir", str(lanes_dir / "default" / DRAFTER)]
         run_dir = data_folder
     else:
-        paths = ["--run-dir", str(folder), "--prepared-data", inputs["prepared_data"], "--data-dir",
-                 inputs["hidden_states"], "--vocab-mapping-dir", inputs["vocab"], "--output-dir", str(drafter)]
+        states = [] if lane.online else ["--data-dir", inputs["hidden_states"]]
+        paths = ["--run-dir", str(folder), "--prepared-data", inputs["prepared_data"], *states,
+                 "--vocab-mapping-dir", inputs["vocab"], "--output-dir", str(drafter)]
         run_dir = folder
     argv = paths + merged(base.flags.get(lane.trainer, []), lane.changes.get(lane.trainer, []))
     return Step(lane.trainer, "train", lane.trainer, argv, str(drafter), log_file(lane.trainer, run_dir, drafter))
@@ -102,6 +108,10 @@ def bench_steps(lane: Lane, base: Base, folder: Path, inputs: dict[str, str], se
     """One stage-05 run per benchmark, each in its own folder and log (they may run side by side)."""
     steps = []
     for name in lane.benchmarks:
+        if name.startswith("heldout") and lane.trains_on_base_heldout and not settings.heldout_prompts:
+            raise UsageError(f"lane {lane.name} may train on the base run's held-out prompts, which {name} decodes "
+                             f"by default: give --heldout-prompts a file the base's stage 01 excludes "
+                             f"(--exclude-prompts)")
         output = folder / f"bench_{name}"
         paths = ["--draft-model-path", str(folder / DRAFTER / "best"), "--output-dir", str(output)]
         if name == "eval":  # teacher-forced on the states the lane trained on

@@ -56,9 +56,10 @@ def missing_input(plan: LanePlan, step: Step) -> str | None:
     """What a step reads that is not finished, in words (None when all is there): a lane whose data failed stops
     here with the folder to look in, not deep in the stage."""
     needs: list[tuple[str, Path]] = []
-    if step.part == "train" and "--online" not in step.argv:
-        needs += [("hidden states (stage 02)", Path(plan.inputs["hidden_states"])),
-                  ("vocabulary map (stage 03)", Path(plan.inputs["vocab"]))]
+    if step.part == "train" and not plan.lane.online:
+        needs.append(("hidden states (stage 02)", Path(plan.inputs["hidden_states"])))
+    if step.part == "train":
+        needs.append(("vocabulary map (stage 03)", Path(plan.inputs["vocab"])))
     if step.script == SPECFORGE:  # it trains with the default lane's settings and split
         needs.append(("default lane's drafter (train the default lane first)",
                       Path(plan.folder).parent / "default" / DRAFTER))

@@ -11,6 +11,11 @@
 #          the held-out prompts (a seeded spread) and 120 of Spec-Bench (spread over its categories) at T=0; on a GPU
 #          in bfloat16, side by side; on a machine without one in float32, one after another (a drafter carried back
 #          with pack-drafter, unpacked into WORK_DIR/run, is evaluated there without training again)
+#   lanes  the curve's points as declared lanes over WORK_DIR/run as their base (scripts/lab/run_lanes.py; docs/lab.md):
+#          LANES names them, e.g. "epochs8 made35000 made35000_epochs2" over a base made by `data` with SYNTH=0
+#          DATASETS=sharegpt (made lanes add GSM8K and N conversations the verifier makes), each lane trained with
+#          the train part's recipe and benchmarked as the eval part does, into WORK_DIR/lanes/NAME; the lanes' data
+#          first (replies and made turns from CACHE_IN, else the base's), then on a GPU the lanes side by side
 #
 #   scripts/lab/device_data_engine.sh VERIFIER DATA_DIR WORK_DIR [PART ...]     (default: all four, in order)
 #   scripts/lab/device_data_engine.sh VERIFIER DATA_DIR WORK_DIR pack           ($OUT/engine.tgz: logs, manifests,
@@ -35,33 +40,39 @@
 # TIME_LIMIT (seconds) for stage 04, which stops cleanly and resumes on the same command; CACHE_IN (a folder of
 # cache.tgz.part-* pieces packed by an earlier machine, or another run's data folder on this one: stage 01 reuses
 # every reply and made turn made with the same settings, so a point's data can be made on one machine and trained on
-# the next, and a smaller point takes its replies from a larger one's).
+# the next, and a smaller point takes its replies from a larger one's); LANES for the lanes part, and DRY_RUN=1 to
+# print their plan and exit; LANE_PARTS=data stops the lanes part after the lanes' data (pack it with LANE=NAME
+# ... pack-cache).
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 export PYTHONPATH="$(pwd)${PYTHONPATH:+:$PYTHONPATH}"  # the repository's packages where it is not pip-installed
 VERIFIER=$1; DATA=$2; WORK=$3; shift 3
 RUN=$WORK/run
-if [ "${1:-}" = pack ]; then
+if [ "${1:-}" = pack ]; then  # the lanes' records and reports too: scaling_curve.py reads a lane folder
   (cd "$WORK" && tar czf "$OUT/engine.tgz" --ignore-failed-read engine.log bench_* run/logs run/data/manifest.json \
-    run/data/synthesis_samples.md run/checkpoints/metrics.jsonl run/checkpoints/best.json run/bench_* 2>/dev/null)
+    run/data/synthesis_samples.md run/checkpoints/metrics.jsonl run/checkpoints/best.json run/bench_* lane_*.log \
+    lanes/run_lanes.log lanes/*/lane.json lanes/*/logs lanes/*/data/manifest.json lanes/*/data/synthesis_samples.md \
+    lanes/*/checkpoints/metrics.jsonl lanes/*/checkpoints/best.json lanes/*/bench_* 2>/dev/null)
   exit 0
 fi
 if [ "${1:-}" = pack-drafter ]; then  # what `eval` needs on a later machine: the drafter and its lineage
   exec scripts/lab/pack_drafter.sh "$RUN"
 fi
-if [ "${1:-}" = pack-cache ]; then
-  tar czf - -C "$RUN/data" --ignore-failed-read regenerated.jsonl regenerated.settings.json synthesized.jsonl \
+if [ "${1:-}" = pack-cache ]; then  # LANE=NAME: that lane's data folder instead of the run's
+  from=$RUN; [ -n "${LANE:-}" ] && from=$WORK/lanes/$LANE
+  tar czf - -C "$from/data" --ignore-failed-read regenerated.jsonl regenerated.settings.json synthesized.jsonl \
     synthesized.settings.json 2>/dev/null | split -b 15M - "$OUT/cache.tgz.part-"
   exit 0
 fi
 PARTS=${*:-bench data train eval}
+LANES=${LANES:-}
 SYNTH=${SYNTH:-80000}; DATASETS=${DATASETS-sharegpt gsm8k}
 COMPILE=${EAGLE3_DECODE_COMPILE:-dynamic}; BENCH_COMPILE=${BENCH_COMPILE:-${COMPILE/auto/static dynamic eager}}
 TURNS=${TURNS:-1}; BATCH=${BATCH:-1280}; REGEN_TOKENS=${REGEN_TOKENS:-256}
 BENCH_PROMPTS=${BENCH_PROMPTS:-4000}; EPOCHS=${EPOCHS:-1}; NEW_TOKENS=${NEW_TOKENS:-128}
 DTYPE=${DTYPE:-bfloat16}; DECODE_WORKERS=${DECODE_WORKERS:-4}
 export PYTHONUNBUFFERED=1
-mkdir -p "$WORK"
+[ "${DRY_RUN:-0}" = 1 ] || mkdir -p "$WORK"  # a dry run writes nothing
 say() { echo "$(date +%T) $*" | tee -a "$WORK/engine.log"; }
 timed() {  # run "$@", then log its exit code and seconds under the name $1
   local name=$1 start=$SECONDS; shift
@@ -99,14 +110,37 @@ for name in $DATASETS; do
   esac
 done
 [ "$SYNTH" -gt 0 ] && SOURCES+=(--synthesize "$SYNTH" --synthesize-turns "$TURNS")
-if [ -n "${CACHE_IN:-}" ] && [ ! -f "$RUN/data/regenerated.jsonl" ]; then
-  mkdir -p "$RUN/data"
-  if [ -f "$CACHE_IN/regenerated.jsonl" ]; then  # another run's data folder on this machine
-    cp "$CACHE_IN"/regenerated.* "$RUN/data/" && cp "$CACHE_IN"/synthesized.* "$RUN/data/" 2>/dev/null
+# Stage 01's flags (the data part's, and the lanes' base's), stage 04's recipe (the train part's and every lane's)
+STAGE01=("${SOURCES[@]}" --max-turns "$TURNS" --regenerate --regenerate-engine loop --batch-size "$BATCH"
+         --max-new-tokens "$REGEN_TOKENS" --max-seq-len 2048 --eval-ratio 0.01 "${EXCLUDE[@]}")
+TRAIN04=(--online --epochs "$EPOCHS" --ttt-steps 3 --max-tokens-per-batch 4096 --num-workers 8 --lr 1e-3
+         --eval-interval 500 --save-interval 1000)
+seed_cache() {  # seed_cache DATA_FOLDER SOURCE: stage 01's replies and made turns from SOURCE (a folder of pack-cache
+  # pieces, or another run's data folder), where DATA_FOLDER has none yet; stage 01 reuses those made alike
+  local into=$1 from=$2
+  [ -n "$from" ] && [ ! -f "$into/regenerated.jsonl" ] || return 0
+  mkdir -p "$into"
+  if [ -f "$from/regenerated.jsonl" ]; then
+    cp "$from"/regenerated.* "$into/" && { cp "$from"/synthesized.* "$into/" 2>/dev/null || true; }
   else
-    cat "$CACHE_IN"/cache.tgz.part-* | tar xz -C "$RUN/data"
+    cat "$from"/cache.tgz.part-* | tar xz -C "$into"
   fi
+}
+on_gpu() { python3 -c "import sys, torch; sys.exit(not torch.cuda.is_available())"; }
+run_lanes() {  # scripts/lab/run_lanes.py over RUN: the data part's stage 01, the train part's recipe, the eval part's
+  # benchmarks (the eval part's DTYPE on a GPU, DECODE_WORKERS each); made lanes add DATA_DIR's GSM8K
+  python3 scripts/lab/run_lanes.py --base "$RUN" --lanes-dir "$WORK/lanes" --model-path "$DENSE" \
+    --draft-vocab-size 32000 --stage-args 01 "$(printf '%q ' "${STAGE01[@]}") --synthesize-turns $TURNS" \
+    --stage-args 04 "${TRAIN04[*]}" --stage-args 05 "--dtype $DTYPE --decode-workers $1" \
+    --benchmarks mtbench,mtbench_t1,heldout,specbench \
+    --mt-bench "$DATA/mt_bench.jsonl" --heldout-prompts "$DATA/heldout.jsonl" --heldout 60 \
+    --spec-bench "$DATA/spec_bench.jsonl" --spec-bench-prompts 120 --new-tokens "$NEW_TOKENS" \
+    --data-extra gsm8k_train.jsonl "${@:2}"
+}
+if [ "${DRY_RUN:-0}" = 1 ]; then
+  run_lanes "$DECODE_WORKERS" --lanes "${LANES:?LANES names the lanes}" --dry-run; exit
 fi
+seed_cache "$RUN/data" "${CACHE_IN:-}"
 
 for part in $PARTS; do
   case $part in
@@ -123,9 +157,7 @@ for part in $PARTS; do
       say "data: stage 01, $DATASETS + $SYNTH made conversations, $TURNS user turn(s), $COMPILE compile"
       start=$SECONDS
       EAGLE3_DECODE_COMPILE=$COMPILE timed data python3 01_prepare_data.py --run-dir "$RUN" --model-path "$DENSE" \
-        "${SOURCES[@]}" --max-turns "$TURNS" --regenerate --regenerate-engine loop --batch-size "$BATCH" \
-        --max-new-tokens "$REGEN_TOKENS" --max-seq-len 2048 --eval-ratio 0.01 "${EXCLUDE[@]}" > "$WORK/data.log" 2>&1 \
-        || exit 1
+        "${STAGE01[@]}" > "$WORK/data.log" 2>&1 || exit 1
       python3 - "$RUN/data/manifest.json" $((SECONDS - start)) "$WORK"/bench_*/bench_regenerate.json <<'EOF' \
         | tee -a "$WORK/engine.log"
 import json, sys
@@ -153,13 +185,12 @@ EOF
         > "$WORK/vocab.log" 2>&1 || exit 1
       limit=(); [ -n "${TIME_LIMIT:-}" ] && limit=(timeout --signal=INT --kill-after=120 "${TIME_LIMIT%s}")
       resume=(); [ -f "$RUN/checkpoints/manifest.json" ] && resume=(--resume)
-      timed train "${limit[@]}" python3 04_train.py --run-dir "$RUN" --model-path "$DENSE" --online \
-        --epochs "$EPOCHS" --ttt-steps 3 --max-tokens-per-batch 4096 --num-workers 8 --lr 1e-3 --eval-interval 500 \
-        --save-interval 1000 "${resume[@]}" > "$WORK/train.log" 2>&1 ;;
+      timed train "${limit[@]}" python3 04_train.py --run-dir "$RUN" --model-path "$DENSE" "${TRAIN04[@]}" \
+        "${resume[@]}" > "$WORK/train.log" 2>&1 ;;
     eval)  # on a GPU the four at once: each leaves it mostly idle (a small verifier, one prompt at a time); on a
       # CPU (float32) one after another, each with the whole machine
       workers=$DECODE_WORKERS; together=1
-      python3 -c "import sys, torch; sys.exit(not torch.cuda.is_available())" || { workers=1; together=0; }
+      on_gpu || { workers=1; together=0; }
       say "eval: MT-bench T=0 and T=1, held-out 60, Spec-Bench 120$([ $together = 1 ] && echo ", side by side, $DTYPE")"
       one_eval() {  # the benchmark the loop below has read into name, temperature, prompts, number
         timed "eval $name" python3 05_benchmark.py --run-dir "$RUN" --model-path "$DENSE" --tau-only \
@@ -175,7 +206,36 @@ EOF
         if [ $together = 1 ]; then one_eval & else one_eval; fi
       done
       wait ;;
-    *) echo "unknown part $part: bench, data, train, eval or pack" >&2; exit 2 ;;
+    lanes)  # stage 03 on the base, every data part's stages 01 and 03 side by side, then the lanes' training and
+      # benchmarks: side by side on a GPU, a run_lanes.py a lane; one after another on a CPU
+      [ -n "$LANES" ] || { echo "the lanes part needs LANES, e.g. LANES=\"epochs8 made35000\"" >&2; exit 2; }
+      say "lanes: $LANES over $RUN"
+      timed vocab python3 03_build_vocab_mapping.py --run-dir "$RUN" --draft-vocab-size 32000 \
+        > "$WORK/vocab.log" 2>&1 || exit 1
+      for folder in $(run_lanes 1 --lanes "$LANES" --data-folders); do  # a folder a data part, e.g. lanes/made35000
+        seed_cache "$folder/data" "${CACHE_IN:-$RUN/data}"
+        for lane in $LANES; do  # its first lane prepares it (its other lanes then find it complete)
+          [ "${lane%%_*}" = "$(basename "$folder")" ] || continue
+          EAGLE3_DECODE_COMPILE=$COMPILE timed "lane $lane data" run_lanes 1 --lanes "$lane" --only data \
+            > "$WORK/lane_data_$lane.log" 2>&1 &
+          break
+        done
+      done
+      wait  # the data parts side by side: from a cache stage 01 is mostly tokenizing, a CPU core each
+      run_lanes 1 --lanes "$LANES" --only data > "$WORK/lane_data.log" 2>&1 || { say "lanes: data failed"; exit 1; }
+      if [ "${LANE_PARTS:-all}" = data ]; then
+        :  # the data alone (a large point's, made in one machine hold and packed with pack-cache)
+      elif on_gpu; then
+        for lane in $LANES; do
+          timed "lane $lane" run_lanes "$DECODE_WORKERS" --lanes "$lane" --only train --only bench --bench-jobs 4 \
+            > "$WORK/lane_$lane.log" 2>&1 &
+        done
+        wait
+      else
+        timed "lanes" run_lanes 1 --lanes "$LANES" > "$WORK/lane_all.log" 2>&1
+      fi
+      grep -h "lanes: \|SUMMARY" "$WORK"/lane_*.log | tee -a "$WORK/engine.log" ;;
+    *) echo "unknown part $part: bench, data, train, eval, lanes or pack" >&2; exit 2 ;;
   esac
 done
 say "done: $PARTS"

@@ -34,7 +34,8 @@ from eagle3_pipeline.lab.run import PARTS, parse_step, run_lane
 def runner_parser() -> StageArgumentParser:
     parser = StageArgumentParser("run_lanes", prog="run_lanes.py", description=__doc__,
                                  epilog=describe_parts(), formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--base", required=True, help="The base run directory (stages 01-03 done).")
+    parser.add_argument("--base", required=True, help="The base run directory (stages 01-03 done; 01 and 03 when "
+                        "its stage 04 flags say --online).")
     parser.add_argument("--lanes", required=True, help="Lane names, separated by commas or spaces.")
     parser.add_argument("--lanes-dir", help="Where each lane's folder goes (default BASE/lanes).")
     parser.add_argument("--stage-args", nargs=2, action="append", default=[], metavar=("STAGE", "FLAGS"),
@@ -44,12 +45,15 @@ def runner_parser() -> StageArgumentParser:
     parser.add_argument("--mt-bench", help="MT-bench's questions (mt_bench.jsonl) for the mtbench benchmarks.")
     parser.add_argument("--heldout-prompts",
                         help="Prompts of the heldout benchmarks (default BASE/data/eval_data.jsonl).")
+    parser.add_argument("--spec-bench", help="Spec-Bench's questions (spec_bench.jsonl) for the specbench benchmark.")
     settings = BenchSettings()
     for flag, value, what in (("--heldout", settings.heldout, "held-out prompts decoded"),
                               ("--new-tokens", None, "new tokens a turn of each decoding run (default stage 05's)"),
                               ("--field-tokens", None, "new tokens a turn of mtbench at T=0 (default --new-tokens)"),
-                              ("--eval-steps", settings.eval_steps, "TTT steps the eval benchmark scores")):
-        parser.add_argument(flag, type=int, default=value, help=what.capitalize() + ".")
+                              ("--eval-steps", settings.eval_steps, "TTT steps the eval benchmark scores"),
+                              ("--spec-bench-prompts", settings.spec_bench_prompts,
+                               "Spec-Bench prompts the specbench benchmark decodes, spread over its categories")):
+        parser.add_argument(flag, type=int, default=value, help=what[0].upper() + what[1:] + ".")
     knobs = Knobs()
     for flag, value, what in (("--lever-step-tokens", knobs.lever_step_tokens, "tokens a step of the steps part"),
                               ("--format-step-tokens", knobs.format_step_tokens, "storage-format lanes' tokens a step"),
@@ -59,7 +63,8 @@ def runner_parser() -> StageArgumentParser:
                               ("--long-tokens", knobs.long_tokens, "longest reply of the long lane")):
         parser.add_argument(flag, type=int, default=value, help=f"{what.capitalize()} (default {value}).")
     parser.add_argument("--data-extra", action="append", default=[], metavar="FILE",
-                        help="More chat files for the data and all lanes, beside stage 01's --dataset (repeatable).")
+                        help="More chat files for the data, all and made lanes, beside stage 01's --dataset "
+                             "(repeatable).")
     parser.add_argument("--only", action="append", choices=PARTS, default=[],
                         help="Run only these steps of each lane (repeatable): data, train or bench.")
     parser.add_argument("--bench-jobs", type=int, default=1, help="A lane's benchmarks run this many at a time.")
@@ -96,9 +101,12 @@ def base_of(args: argparse.Namespace, rest: list[str], parser: StageArgumentPars
 def plans_of(args: argparse.Namespace, base: Base) -> list[LanePlan]:
     suite = [name for name in args.benchmarks.replace(",", " ").split() if name]
     check_names(suite)
-    settings = BenchSettings(args.mt_bench and str(Path(args.mt_bench).resolve()),
-                             args.heldout_prompts and str(Path(args.heldout_prompts).resolve()),
-                             args.heldout, args.new_tokens, args.field_tokens, args.eval_steps)
+    settings = BenchSettings(mt_bench=args.mt_bench and str(Path(args.mt_bench).resolve()),
+                             heldout_prompts=args.heldout_prompts and str(Path(args.heldout_prompts).resolve()),
+                             heldout=args.heldout, new_tokens=args.new_tokens, field_tokens=args.field_tokens,
+                             eval_steps=args.eval_steps,
+                             spec_bench=args.spec_bench and str(Path(args.spec_bench).resolve()),
+                             spec_bench_prompts=args.spec_bench_prompts)
     lanes_dir = Path(args.lanes_dir).resolve() if args.lanes_dir else base.run / "lanes"
     lanes = {}
     for name in args.lanes.replace(",", " ").split():

@@ -1,17 +1,19 @@
 #!/usr/bin/env python3
-"""The tau-against-data curve (issue 40): one row a point, each point a work folder of
-scripts/lab/device_data_engine.sh (or its engine.tgz unpacked), sorted by training conversations.
+"""The tau-against-data curve (issue 40): one row a point, each point a lane folder of scripts/lab/run_lanes.py (its
+lane.json says where its data is) or a work folder of scripts/lab/device_data_engine.sh (or its engine.tgz
+unpacked), sorted by training conversations.
 
     python scripts/lab/scaling_curve.py POINT_DIR [POINT_DIR ...] --out DIR [--label POINT_DIR=NAME ...]
 
 Writes DIR/scaling_curve.md (the table, one line saying what each benchmark measured), DIR/scaling_curve.json (the
 same rows as numbers) and DIR/scaling_curve.png (tau against training conversations and against training loss
-tokens, log x axes, a line per benchmark). Read from each point (paths relative to it):
-  run/data/manifest.json         stage 01: training conversations, loss tokens, conversations the verifier made
-  run/checkpoints/metrics.jsonl  stage 04: the last validation's walked chain tau and TTT acceptance estimate; the
+tokens, log x axes, a line per benchmark). Read from each point, RUN being a work folder's run/ or the lane folder
+itself (a lane's stage 01 output is where its lane.json's inputs.prepared_data lies):
+  RUN/data/manifest.json         stage 01: training conversations, loss tokens, conversations the verifier made
+  RUN/checkpoints/metrics.jsonl  stage 04: the last validation's walked chain tau and TTT acceptance estimate; the
                                  training TTT estimate as the mean of the train lines in the last 5 % of steps
-  run/checkpoints/best.json      stage 04: the planned steps and epochs
-  run/bench_NAME/                stage 05 offline reports (the newest bench_offline_*.json): mtbench (T=0),
+  RUN/checkpoints/best.json      stage 04: the planned steps and epochs
+  RUN/bench_NAME/                stage 05 offline reports (the newest bench_offline_*.json): mtbench (T=0),
                                  mtbench_t1 (T=1), heldout, specbench
 A file a point lacks (a run cut short) shows as "-". A point folder that is missing or unreadable exits 2.
 """
@@ -28,9 +30,11 @@ from eagle3_pipeline.bench.report import read_reports
 from eagle3_pipeline.errors import USAGE_ERROR, UsageError
 from eagle3_pipeline.figures import CHAIN_DRAFTS, TTT_ESTIMATE, WALKED_CHAIN_TAU, fmt
 from eagle3_pipeline.formats.files import atomic_path, read_json, write_json_atomic, write_text_atomic
+from eagle3_pipeline.formats.manifest import MANIFEST
+from eagle3_pipeline.lab.plan import LANE_FILE
 from eagle3_pipeline.train.plots import read_metrics
 
-# The stage-05 folders device_data_engine.sh's eval part writes, and their column names.
+# The stage-05 folders of the lanes' benchmarks (and device_data_engine.sh's eval part), and their column names.
 BENCHMARKS = {"mtbench": "MT-bench T=0", "mtbench_t1": "MT-bench T=1", "heldout": "held-out", "specbench": "Spec-Bench"}
 TRAIN_WINDOW = 0.05  # the share of the last steps whose train lines are averaged: one step alone is noisy
 VALIDATION = "validation walked tau"
@@ -147,15 +151,26 @@ def bench_figures(run: Path) -> dict[str, Any]:
     return found
 
 
+def point_files(folder: Path, warnings: list[str]) -> tuple[Path, Path, Path]:
+    """(stage 01's manifest, stage 04's output folder, the folder holding bench_*) of a lane folder, through its
+    lane.json, or of a work folder, under run/."""
+    if (folder / LANE_FILE).exists():
+        record = _load(folder / LANE_FILE, warnings) or {}
+        prepared = (record.get("inputs") or {}).get("prepared_data")
+        data = folder / prepared if prepared else folder / "data" / "tokenized_data.jsonl"
+        return data.parent / MANIFEST, folder / (record.get("drafter") or "checkpoints"), folder
+    run = folder / "run"
+    return run / "data" / MANIFEST, run / "checkpoints", run
+
+
 def read_point(folder: Path, label: str) -> dict[str, Any]:
     """One row of the curve, JSON-able: every figure None where the point lacks its file; warnings aside."""
     warnings: list[str] = []
-    run = folder / "run"
+    data_manifest, checkpoints, bench_root = point_files(folder, warnings)
     row: dict[str, Any] = {"point": label, "folder": str(folder)}
-    row.update(data_figures(_load(run / "data" / "manifest.json", warnings)))
-    checkpoints = run / "checkpoints"
+    row.update(data_figures(_load(data_manifest, warnings)))
     row.update(training_figures(checkpoints / "metrics.jsonl", _load(checkpoints / "best.json", warnings), warnings))
-    row["benchmarks"] = bench_figures(run)
+    row["benchmarks"] = bench_figures(bench_root)
     for key in ("training_conversations", "made_by_verifier", "loss_tokens", "epochs", "steps", "total_steps",
                 "val_walked_tau", "val_ttt", "train_ttt", "gap_percent"):
         row.setdefault(key, None)
@@ -295,11 +310,13 @@ def point_folders(folders: list[str], labels: list[str]) -> list[tuple[Path, str
     for folder in folders:
         path = Path(folder)
         if not path.is_dir():
-            raise UsageError(f"{folder}: no such folder (a work folder of device_data_engine.sh)")
+            raise UsageError(f"{folder}: no such folder (a lane folder of run_lanes.py, or a work folder of "
+                             f"device_data_engine.sh)")
         if not os.access(path, os.R_OK | os.X_OK):
             raise UsageError(f"{folder}: not readable")
-        if not (path / "run").is_dir():  # a likely slip: WORK_DIR/run given for WORK_DIR
-            raise UsageError(f"{folder}: no run/ folder in it (give the work folder that holds run/)")
+        if not (path / LANE_FILE).exists() and not (path / "run").is_dir():  # a likely slip: WORK_DIR/run given
+            raise UsageError(f"{folder}: neither a lane folder (no {LANE_FILE}) nor a work folder (no run/ in it): "
+                             f"give LANES_DIR/NAME, or the work folder that holds run/")
         points.append(path)
     named = {}
     for item in labels:
@@ -317,7 +334,8 @@ def parser() -> argparse.ArgumentParser:
     made = argparse.ArgumentParser(prog="scaling_curve.py", description=__doc__,
                                    formatter_class=argparse.RawDescriptionHelpFormatter)
     made.add_argument("points", nargs="+", metavar="POINT_DIR",
-                      help="A point's work folder (holding run/ and engine.log), in any order.")
+                      help="A point's lane folder (holding lane.json) or work folder (holding run/), in any "
+                           "order.")
     made.add_argument("--out", required=True, help="Where scaling_curve.md, .json and .png go (made if absent).")
     made.add_argument("--label", action="append", default=[], metavar="POINT_DIR=NAME",
                       help="A point's name in the table (default its folder's name); repeatable.")
