@@ -178,11 +178,12 @@ def dataset_folder(base: Base, name: str) -> Path:
     return Path(datasets[0]).parent
 
 
-def exclusions(base: Base) -> list[str]:
+def exclusions(base: Base, base_heldout: bool = True) -> list[str]:
     """Stage 01's --exclude-prompts for a lane with other prompts than the base's: the base's own (a lane's change
-    replaces every value of a flag) and the base run's held-out prompts, which stay out of its training."""
+    replaces every value of a flag) and, with `base_heldout`, the base run's held-out prompts."""
     files = all_values(base.flags.get(PREPARE, []), "--exclude-prompts")
-    files.append(str(base.run / RUN_LAYOUT[PREPARE] / EVAL_DATA_FILE))
+    if base_heldout:
+        files.append(str(base.run / RUN_LAYOUT[PREPARE] / EVAL_DATA_FILE))
     return [token for file in files for token in ("--exclude-prompts", file)]
 
 
@@ -234,12 +235,11 @@ def format_changes(part: str, base: Base) -> dict[str, list[str]]:
 def data_changes(part: str, base: Base, name: str) -> dict[str, list[str]]:
     """A data part: stage 01's flags (and stage 04's epochs for the data and all lanes)."""
     knobs = base.knobs
-    exclude = exclusions(base)
     made = MADE.fullmatch(part)
     if made:  # the base's exclusions alone: made turns are cached under them (a larger point's serve a smaller one)
-        keep = all_values(base.flags.get(PREPARE, []), "--exclude-prompts")
-        exclude = [token for file in keep for token in ("--exclude-prompts", file)]
-        return {PREPARE: ["--synthesize", made_count(name, made.group(1)), *made_data(base, name), *exclude]}
+        return {PREPARE: ["--synthesize", made_count(name, made.group(1)), *made_data(base, name),
+                          *exclusions(base, base_heldout=False)]}
+    exclude = exclusions(base)  # the base's held-out prompts stay out of a lane that takes more prompts
     if part == "sampled":
         return {PREPARE: ["--temperature", "0.8"]}
     if part == "mixed":

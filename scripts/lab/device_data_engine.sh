@@ -55,8 +55,8 @@ if [ "${1:-}" = pack ]; then  # the lanes' records and reports too: scaling_curv
     lanes/*/checkpoints/metrics.jsonl lanes/*/checkpoints/best.json lanes/*/bench_* 2>/dev/null)
   exit 0
 fi
-if [ "${1:-}" = pack-drafter ]; then  # what `eval` needs on a later machine: the drafter and its lineage
-  exec scripts/lab/pack_drafter.sh "$RUN"
+if [ "${1:-}" = pack-drafter ]; then  # what `eval` needs on a later machine: the drafter and its lineage (LANE=NAME:
+  exec scripts/lab/pack_drafter.sh "${LANE:+$WORK/lanes/}${LANE:-$RUN}"  # that lane's, with its lane.json)
 fi
 if [ "${1:-}" = pack-cache ]; then  # LANE=NAME: that lane's data folder instead of the run's
   from=$RUN; [ -n "${LANE:-}" ] && from=$WORK/lanes/$LANE
