@@ -234,7 +234,7 @@ EOF
       else
         timed "lanes" run_lanes 1 --lanes "$LANES" > "$WORK/lane_all.log" 2>&1
       fi
-      grep -h "lanes: \|SUMMARY" "$WORK"/lane_*.log | tee -a "$WORK/engine.log" ;;
+      grep -H "lanes: \|SUMMARY" "$WORK"/lane_*.log | sed "s|^$WORK/||" | tee -a "$WORK/engine.log" ;;
     *) echo "unknown part $part: bench, data, train, eval, lanes or pack" >&2; exit 2 ;;
   esac
 done
