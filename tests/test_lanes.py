@@ -357,6 +357,11 @@ def test_an_online_base_runs_a_made_lane_and_its_folder_is_a_point_of_the_scalin
         assert row["training_conversations"] == data["counts"]["conversations"]
         heldout = json.loads(next((Path(row["folder"]) / "bench_heldout").glob("bench_offline_*.json")).read_text())
         assert row["benchmarks"]["heldout"]["tau"] == heldout["overall"]["tau"] and row["val_ttt"] is not None
+    # the formats' table reads an online lane (no stored states) without failing
+    formats = subprocess.run([sys.executable, str(LAB / "storage_formats_table.py"), str(tmp_path / "formats"),
+                              str(lanes / "made4")], capture_output=True, text=True, cwd=str(REPO))
+    assert formats.returncode == 0, formats.stderr
+    assert json.loads((tmp_path / "formats" / "storage_formats.json").read_text())[0]["variant"] == "made4"
 
 
 # --- the shell scripts call the lanes command: their default LANES, as a dry run prints them --------------------

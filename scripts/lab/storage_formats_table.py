@@ -44,7 +44,8 @@ def lane_paths(folder: Path) -> dict:
     record = read(folder / LANE_FILE)
     if not record:
         return {"name": "-", "hidden_states": None, "drafter": None, "benchmarks": {}}
-    return {"name": record["lane"]["name"], "hidden_states": folder / record["inputs"]["hidden_states"],
+    states = record["inputs"].get("hidden_states")  # none for a lane trained --online
+    return {"name": record["lane"]["name"], "hidden_states": folder / states if states else None,
             "drafter": folder / record["drafter"],
             "benchmarks": {step["benchmark"]: folder / step["output_dir"] for step in record["steps"]
                            if step.get("benchmark")}}
