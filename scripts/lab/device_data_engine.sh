@@ -27,7 +27,7 @@
 #                                                                                `eval` follows, in 15 MiB pieces:
 #                                                                                scripts/lab/pack_drafter.sh; unpack
 #                                                                                them into a later machine's
-#                                                                                WORK_DIR/run)
+#                                                                                WORK_DIR/run; LANE=NAME: a lane's)
 #     VERIFIER  SmolLM2's .gguf (converted once to a dense folder beside it) or its dense folder
 #     DATA_DIR  scripts/prepare_device_data.py DATA_DIR --turns 2 --prompts-only --heldout 300
 #     WORK_DIR  the run in WORK_DIR/run, the bench in WORK_DIR/bench_WAY, progress in WORK_DIR/engine.log
@@ -37,12 +37,12 @@
 # EAGLE3_DECODE_COMPILE (dynamic: stage 01's decoding step compiled once; static: per batch shape; eager: not; auto:
 # the bench runs all three and stage 01 takes the one the bench says is faster for a run of this size) and
 # BENCH_COMPILE (the ways the bench runs, each into WORK_DIR/bench_WAY; default the one stage 01 uses, all for auto);
-# TIME_LIMIT (seconds) for stage 04, which stops cleanly and resumes on the same command; CACHE_IN (a folder of
-# cache.tgz.part-* pieces packed by an earlier machine, or another run's data folder on this one: stage 01 reuses
-# every reply and made turn made with the same settings, so a point's data can be made on one machine and trained on
-# the next, and a smaller point takes its replies from a larger one's); LANES for the lanes part, and DRY_RUN=1 to
-# print their plan and exit; LANE_PARTS=data stops the lanes part after the lanes' data (pack it with LANE=NAME
-# ... pack-cache).
+# TIME_LIMIT (seconds) for the train part's stage 04, which stops cleanly and resumes on the same command; CACHE_IN (a
+# folder of cache.tgz.part-* pieces packed by an earlier machine, or another run's data folder on this one: stage 01
+# reuses every reply and made turn made with the same settings, so a point's data can be made on one machine and
+# trained on the next, and a smaller point takes its replies from a larger one's); LANES for the lanes part, and
+# DRY_RUN=1 to print their plan and exit; LANE_PARTS=data stops the lanes part after the lanes' data (pack it with
+# LANE=NAME ... pack-cache).
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 export PYTHONPATH="$(pwd)${PYTHONPATH:+:$PYTHONPATH}"  # the repository's packages where it is not pip-installed
