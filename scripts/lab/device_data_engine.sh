@@ -48,9 +48,11 @@ cd "$(dirname "$0")/../.."
 export PYTHONPATH="$(pwd)${PYTHONPATH:+:$PYTHONPATH}"  # the repository's packages where it is not pip-installed
 VERIFIER=$1; DATA=$2; WORK=$3; shift 3
 RUN=$WORK/run
-if [ "${1:-}" = pack ]; then  # the lanes' records and reports too: scaling_curve.py reads a lane folder
-  (cd "$WORK" && tar czf "$OUT/engine.tgz" --ignore-failed-read engine.log bench_* run/logs run/data/manifest.json \
-    run/data/synthesis_samples.md run/checkpoints/metrics.jsonl run/checkpoints/best.json run/bench_* lane_*.log \
+if [ "${1:-}" = pack ]; then  # the lanes' records and reports too: scaling_curve.py reads a lane folder; not the
+  # teacher-forced states a running stage 05's decode workers keep in its folder (hundreds of MB, deleted at its end)
+  (cd "$WORK" && tar czf "$OUT/engine.tgz" --ignore-failed-read --exclude='decode_workers_*' engine.log bench_* \
+    run/logs run/data/manifest.json run/data/synthesis_samples.md run/checkpoints/metrics.jsonl \
+    run/checkpoints/best.json run/bench_* lane_*.log \
     lanes/run_lanes.log lanes/*/lane.json lanes/*/logs lanes/*/data/manifest.json lanes/*/data/synthesis_samples.md \
     lanes/*/checkpoints/metrics.jsonl lanes/*/checkpoints/best.json lanes/*/bench_* 2>/dev/null)
   exit 0
