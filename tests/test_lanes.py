@@ -512,3 +512,23 @@ def test_device_data_engine_lanes_dry_run(tmp_path):
     excluded = [made[i + 1] for i, flag in enumerate(made) if flag == "--exclude-prompts"]
     assert datasets == [str(data / "sharegpt.json"), str(data / "gsm8k_train.jsonl")]
     assert excluded == [str(data / name) for name in ("mt_bench.jsonl", "spec_bench.jsonl", "heldout.jsonl")]
+
+
+def test_device_data_engine_pack_takes_lane_records_not_decode_scratch(tmp_path):
+    """pack runs while stage 05 may still be decoding: its decode workers' scratch states stay out of engine.tgz."""
+    import tarfile
+
+    bench = tmp_path / "work" / "lanes" / "made35000" / "bench_mtbench"
+    (bench / "decode_workers_x1").mkdir(parents=True)
+    (bench / "decode_workers_x1" / "worker_0.pt").write_bytes(b"\0" * 4096)
+    (bench / "bench_offline_k3_t0_tau_mt_bench.json").write_text("{}")
+    (bench.parent / "lane.json").write_text("{}")
+    out = tmp_path / "out"
+    out.mkdir()
+    done = subprocess.run(["bash", str(LAB / "device_data_engine.sh"), "x", "x", str(tmp_path / "work"), "pack"],
+                          capture_output=True, text=True, env={**os.environ, "OUT": str(out)}, timeout=60)
+    assert done.returncode == 0, done.stderr
+    with tarfile.open(out / "engine.tgz") as packed:
+        names = set(packed.getnames())
+    assert {"lanes/made35000/lane.json", "lanes/made35000/bench_mtbench/bench_offline_k3_t0_tau_mt_bench.json"} <= names
+    assert not [name for name in names if "decode_workers_" in name]
