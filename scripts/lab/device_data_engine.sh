@@ -128,6 +128,9 @@ seed_cache() {  # seed_cache DATA_FOLDER SOURCE: stage 01's replies and made tur
     cat "$from"/cache.tgz.part-* | tar xz -C "$into"
   fi
 }
+vocab_stage() {  # stage 03 on RUN's data: the train part's first step, and the lanes' base
+  timed vocab python3 03_build_vocab_mapping.py --run-dir "$RUN" --draft-vocab-size 32000 > "$WORK/vocab.log" 2>&1
+}
 on_gpu() { python3 -c "import sys, torch; sys.exit(not torch.cuda.is_available())"; }
 run_lanes() {  # scripts/lab/run_lanes.py over RUN: the data part's stage 01, the train part's recipe, the eval part's
   # benchmarks (the eval part's DTYPE on a GPU, DECODE_WORKERS each); made lanes add DATA_DIR's GSM8K
@@ -183,8 +186,7 @@ EOF
       ;;
     train)
       say "train: stage 03, then stage 04 --online, $EPOCHS epoch(s)"
-      timed vocab python3 03_build_vocab_mapping.py --run-dir "$RUN" --draft-vocab-size 32000 \
-        > "$WORK/vocab.log" 2>&1 || exit 1
+      vocab_stage || exit 1
       limit=(); [ -n "${TIME_LIMIT:-}" ] && limit=(timeout --signal=INT --kill-after=120 "${TIME_LIMIT%s}")
       resume=(); [ -f "$RUN/checkpoints/manifest.json" ] && resume=(--resume)
       timed train "${limit[@]}" python3 04_train.py --run-dir "$RUN" --model-path "$DENSE" "${TRAIN04[@]}" \
@@ -212,8 +214,7 @@ EOF
       # benchmarks: side by side on a GPU, a run_lanes.py a lane; one after another on a CPU
       [ -n "$LANES" ] || { echo "the lanes part needs LANES, e.g. LANES=\"epochs8 made35000\"" >&2; exit 2; }
       say "lanes: $LANES over $RUN"
-      timed vocab python3 03_build_vocab_mapping.py --run-dir "$RUN" --draft-vocab-size 32000 \
-        > "$WORK/vocab.log" 2>&1 || exit 1
+      vocab_stage || exit 1
       for folder in $(run_lanes 1 --lanes "$LANES" --data-folders); do  # a folder a data part, e.g. lanes/made35000
         seed_cache "$folder/data" "${CACHE_IN:-$RUN/data}"
         for lane in $LANES; do  # its first lane prepares it (its other lanes then find it complete)
